@@ -1,0 +1,249 @@
+/*
+ * arena.c -- creating, opening, growing and mapping a job's arena.
+ *
+ * The server creates a small arena (header + spec region) at start; the first
+ * learner offers its model's spec; the server then grows the arena to hold the
+ * weights and the learner rings. Space is reserved with posix_fallocate, so a
+ * full /dev/shm is an error here and never a SIGBUS on first touch.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "psd.h"
+
+static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+size_t psd_header_span(uint64_t spec_cap) {
+    return (size_t)(PSD_HEADER_SIZE + round_up(spec_cap, PSD_PAGE));
+}
+
+int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
+                 uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
+                 uint64_t *slot_stride, uint64_t *entry_stride) {
+    if (n_slots == 0 || n_slots > PSD_MAX_SLOTS || ring_k == 0 || ring_k > PSD_MAX_RING ||
+        (ring_k & (ring_k - 1)) != 0 || n_params == 0 || n_params > (UINT64_C(1) << 40))
+        return EINVAL;
+    uint64_t grad_bytes = round_up(n_params * sizeof(float), PSD_CACHELINE);
+    *entry_stride = sizeof(struct psd_entry) + grad_bytes;
+    *weights_off = psd_header_span(spec_cap);
+    uint64_t weights_bytes = round_up(n_params * sizeof(float), PSD_PAGE);
+    *slots_off = *weights_off + weights_bytes; /* optimizer state: none for sgd */
+    *slot_stride = round_up(sizeof(struct psd_slot) + (uint64_t)ring_k * *entry_stride, PSD_PAGE);
+    *total_size = *slots_off + (uint64_t)n_slots * *slot_stride;
+    return 0;
+}
+
+static int reserve(int fd, uint64_t size) {
+    if (ftruncate(fd, (off_t)size) != 0)
+        return errno;
+    /* posix_fallocate returns the error instead of setting errno. */
+    int rc = posix_fallocate(fd, 0, (off_t)size);
+    return rc == EINVAL ? 0 : rc; /* EINVAL: filesystem cannot reserve; ftruncate stands */
+}
+
+int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
+                     uint32_t ring_k, uint64_t spec_cap, const char *version) {
+    uint64_t t, w, so, ss, es;
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, 1, &t, &w, &so, &ss, &es);
+    if (rc)
+        return rc;
+    size_t size = psd_header_span(spec_cap);
+    int fd = shm_open(shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+    if (fd < 0)
+        return errno;
+    if (fchmod(fd, mode) != 0 || (rc = reserve(fd, size)) != 0) {
+        rc = rc ? rc : errno;
+        close(fd);
+        shm_unlink(shm_name);
+        return rc;
+    }
+    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        rc = errno;
+        close(fd);
+        shm_unlink(shm_name);
+        return rc;
+    }
+    m->fd = fd;
+    m->base = base;
+    m->size = size;
+
+    struct psd_header *h = psd_hdr(m);
+    memset(h, 0, sizeof *h);
+    h->layout_version = PSD_LAYOUT_VERSION;
+    h->fingerprint = psd_fingerprint();
+    strncpy(h->psd_version, version, PSD_VERSION_LEN - 1);
+    h->n_slots = n_slots;
+    h->ring_k = ring_k;
+    h->spec_off = PSD_HEADER_SIZE;
+    h->spec_cap = spec_cap;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    h->created_unix_ns = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
+    h->total_size = size;
+    if ((rc = psd_mutex_init(&h->admission)) != 0) {
+        psd_arena_close(m);
+        shm_unlink(shm_name);
+        return rc;
+    }
+    psd_cond_init(&h->state_cond);
+    psd_cond_init(&h->doorbell);
+    atomic_init(&h->state, PSD_ARENA_WAITING_SPEC);
+    /* Publish: pairs with the load-acquire of magic in psd_arena_open. */
+    PSD_STORE_REL(&h->magic, PSD_MAGIC);
+    return 0;
+}
+
+int psd_arena_open(struct psd_map *m, const char *shm_name) {
+    int fd = shm_open(shm_name, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0)
+        return errno;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int rc = errno;
+        close(fd);
+        return rc;
+    }
+    if ((uint64_t)st.st_size < PSD_HEADER_SIZE) {
+        close(fd);
+        return PSD_EBADMAGIC;
+    }
+    void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        int rc = errno;
+        close(fd);
+        return rc;
+    }
+    m->fd = fd;
+    m->base = base;
+    m->size = (size_t)st.st_size;
+    struct psd_header *h = psd_hdr(m);
+    /* Pairs with the store-release of magic in psd_arena_create. */
+    if (PSD_LOAD_ACQ(&h->magic) != PSD_MAGIC)
+        return PSD_EBADMAGIC; /* mapping stays open: the caller closes it */
+    if (h->layout_version != PSD_LAYOUT_VERSION || h->fingerprint != psd_fingerprint())
+        return PSD_EVERSION; /* mapping stays open so the caller can name the version */
+    return 0;
+}
+
+int psd_arena_remap(struct psd_map *m) {
+    struct stat st;
+    if (fstat(m->fd, &st) != 0)
+        return errno;
+    if ((size_t)st.st_size == m->size)
+        return 0;
+    void *base = mremap(m->base, m->size, (size_t)st.st_size, MREMAP_MAYMOVE);
+    if (base == MAP_FAILED)
+        return errno;
+    m->base = base;
+    m->size = (size_t)st.st_size;
+    return 0;
+}
+
+void psd_arena_close(struct psd_map *m) {
+    if (m->base)
+        munmap(m->base, m->size);
+    if (m->fd >= 0)
+        close(m->fd);
+    m->base = NULL;
+    m->size = 0;
+    m->fd = -1;
+}
+
+void psd_arena_set_state(struct psd_map *m, uint32_t state) {
+    struct psd_header *h = psd_hdr(m);
+    /* Pairs with the load-acquire of state in psd_arena_wait_state and
+     * everywhere the geometry or spec is read after checking the state. */
+    PSD_STORE_REL(&h->state, state);
+    psd_cond_broadcast(&h->state_cond);
+}
+
+int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
+                       uint64_t n_params, pid_t pid, uint64_t start_time) {
+    struct psd_header *h = psd_hdr(m);
+    if (len > h->spec_cap || n_params == 0)
+        return PSD_ESPEC;
+    int rc = psd_mutex_lock(&h->admission, NULL, NULL);
+    if (rc != 0 && rc != PSD_EOWNERDEAD)
+        return rc;
+    if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_WAITING_SPEC) {
+        psd_mutex_unlock(&h->admission);
+        return PSD_ESTATE; /* somebody else offered first */
+    }
+    memcpy(m->base + h->spec_off, spec, len);
+    h->spec_len = len;
+    h->spec_hash = hash;
+    h->n_params = n_params;
+    h->offer_pid = pid;
+    h->offer_start_time = start_time;
+    h->fail_msg[0] = '\0';
+    psd_arena_set_state(m, PSD_ARENA_SPEC_OFFERED);
+    psd_mutex_unlock(&h->admission);
+    return 0;
+}
+
+int psd_arena_grow(struct psd_map *m) {
+    struct psd_header *h = psd_hdr(m);
+    uint64_t total, woff, soff, sstride, estride;
+    int rc = psd_geometry(h->n_slots, h->ring_k, h->spec_cap, h->n_params, &total, &woff, &soff,
+                          &sstride, &estride);
+    if (rc)
+        return rc;
+    if ((rc = reserve(m->fd, total)) != 0) {
+        /* Give back whatever was reserved: the arena stays header-sized. */
+        if (ftruncate(m->fd, (off_t)m->size) != 0) {
+            /* nothing more to do: the size check before the next grow repeats */
+        }
+        return rc;
+    }
+    if ((rc = psd_arena_remap(m)) != 0)
+        return rc;
+    h = psd_hdr(m);
+    if (h->weights_off != 0) /* a regrow after a reset starts clean; fresh pages are zero */
+        memset(m->base + woff, 0, (size_t)(total - woff));
+    h->weights_off = woff;
+    h->weights_bytes = h->n_params * sizeof(float);
+    h->optstate_off = soff;
+    h->optstate_bytes = 0;
+    h->slots_off = soff;
+    h->slot_stride = sstride;
+    h->entry_stride = estride;
+    h->total_size = total;
+    for (uint32_t i = 0; i < h->n_slots; i++) {
+        struct psd_slot *s = psd_slot_at(m, i);
+        if ((rc = psd_mutex_init(&s->mutex)) != 0)
+            return rc;
+        psd_cond_init(&s->not_full);
+        atomic_init(&s->state, PSD_SLOT_FREE);
+    }
+    return 0;
+}
+
+int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns) {
+    struct psd_header *h = psd_hdr(m);
+    uint64_t deadline = psd_now_ns() + timeout_ns;
+    for (;;) {
+        uint32_t seen = psd_cond_prepare(&h->state_cond);
+        /* Pairs with the store-release in psd_arena_set_state. */
+        if (PSD_LOAD_ACQ(&h->state) != not_state) {
+            psd_cond_done(&h->state_cond);
+            return 0;
+        }
+        uint64_t now = psd_now_ns();
+        if (now >= deadline) {
+            psd_cond_done(&h->state_cond);
+            return PSD_ETIMEOUT;
+        }
+        uint64_t left = deadline - now;
+        int rc = psd_cond_wait(&h->state_cond, seen, left < PSD_WAIT_SLICE_NS ? left : PSD_WAIT_SLICE_NS);
+        psd_cond_done(&h->state_cond);
+        if (rc == EINTR)
+            return EINTR;
+    }
+}

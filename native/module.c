@@ -1,0 +1,778 @@
+/*
+ * module.c -- psd._native, the only file in native/ that knows about Python.
+ *
+ * It wraps one mapping of an arena as `Arena`, which exports the mapping
+ * through the buffer protocol (so torch.frombuffer gives zero-copy tensors
+ * over the weights and ring entries) and refuses to unmap while any buffer is
+ * still exported. Blocking calls release the GIL and retry on EINTR as long as
+ * PyErr_CheckSignals() allows, so Ctrl-C works. C error codes become
+ * subclasses of psd.Error through one table (raise_code).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+#include <errno.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "psd.h"
+
+static PyObject *errors_module; /* psd.errors, imported at module init */
+
+static const struct {
+    int code;
+    const char *cls;
+} error_table[] = {
+    {PSD_EBADMAGIC, "ArenaCorrupt"}, {PSD_EVERSION, "VersionMismatch"},
+    {PSD_ENOSLOT, "NoFreeSlot"},     {PSD_ESTATE, "StateError"},
+    {PSD_ESPEC, "SpecError"},        {PSD_EOWNERDEAD, "Error"},
+    {PSD_EEXPORTS, "ArenaBusy"},     {PSD_ESERVER, "ServerGone"},
+    {PSD_ETIMEOUT, "Timeout"},       {PSD_ESLOT, "SlotLost"},
+};
+
+/* Raise for `code` as "operation: description"; always returns NULL. */
+static PyObject *raise_code(int code, const char *op, const char *filename) {
+    if (code > 0) {
+        PyObject *args = filename ? Py_BuildValue("(iss)", code, strerror(code), filename)
+                                  : Py_BuildValue("(is)", code, strerror(code));
+        if (args) {
+            PyErr_SetObject(PyExc_OSError, args);
+            Py_DECREF(args);
+        }
+        return NULL;
+    }
+    const char *cls = "Error";
+    for (size_t i = 0; i < sizeof error_table / sizeof error_table[0]; i++)
+        if (error_table[i].code == code)
+            cls = error_table[i].cls;
+    PyObject *type = PyObject_GetAttrString(errors_module, cls);
+    if (!type)
+        return NULL;
+    PyErr_Format(type, "%s: %s", op, psd_strerror(code));
+    Py_DECREF(type);
+    return NULL;
+}
+
+typedef struct {
+    PyObject_HEAD struct psd_map map;
+    Py_ssize_t exports;
+    struct psd_loop *loop;
+    char name[256];
+} Arena;
+
+static PyTypeObject ArenaType;
+
+static int check_open(Arena *a) {
+    if (!a->map.base) {
+        PyErr_SetString(PyExc_ValueError, "arena is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_slot(Arena *a, unsigned int slot) {
+    if (check_open(a))
+        return -1;
+    struct psd_header *h = psd_hdr(&a->map);
+    if (PSD_LOAD_ACQ(&h->state) < PSD_ARENA_INIT_WEIGHTS || a->map.size < h->total_size) {
+        raise_code(PSD_ESTATE, "slot", NULL);
+        return -1;
+    }
+    if (slot >= h->n_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %u out of range (job has %u)", slot, h->n_slots);
+        return -1;
+    }
+    return 0;
+}
+
+static Arena *new_arena(const char *name) {
+    Arena *a = PyObject_New(Arena, &ArenaType);
+    if (!a)
+        return NULL;
+    a->map.fd = -1;
+    a->map.base = NULL;
+    a->map.size = 0;
+    a->exports = 0;
+    a->loop = NULL;
+    snprintf(a->name, sizeof a->name, "%s", name);
+    return a;
+}
+
+static void arena_dealloc(Arena *a) {
+    if (a->loop) {
+        Py_BEGIN_ALLOW_THREADS psd_loop_stop(a->loop);
+        Py_END_ALLOW_THREADS a->loop = NULL;
+    }
+    psd_arena_close(&a->map);
+    PyObject_Free(a);
+}
+
+static int arena_getbuffer(Arena *a, Py_buffer *view, int flags) {
+    if (check_open(a))
+        return -1;
+    if (PyBuffer_FillInfo(view, (PyObject *)a, a->map.base, (Py_ssize_t)a->map.size, 0, flags))
+        return -1;
+    a->exports++;
+    return 0;
+}
+
+static void arena_releasebuffer(Arena *a, Py_buffer *view) {
+    (void)view;
+    a->exports--;
+}
+
+static PyBufferProcs arena_as_buffer = {(getbufferproc)arena_getbuffer,
+                                        (releasebufferproc)arena_releasebuffer};
+
+/* ---- module functions ---------------------------------------------------- */
+
+static PyObject *mod_create(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name, *version;
+    unsigned int mode, n_slots, ring_k;
+    unsigned long long spec_cap;
+    if (!PyArg_ParseTuple(args, "sIIIKs", &name, &mode, &n_slots, &ring_k, &spec_cap, &version))
+        return NULL;
+    Arena *a = new_arena(name);
+    if (!a)
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_arena_create(&a->map, name, (mode_t)mode, n_slots, ring_k, spec_cap, version);
+    Py_END_ALLOW_THREADS if (rc) {
+        Py_DECREF(a);
+        return raise_code(rc, "create arena", name);
+    }
+    return (PyObject *)a;
+}
+
+static PyObject *mod_open(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    Arena *a = new_arena(name);
+    if (!a)
+        return NULL;
+    int rc = psd_arena_open(&a->map, name);
+    if (rc == PSD_EVERSION) {
+        struct psd_header *h = psd_hdr(&a->map);
+        char made_by[PSD_VERSION_LEN + 1];
+        memcpy(made_by, h->psd_version, PSD_VERSION_LEN);
+        made_by[PSD_VERSION_LEN] = '\0';
+        PyObject *type = PyObject_GetAttrString(errors_module, "VersionMismatch");
+        if (type) {
+            PyObject *exc = PyObject_CallFunction(type, "sssII", "open arena", name, made_by,
+                                                  h->layout_version, (unsigned)PSD_LAYOUT_VERSION);
+            if (exc) {
+                PyErr_SetObject(type, exc);
+                Py_DECREF(exc);
+            }
+            Py_DECREF(type);
+        }
+        Py_DECREF(a);
+        return NULL;
+    }
+    if (rc) {
+        Py_DECREF(a);
+        return raise_code(rc, "open arena", name);
+    }
+    return (PyObject *)a;
+}
+
+static PyObject *mod_unlink(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    if (shm_unlink(name) != 0)
+        return raise_code(errno, "remove arena", name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_proc_start_time(PyObject *self, PyObject *args) {
+    (void)self;
+    int pid;
+    if (!PyArg_ParseTuple(args, "i", &pid))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(psd_proc_start_time(pid));
+}
+
+static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned int n_slots, ring_k;
+    unsigned long long spec_cap, n_params;
+    if (!PyArg_ParseTuple(args, "IIKK", &n_slots, &ring_k, &spec_cap, &n_params))
+        return NULL;
+    if (n_params == 0)
+        return PyLong_FromSize_t(psd_header_span(spec_cap));
+    uint64_t t, w, so, ss, es;
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, n_params, &t, &w, &so, &ss, &es);
+    if (rc) {
+        PyErr_Format(PyExc_ValueError,
+                     "bad arena geometry: learners must be 1..%d, slots a power of two 1..%d, "
+                     "and the model non-empty",
+                     PSD_MAX_SLOTS, PSD_MAX_RING);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(t);
+}
+
+static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer w, g;
+    float lr;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &threads))
+        return NULL;
+    if (w.len != g.len || w.len % (Py_ssize_t)sizeof(float)) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&g);
+        PyErr_SetString(PyExc_ValueError, "apply_sgd: w and g must be float32 buffers of one size");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS psd_apply_sgd(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, threads);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&w);
+    PyBuffer_Release(&g);
+    Py_RETURN_NONE;
+}
+
+/* ---- Arena methods ------------------------------------------------------ */
+
+#define U64(d, key, v)                                                                             \
+    do {                                                                                           \
+        PyObject *o_ = PyLong_FromUnsignedLongLong((unsigned long long)(v));                       \
+        if (!o_ || PyDict_SetItemString((d), (key), o_)) {                                        \
+            Py_XDECREF(o_);                                                                        \
+            Py_DECREF(d);                                                                          \
+            return NULL;                                                                           \
+        }                                                                                          \
+        Py_DECREF(o_);                                                                             \
+    } while (0)
+
+static PyObject *arena_header(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    char ver[PSD_VERSION_LEN + 1];
+    memcpy(ver, h->psd_version, PSD_VERSION_LEN);
+    ver[PSD_VERSION_LEN] = '\0';
+    char msg[PSD_MSG_LEN + 1];
+    memcpy(msg, h->fail_msg, PSD_MSG_LEN);
+    msg[PSD_MSG_LEN] = '\0';
+    PyObject *o = Py_BuildValue("{s:s,s:s,s:d,s:d}", "psd_version", ver, "fail_msg", msg, "lr",
+                                h->lr, "heartbeat_age_s",
+                                h->heartbeat_ns ? (double)(psd_now_ns() - atomic_load(&h->heartbeat_ns)) / 1e9 : -1.0);
+    if (!o || PyDict_Update(d, o)) {
+        Py_XDECREF(o);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(o);
+    U64(d, "layout_version", h->layout_version);
+    U64(d, "fingerprint", h->fingerprint);
+    U64(d, "n_slots", h->n_slots);
+    U64(d, "ring_k", h->ring_k);
+    U64(d, "spec_cap", h->spec_cap);
+    U64(d, "created_unix_ns", h->created_unix_ns);
+    U64(d, "total_size", h->total_size);
+    U64(d, "mapped_size", a->map.size);
+    U64(d, "n_params", h->n_params);
+    U64(d, "weights_off", h->weights_off);
+    U64(d, "weights_bytes", h->weights_bytes);
+    U64(d, "optstate_off", h->optstate_off);
+    U64(d, "optstate_bytes", h->optstate_bytes);
+    U64(d, "slots_off", h->slots_off);
+    U64(d, "slot_stride", h->slot_stride);
+    U64(d, "entry_stride", h->entry_stride);
+    U64(d, "spec_len", h->spec_len);
+    U64(d, "spec_hash", h->spec_hash);
+    U64(d, "offer_pid", (uint32_t)h->offer_pid);
+    U64(d, "offer_start_time", h->offer_start_time);
+    U64(d, "optimizer", h->optimizer);
+    U64(d, "sync_mode", h->sync_mode);
+    U64(d, "threads", h->threads);
+    U64(d, "spin_us", h->spin_us);
+    U64(d, "state", atomic_load(&h->state));
+    U64(d, "server_pid", (uint32_t)atomic_load(&h->server_pid));
+    U64(d, "server_start_time", h->server_start_time);
+    U64(d, "generation", atomic_load(&h->generation));
+    U64(d, "clock", atomic_load(&h->clock));
+    U64(d, "applied", atomic_load(&h->applied));
+    U64(d, "rejected", atomic_load(&h->rejected));
+    U64(d, "retired_pushed", atomic_load(&h->retired_pushed));
+    U64(d, "staleness_sum", atomic_load(&h->staleness_sum));
+    U64(d, "staleness_max", atomic_load(&h->staleness_max));
+    U64(d, "reclaimed", atomic_load(&h->reclaimed));
+    U64(d, "sleeping", atomic_load(&h->sleeping));
+    return d;
+}
+
+static PyObject *arena_slot_info(Arena *a, PyObject *args) {
+    unsigned int i;
+    if (!PyArg_ParseTuple(args, "I", &i) || check_slot(a, i))
+        return NULL;
+    struct psd_slot *s = psd_slot_at(&a->map, i);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    uint64_t loss_bits = atomic_load(&s->last_loss_bits);
+    double loss;
+    memcpy(&loss, &loss_bits, sizeof loss);
+    PyObject *o = PyFloat_FromDouble(loss);
+    if (!o || PyDict_SetItemString(d, "last_loss", o)) {
+        Py_XDECREF(o);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(o);
+    U64(d, "state", atomic_load(&s->state));
+    U64(d, "pid", (uint32_t)s->pid);
+    U64(d, "start_time", s->start_time);
+    U64(d, "claims", s->claims);
+    U64(d, "tail", atomic_load(&s->tail));
+    U64(d, "head", atomic_load(&s->head));
+    U64(d, "learner_clock", atomic_load(&s->learner_clock));
+    U64(d, "pulls", atomic_load(&s->pulls));
+    U64(d, "pulls_skipped", atomic_load(&s->pulls_skipped));
+    U64(d, "full_waits", atomic_load(&s->full_waits));
+    U64(d, "applied", atomic_load(&s->applied));
+    U64(d, "rejected", atomic_load(&s->rejected));
+    U64(d, "staleness_sum", atomic_load(&s->staleness_sum));
+    U64(d, "staleness_max", atomic_load(&s->staleness_max));
+    return d;
+}
+
+static PyObject *arena_spec(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    if (PSD_LOAD_ACQ(&h->state) < PSD_ARENA_SPEC_OFFERED)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize((const char *)a->map.base + h->spec_off, (Py_ssize_t)h->spec_len);
+}
+
+static PyObject *arena_set_spec(Arena *a, PyObject *args) {
+    Py_buffer spec;
+    unsigned long long hash, n_params, start;
+    int pid;
+    if (!PyArg_ParseTuple(args, "y*KKiK", &spec, &hash, &n_params, &pid, &start))
+        return NULL;
+    int rc = check_open(a) ? -1 : psd_arena_set_spec(&a->map, spec.buf, (uint64_t)spec.len, hash, n_params, pid, start);
+    PyBuffer_Release(&spec);
+    if (rc == -1)
+        return NULL;
+    if (rc == PSD_ESTATE)
+        Py_RETURN_FALSE; /* another learner offered first */
+    if (rc)
+        return raise_code(rc, "offer spec", a->name);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *arena_grow(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    if (a->exports)
+        return raise_code(PSD_EEXPORTS, "grow arena", NULL);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_arena_grow(&a->map);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "grow arena", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_remap(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    if (a->exports)
+        return raise_code(PSD_EEXPORTS, "remap arena", NULL);
+    int rc = psd_arena_remap(&a->map);
+    if (rc)
+        return raise_code(rc, "remap arena", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_set_state(Arena *a, PyObject *args) {
+    unsigned int st;
+    const char *msg = NULL;
+    if (!PyArg_ParseTuple(args, "I|z", &st, &msg) || check_open(a))
+        return NULL;
+    if (msg) {
+        struct psd_header *h = psd_hdr(&a->map);
+        snprintf(h->fail_msg, PSD_MSG_LEN, "%s", msg);
+    }
+    psd_arena_set_state(&a->map, st);
+    Py_RETURN_NONE;
+}
+
+/* Run `call` with the GIL released, in slices, until it returns something
+ * other than EINTR or a signal handler raises. */
+#define BLOCKING(rc, call)                                                                         \
+    do {                                                                                           \
+        for (;;) {                                                                                 \
+            Py_BEGIN_ALLOW_THREADS rc = (call);                                                    \
+            Py_END_ALLOW_THREADS if (rc != EINTR) break;                                           \
+            if (PyErr_CheckSignals())                                                              \
+                return NULL;                                                                       \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t seconds_to_ns(double s) { return s <= 0 ? 0 : (uint64_t)(s * 1e9); }
+
+static PyObject *arena_wait_state(Arena *a, PyObject *args) {
+    unsigned int not_state;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Id", &not_state, &timeout) || check_open(a))
+        return NULL;
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
+    int rc;
+    BLOCKING(rc, psd_arena_wait_state(&a->map, not_state,
+                                      deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
+    if (rc == PSD_ETIMEOUT)
+        Py_RETURN_FALSE;
+    if (rc)
+        return raise_code(rc, "wait for arena state", a->name);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *arena_claim(Arena *a, PyObject *args) {
+    int pid;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "iK", &pid, &start) || check_open(a))
+        return NULL;
+    uint32_t slot = 0;
+    uint64_t claim = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, &slot, &claim);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "claim learner slot", a->name);
+    return Py_BuildValue("(IK)", slot, (unsigned long long)claim);
+}
+
+static PyObject *arena_release(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long claim;
+    if (!PyArg_ParseTuple(args, "IK", &slot, &claim) || check_slot(a, slot))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_slot_release(&a->map, slot, claim);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "release learner slot", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_push(Arena *a, PyObject *args) {
+    unsigned int slot, batch;
+    unsigned long long clock;
+    double loss;
+    if (!PyArg_ParseTuple(args, "IKId", &slot, &clock, &batch, &loss) || check_slot(a, slot))
+        return NULL;
+    int rc = psd_push(&a->map, slot, clock, batch, loss);
+    if (rc)
+        return raise_code(rc, "push gradient", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *wait_common(Arena *a, PyObject *args, int drained) {
+    unsigned int slot;
+    unsigned long long claim;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "IKd", &slot, &claim, &timeout) || check_slot(a, slot))
+        return NULL;
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
+    int rc;
+#define LEFT() (deadline > psd_now_ns() ? deadline - psd_now_ns() : 0)
+    if (drained)
+        BLOCKING(rc, psd_wait_drained(&a->map, slot, claim, LEFT()));
+    else
+        BLOCKING(rc, psd_wait_space(&a->map, slot, claim, LEFT()));
+#undef LEFT
+    if (rc)
+        return raise_code(rc, drained ? "wait for ring to drain" : "wait for ring space", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_wait_space(Arena *a, PyObject *args) { return wait_common(a, args, 0); }
+static PyObject *arena_wait_drained(Arena *a, PyObject *args) { return wait_common(a, args, 1); }
+
+static PyObject *arena_has_space(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    /* Pairs with the store-release of head in the update loop. */
+    return PyBool_FromLong(PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < psd_hdr(&a->map)->ring_k);
+}
+
+static PyObject *arena_reap(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    int32_t pids[PSD_MAX_SLOTS];
+    uint32_t n = 0;
+    int rc = psd_reap(&a->map, pids, PSD_MAX_SLOTS, &n);
+    if (rc)
+        return raise_code(rc, "reap dead learners", a->name);
+    PyObject *list = PyList_New(n);
+    if (!list)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++)
+        PyList_SET_ITEM(list, i, PyLong_FromLong(pids[i]));
+    return list;
+}
+
+static PyObject *arena_server_alive(Arena *a, PyObject *args) {
+    double stale = 0;
+    if (!PyArg_ParseTuple(args, "|d", &stale) || check_open(a))
+        return NULL;
+    return PyBool_FromLong(psd_server_alive(&a->map, seconds_to_ns(stale)));
+}
+
+static PyObject *arena_become_server(Arena *a, PyObject *args) {
+    int pid;
+    unsigned long long start;
+    double lr;
+    unsigned int threads, spin_us;
+    if (!PyArg_ParseTuple(args, "iKdII", &pid, &start, &lr, &threads, &spin_us) || check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    h->lr = lr;
+    h->threads = threads;
+    h->spin_us = spin_us;
+    h->server_start_time = start;
+    atomic_store(&h->server_pid, pid);
+    /* Pairs with the learners' load of generation: a new server is visible. */
+    uint64_t gen = atomic_fetch_add(&h->generation, 1) + 1;
+    return PyLong_FromUnsignedLongLong(gen);
+}
+
+static PyObject *arena_set_lr(Arena *a, PyObject *args) {
+    double lr;
+    if (!PyArg_ParseTuple(args, "d", &lr) || check_open(a))
+        return NULL;
+    psd_hdr(&a->map)->lr = lr;
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_start_loop(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    if (a->loop) {
+        PyErr_SetString(PyExc_RuntimeError, "update loop already running");
+        return NULL;
+    }
+    if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
+        return raise_code(PSD_ESTATE, "start update loop", a->name);
+    int rc = psd_loop_start(&a->map, h->threads, h->spin_us, &a->loop);
+    if (rc)
+        return raise_code(rc, "start update loop", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_stop_loop(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (a->loop) {
+        Py_BEGIN_ALLOW_THREADS psd_loop_stop(a->loop);
+        Py_END_ALLOW_THREADS a->loop = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_counters(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    uint64_t pushed = atomic_load(&h->retired_pushed), pending = 0;
+    uint32_t active = 0;
+    if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY && a->map.size >= h->total_size) {
+        for (uint32_t i = 0; i < h->n_slots; i++) {
+            struct psd_slot *s = psd_slot_at(&a->map, i);
+            if (atomic_load(&s->state) == PSD_SLOT_FREE)
+                continue;
+            uint64_t tail = atomic_load(&s->tail), head = atomic_load(&s->head);
+            pushed += tail;
+            pending += tail - head;
+            active += atomic_load(&s->state) == PSD_SLOT_ACTIVE;
+        }
+    }
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
+                         "applied", (unsigned long long)atomic_load(&h->applied), "rejected",
+                         (unsigned long long)atomic_load(&h->rejected), "pending",
+                         (unsigned long long)pending, "clock", (unsigned long long)atomic_load(&h->clock),
+                         "active_learners", active);
+}
+
+static PyObject *arena_grad_offset(Arena *a, PyObject *args) {
+    unsigned int slot, k;
+    if (!PyArg_ParseTuple(args, "II", &slot, &k) || check_slot(a, slot))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    if (k >= h->ring_k) {
+        PyErr_Format(PyExc_IndexError, "ring entry %u out of range (ring has %u)", k, h->ring_k);
+        return NULL;
+    }
+    uint8_t *g = (uint8_t *)psd_entry_grad(psd_entry_at(&a->map, slot, k));
+    return PyLong_FromSize_t((size_t)(g - a->map.base));
+}
+
+static PyObject *arena_tail(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&psd_slot_at(&a->map, slot)->tail));
+}
+
+static PyObject *arena_clock(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    /* Pairs with the store-release of clock in apply_entry: weights copied
+     * after this load are at least this fresh. */
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock));
+}
+
+static PyObject *arena_note_pull(Arena *a, PyObject *args) {
+    unsigned int slot, skipped;
+    unsigned long long clock;
+    if (!PyArg_ParseTuple(args, "IKp", &slot, &clock, &skipped) || check_slot(a, slot))
+        return NULL;
+    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    PSD_STORE_RLX(&s->learner_clock, clock);
+    PSD_ADD_RLX(skipped ? &s->pulls_skipped : &s->pulls, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_close(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (a->exports)
+        return raise_code(PSD_EEXPORTS, "close arena", NULL);
+    if (a->loop) {
+        Py_BEGIN_ALLOW_THREADS psd_loop_stop(a->loop);
+        Py_END_ALLOW_THREADS a->loop = NULL;
+    }
+    psd_arena_close(&a->map);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_get_name(Arena *a, void *closure) {
+    (void)closure;
+    return PyUnicode_FromString(a->name);
+}
+static PyObject *arena_get_state(Arena *a, void *closure) {
+    (void)closure;
+    if (check_open(a))
+        return NULL;
+    return PyLong_FromUnsignedLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->state));
+}
+static PyObject *arena_get_closed(Arena *a, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(a->map.base == NULL);
+}
+static PyObject *arena_get_exports(Arena *a, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(a->exports);
+}
+
+static PyMethodDef arena_methods[] = {
+    {"header", (PyCFunction)arena_header, METH_NOARGS, "All header fields, as a dict."},
+    {"slot_info", (PyCFunction)arena_slot_info, METH_VARARGS, "One learner slot's fields, as a dict."},
+    {"spec", (PyCFunction)arena_spec, METH_NOARGS, "The parameter spec bytes, or None before one was offered."},
+    {"set_spec", (PyCFunction)arena_set_spec, METH_VARARGS,
+     "set_spec(data, hash, n_params, pid, start_time) -> bool: offer a spec; False if one was offered already."},
+    {"grow", (PyCFunction)arena_grow, METH_NOARGS, "Server: grow the arena for the offered spec."},
+    {"remap", (PyCFunction)arena_remap, METH_NOARGS, "Map the arena at its current size."},
+    {"set_state", (PyCFunction)arena_set_state, METH_VARARGS, "set_state(state, message=None)"},
+    {"wait_state", (PyCFunction)arena_wait_state, METH_VARARGS,
+     "wait_state(not_state, timeout) -> bool: wait until the state is not `not_state`."},
+    {"claim", (PyCFunction)arena_claim, METH_VARARGS, "claim(pid, start_time) -> (slot, claim)"},
+    {"release", (PyCFunction)arena_release, METH_VARARGS, "release(slot, claim)"},
+    {"push", (PyCFunction)arena_push, METH_VARARGS, "push(slot, clock, batch, loss): publish the entry at the tail."},
+    {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
+    {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
+    {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
+    {"reap", (PyCFunction)arena_reap, METH_NOARGS, "Server: mark slots of dead learners draining; returns their pids."},
+    {"server_alive", (PyCFunction)arena_server_alive, METH_VARARGS, "server_alive(stale_s=0) -> bool"},
+    {"become_server", (PyCFunction)arena_become_server, METH_VARARGS,
+     "become_server(pid, start_time, lr, threads, spin_us) -> generation"},
+    {"set_lr", (PyCFunction)arena_set_lr, METH_VARARGS, "set_lr(lr)"},
+    {"start_loop", (PyCFunction)arena_start_loop, METH_NOARGS, "Server: start the native update loop."},
+    {"stop_loop", (PyCFunction)arena_stop_loop, METH_NOARGS, "Server: stop the update loop and join it."},
+    {"counters", (PyCFunction)arena_counters, METH_NOARGS, "pushed, applied, rejected, pending, clock."},
+    {"grad_offset", (PyCFunction)arena_grad_offset, METH_VARARGS, "grad_offset(slot, k) -> byte offset"},
+    {"tail", (PyCFunction)arena_tail, METH_VARARGS, "tail(slot) -> the slot's producer index"},
+    {"clock", (PyCFunction)arena_clock, METH_NOARGS, "The weights clock (load-acquire)."},
+    {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
+    {"close", (PyCFunction)arena_close, METH_NOARGS, "Unmap; fails while buffers are exported."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef arena_getset[] = {
+    {"name", (getter)arena_get_name, NULL, "shared-memory object name", NULL},
+    {"state", (getter)arena_get_state, NULL, "arena life-cycle state", NULL},
+    {"closed", (getter)arena_get_closed, NULL, "whether unmapped", NULL},
+    {"exports", (getter)arena_get_exports, NULL, "buffers exported over the mapping", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ArenaType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "psd._native.Arena",
+    .tp_basicsize = sizeof(Arena),
+    .tp_dealloc = (destructor)arena_dealloc,
+    .tp_as_buffer = &arena_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One mapping of a psd arena. Made by create() or open().",
+    .tp_methods = arena_methods,
+    .tp_getset = arena_getset,
+};
+
+static PyMethodDef module_methods[] = {
+    {"create", mod_create, METH_VARARGS,
+     "create(shm_name, mode, n_slots, ring_k, spec_cap, version) -> Arena (server only)"},
+    {"open", mod_open, METH_VARARGS, "open(shm_name) -> Arena"},
+    {"unlink", mod_unlink, METH_VARARGS, "unlink(shm_name): remove the shared-memory object"},
+    {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
+    {"arena_size", mod_arena_size, METH_VARARGS,
+     "arena_size(n_slots, ring_k, spec_cap, n_params) -> bytes the arena will take"},
+    {"apply_sgd", mod_apply_sgd, METH_VARARGS,
+     "apply_sgd(w, g, lr, threads): w -= lr*g in place, the update loop's kernel"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "psd._native", "psd's C core: arena, rings, robust locks, update loop.", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&ArenaType) < 0)
+        return NULL;
+    errors_module = PyImport_ImportModule("psd.errors");
+    if (!errors_module)
+        return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&ArenaType);
+    if (PyModule_AddObject(m, "Arena", (PyObject *)&ArenaType) < 0)
+        return NULL;
+    PyModule_AddIntConstant(m, "LAYOUT_VERSION", PSD_LAYOUT_VERSION);
+    PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
+    PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
+    PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);
+    PyModule_AddIntConstant(m, "ARENA_WAITING_SPEC", PSD_ARENA_WAITING_SPEC);
+    PyModule_AddIntConstant(m, "ARENA_SPEC_OFFERED", PSD_ARENA_SPEC_OFFERED);
+    PyModule_AddIntConstant(m, "ARENA_INIT_WEIGHTS", PSD_ARENA_INIT_WEIGHTS);
+    PyModule_AddIntConstant(m, "ARENA_READY", PSD_ARENA_READY);
+    PyModule_AddIntConstant(m, "ARENA_STOPPED", PSD_ARENA_STOPPED);
+    PyModule_AddIntConstant(m, "SLOT_FREE", PSD_SLOT_FREE);
+    PyModule_AddIntConstant(m, "SLOT_ACTIVE", PSD_SLOT_ACTIVE);
+    PyModule_AddIntConstant(m, "SLOT_DRAINING", PSD_SLOT_DRAINING);
+    return m;
+}

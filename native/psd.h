@@ -1,0 +1,123 @@
+/*
+ * psd.h -- the C core's interface: arena mapping, slots and rings, robust
+ * locks, and the update loop. No Python here; module.c is the only file that
+ * talks to CPython.
+ *
+ * Every function returns 0 on success, a positive errno, or a PSD_E* code
+ * (reserved negative range); psd_strerror() describes either.
+ */
+#ifndef PSD_H
+#define PSD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "psd_layout.h"
+
+/* Reserved error range, like LMDB's MDB_KEYEXIST..MDB_LAST_ERRCODE. */
+#define PSD_EFIRST (-30600)
+#define PSD_EBADMAGIC (-30600)  /* not an arena / foreign byte order */
+#define PSD_EVERSION (-30599)   /* made by an incompatible psd */
+#define PSD_ENOSLOT (-30598)    /* every learner slot is taken */
+#define PSD_ESTATE (-30597)     /* arena not in the state the call needs */
+#define PSD_ESPEC (-30596)      /* spec does not fit, or was refused */
+#define PSD_EOWNERDEAD (-30595) /* lock acquired; its previous owner died and state was repaired */
+#define PSD_EEXPORTS (-30594)   /* mapping still exported to Python buffers */
+#define PSD_ESERVER (-30593)    /* the server is gone or stopped */
+#define PSD_ETIMEOUT (-30592)   /* a bounded wait ran out */
+#define PSD_ESLOT (-30591)      /* the slot is no longer this learner's */
+#define PSD_ELAST (-30591)
+
+const char *psd_strerror(int code);
+
+/* Named atomics: every use says which operation it pairs with. */
+#define PSD_LOAD_ACQ(p) atomic_load_explicit((p), memory_order_acquire)
+#define PSD_LOAD_RLX(p) atomic_load_explicit((p), memory_order_relaxed)
+#define PSD_STORE_REL(p, v) atomic_store_explicit((p), (v), memory_order_release)
+#define PSD_STORE_RLX(p, v) atomic_store_explicit((p), (v), memory_order_relaxed)
+#define PSD_ADD_RLX(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
+
+#define PSD_HEARTBEAT_NS (20ull * 1000 * 1000)
+#define PSD_WAIT_SLICE_NS (50ull * 1000 * 1000) /* longest single futex sleep */
+
+/* A mapping of an arena in this process. */
+struct psd_map {
+    int fd;
+    uint8_t *base;
+    size_t size;
+};
+
+static inline struct psd_header *psd_hdr(const struct psd_map *m) {
+    return (struct psd_header *)m->base;
+}
+static inline struct psd_slot *psd_slot_at(const struct psd_map *m, uint32_t i) {
+    const struct psd_header *h = psd_hdr(m);
+    return (struct psd_slot *)(m->base + h->slots_off + (uint64_t)i * h->slot_stride);
+}
+static inline struct psd_entry *psd_entry_at(const struct psd_map *m, uint32_t i, uint64_t idx) {
+    const struct psd_header *h = psd_hdr(m);
+    uint8_t *ring = (uint8_t *)psd_slot_at(m, i) + sizeof(struct psd_slot);
+    return (struct psd_entry *)(ring + (idx & (h->ring_k - 1)) * h->entry_stride);
+}
+static inline float *psd_entry_grad(struct psd_entry *e) {
+    return (float *)((uint8_t *)e + sizeof(struct psd_entry));
+}
+static inline float *psd_weights(const struct psd_map *m) {
+    return (float *)(m->base + psd_hdr(m)->weights_off);
+}
+
+/* time.c / proc */
+uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
+uint64_t psd_proc_start_time(pid_t pid); /* 0 if no such process */
+bool psd_owner_alive(pid_t pid, uint64_t start_time);
+
+/* sync.c: robust mutexes and futex condition variables */
+int psd_mutex_init(pthread_mutex_t *m);
+/* Lock, repairing after a dead owner: returns 0, or PSD_EOWNERDEAD when the
+ * lock is held and was made consistent after `repair` ran (repair may be NULL). */
+int psd_mutex_lock(pthread_mutex_t *m, void (*repair)(void *), void *arg);
+void psd_mutex_unlock(pthread_mutex_t *m);
+void psd_cond_init(struct psd_cond *c);
+/* Sleep until signalled or `timeout_ns` passes, if `c->seq` still equals
+ * `seen` (read before checking the predicate). Returns 0 or ETIMEDOUT/EINTR. */
+int psd_cond_wait(struct psd_cond *c, uint32_t seen, uint64_t timeout_ns);
+uint32_t psd_cond_prepare(struct psd_cond *c); /* announce a waiter, return seq */
+void psd_cond_done(struct psd_cond *c);        /* withdraw the announcement */
+void psd_cond_broadcast(struct psd_cond *c);
+void psd_cond_broadcast_if_waiters(struct psd_cond *c);
+
+/* arena.c */
+size_t psd_header_span(uint64_t spec_cap);
+int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
+                 uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
+                 uint64_t *slot_stride, uint64_t *entry_stride);
+int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
+                     uint32_t ring_k, uint64_t spec_cap, const char *version);
+int psd_arena_open(struct psd_map *m, const char *shm_name);
+int psd_arena_remap(struct psd_map *m);
+void psd_arena_close(struct psd_map *m);
+int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
+                       uint64_t n_params, pid_t pid, uint64_t start_time);
+int psd_arena_grow(struct psd_map *m);
+void psd_arena_set_state(struct psd_map *m, uint32_t state);
+int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns);
+
+/* ring.c: the learner side, and slot bookkeeping */
+int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *slot,
+                   uint64_t *claim);
+int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss);
+int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
+int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
+int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
+bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
+
+/* update.c: the server's update loop */
+struct psd_loop;
+int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct psd_loop **out);
+int psd_loop_stop(struct psd_loop *loop);
+void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);
+
+#endif

@@ -1,0 +1,252 @@
+/*
+ * psd_layout.h -- the one definition of psd's shared-memory arena.
+ *
+ * Every process that maps an arena (server, learners, `psd status`) sees these
+ * structs at the same offsets. Nothing else in psd defines shared layout; the
+ * Python side reads it only through the extension module built from this
+ * header. Offsets, never pointers, are stored in shared memory.
+ *
+ * Arena (one POSIX shared-memory object per job, /dev/shm/psd.<job>):
+ *
+ *   [0, PSD_HEADER_SIZE)            struct psd_header
+ *   [spec_off, +spec_cap)            parameter spec, JSON text (names, shapes, dtypes)
+ *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned
+ *   [optstate_off, +optstate_bytes)  optimizer state (empty for plain SGD)
+ *   [slots_off + i*slot_stride, ...) learner slot i: struct psd_slot, then its
+ *                                     ring of ring_k entries, each a
+ *                                     struct psd_entry followed by the gradient
+ *
+ * Field comments say who writes a field, who reads it, and what always holds.
+ * Each atomic operation in the .c files names the operation it pairs with.
+ */
+#ifndef PSD_LAYOUT_H
+#define PSD_LAYOUT_H
+
+#include <pthread.h>
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PSD_CACHELINE 64
+#define PSD_PAGE 4096
+#define PSD_HEADER_SIZE 4096
+/* Reads "PSDARENA" in a little-endian dump; a byte-swapped value exposes a
+ * foreign byte order instead of being taken for a corrupt arena. */
+#define PSD_MAGIC UINT64_C(0x414E455241445350)
+/* Bump on any change to the structs below. The identity line (the first
+ * fields of psd_header up to and including psd_version) never moves, so any
+ * version of psd can read which version made an arena. */
+#define PSD_LAYOUT_VERSION 1
+#define PSD_VERSION_LEN 24
+#define PSD_MSG_LEN 256
+#define PSD_MAX_SLOTS 4096
+#define PSD_MAX_RING 1024
+
+/* Arena life cycle, psd_header.state. Transitions:
+ *   WAITING_SPEC  -> SPEC_OFFERED  a learner wrote its model's spec (admission mutex)
+ *   SPEC_OFFERED  -> INIT_WEIGHTS  server grew the arena for that spec
+ *   SPEC_OFFERED  -> WAITING_SPEC  server refused the spec (fail_msg says why)
+ *   INIT_WEIGHTS  -> READY         the offering learner wrote the initial weights
+ *   INIT_WEIGHTS  -> WAITING_SPEC  the offering learner died first; server resets
+ *   (created with initial weights) READY
+ *   READY         -> STOPPED       server stopped cleanly (and unlinks the arena)
+ */
+enum psd_arena_state {
+    PSD_ARENA_WAITING_SPEC = 1,
+    PSD_ARENA_SPEC_OFFERED = 2,
+    PSD_ARENA_INIT_WEIGHTS = 3,
+    PSD_ARENA_READY = 4,
+    PSD_ARENA_STOPPED = 5,
+};
+
+/* Learner slot life cycle, psd_slot.state. Transitions:
+ *   FREE     -> ACTIVE    a learner claims it (admission mutex held)
+ *   ACTIVE   -> DRAINING  the learner detaches, or the server finds it dead
+ *   DRAINING -> FREE      the update loop applied everything fully pushed
+ * Only ACTIVE and DRAINING rings are consumed. */
+enum psd_slot_state {
+    PSD_SLOT_FREE = 0,
+    PSD_SLOT_ACTIVE = 1,
+    PSD_SLOT_DRAINING = 2,
+};
+
+/* A condition variable that leaves no state behind when a waiter dies.
+ * glibc's process-shared pthread_cond_t keeps per-waiter group references, and
+ * a waiter killed inside pthread_cond_wait can hang every later broadcaster
+ * (glibc >= 2.25; osrm-backend#3911, boost interprocess#53). This one is a
+ * futex on `seq`: waiters sleep on the value they read, signallers bump it.
+ * `waiters` only lets signallers skip the syscall; a dead waiter that left it
+ * non-zero costs spurious wake-ups, never a hang. Always waited with a timeout. */
+struct psd_cond {
+    _Atomic uint32_t seq;     /* bumped by every signal (fetch_add, pairs with the waiter's load) */
+    _Atomic uint32_t waiters; /* waiters announced; read by signallers to skip futex_wake */
+};
+
+/* Header. Each line written by a different party sits on its own cache line. */
+struct psd_header {
+    /* -- identity line: written once by the creating server, then `magic`
+     *    is store-released last; readers load-acquire `magic` first. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t magic;
+    uint32_t layout_version;
+    uint32_t fingerprint; /* psd_fingerprint(): struct sizes, lock sizes, cache line */
+    char psd_version[PSD_VERSION_LEN]; /* the psd release that created the arena, NUL-terminated */
+
+    /* -- fixed geometry: written by the server at create, never changed */
+    alignas(PSD_CACHELINE) uint32_t n_slots;
+    uint32_t ring_k;        /* entries per ring, a power of two */
+    uint64_t spec_off;
+    uint64_t spec_cap;
+    uint64_t created_unix_ns;
+
+    /* -- model geometry: written by the server when it grows the arena for a
+     *    spec, before the store-release of state INIT_WEIGHTS/READY; readers
+     *    load-acquire state first. */
+    alignas(PSD_CACHELINE) uint64_t total_size;
+    uint64_t n_params;      /* float32 elements */
+    uint64_t weights_off, weights_bytes;
+    uint64_t optstate_off, optstate_bytes;
+    uint64_t slots_off, slot_stride, entry_stride;
+
+    /* -- spec: written by the offering learner (or the server given initial
+     *    weights) under `admission`; fixed once state >= INIT_WEIGHTS. */
+    alignas(PSD_CACHELINE) uint64_t spec_len;
+    uint64_t spec_hash;
+    int32_t offer_pid;
+    uint32_t pad0;
+    uint64_t offer_start_time; /* /proc/<pid>/stat starttime of offer_pid */
+
+    /* -- configuration: written by the server before it starts the update
+     *    loop; read by anyone. */
+    alignas(PSD_CACHELINE) double lr;
+    uint32_t optimizer; /* 0 = sgd */
+    uint32_t sync_mode; /* 0 = asp */
+    uint32_t threads;
+    uint32_t spin_us;
+
+    /* -- life cycle: `state` is store-released by whoever makes a transition
+     *    (see enum psd_arena_state), load-acquired by everyone. */
+    alignas(PSD_CACHELINE) _Atomic uint32_t state;
+    struct psd_cond state_cond; /* signalled at every state change */
+
+    /* -- server identity: written by the server at start, before `generation`
+     *    is bumped (release); a learner that sees a new generation re-reads it. */
+    alignas(PSD_CACHELINE) _Atomic int32_t server_pid;
+    uint32_t pad1;
+    uint64_t server_start_time;
+    _Atomic uint64_t generation;
+
+    /* -- heartbeat: CLOCK_MONOTONIC ns, stored by the update loop at least
+     *    every PSD_HEARTBEAT_NS while it runs; read by learners and the watchdog. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t heartbeat_ns;
+
+    /* -- weights clock: gradients applied to these weights so far. Written
+     *    only by the update loop (store-release after each apply); learners
+     *    load-acquire it before a pull to skip pulls of unchanged weights. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t clock;
+
+    /* -- global counters, written only by the update loop. Invariant once all
+     *    rings are empty: pushed == applied + rejected, where pushed is
+     *    retired_pushed + the tails of the slots in use. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t applied;
+    _Atomic uint64_t rejected;
+    _Atomic uint64_t retired_pushed; /* tails of slots that were freed */
+    _Atomic uint64_t staleness_sum;
+    _Atomic uint64_t staleness_max;
+    _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
+
+    /* -- doorbell: the update loop sets `sleeping` before it sleeps on
+     *    `doorbell`; a learner that published a tail and then sees `sleeping`
+     *    signals it. Both sides use seq_cst (a Dekker pair). */
+    alignas(PSD_CACHELINE) _Atomic uint32_t sleeping;
+    struct psd_cond doorbell;
+
+    /* -- admission: robust, process-shared; taken to claim a slot or offer a
+     *    spec. Initialised by the server only. */
+    alignas(PSD_CACHELINE) pthread_mutex_t admission;
+
+    /* -- why the server refused an offered spec or stopped; server writes,
+     *    then changes state. */
+    alignas(PSD_CACHELINE) char fail_msg[PSD_MSG_LEN];
+};
+
+/* Per-learner control block, at the start of each slot. */
+struct psd_slot {
+    /* -- ownership: written under `mutex` (and `admission` for a claim);
+     *    `state` is store-released last and load-acquired by the update loop. */
+    alignas(PSD_CACHELINE) _Atomic uint32_t state;
+    int32_t pid;
+    uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
+    uint64_t claims;     /* grows at every claim: tells reattached learners apart */
+
+    /* -- robust, process-shared; protects ownership changes and pairs with
+     *    `not_full`. Initialised by the server only. */
+    alignas(PSD_CACHELINE) pthread_mutex_t mutex;
+
+    /* -- signalled by the update loop after it frees an entry, when a learner
+     *    announced itself as a waiter. */
+    alignas(PSD_CACHELINE) struct psd_cond not_full;
+
+    /* -- producer index: written only by the owning learner, store-release
+     *    after an entry is completely written; the update loop load-acquires.
+     *    Free-running; tail - head <= ring_k always. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t tail;
+
+    /* -- consumer index: written only by the update loop, store-release after
+     *    an entry is applied; the learner load-acquires before reusing it. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t head;
+
+    /* -- learner-side figures, written only by the owner (relaxed). */
+    alignas(PSD_CACHELINE) _Atomic uint64_t learner_clock; /* clock of the weights it trains on */
+    _Atomic uint64_t pulls;
+    _Atomic uint64_t pulls_skipped;
+    _Atomic uint64_t full_waits; /* times it found its ring full */
+
+    /* -- server-side figures for this slot, written only by the update loop. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t applied;
+    _Atomic uint64_t rejected;
+    _Atomic uint64_t staleness_sum;
+    _Atomic uint64_t staleness_max;
+    _Atomic uint64_t last_loss_bits; /* double, bit pattern */
+};
+
+/* Header of one ring entry; the gradient follows at offset PSD_CACHELINE.
+ * Written by the learner before it store-releases the tail past it; read by
+ * the update loop after it load-acquired that tail. */
+struct psd_entry {
+    alignas(PSD_CACHELINE) uint64_t seq; /* the tail value this entry was published with */
+    uint64_t clock;      /* weights clock the gradient was computed from */
+    uint32_t batch_size;
+    uint32_t flags;
+    double loss;
+};
+
+_Static_assert(sizeof(struct psd_header) <= PSD_HEADER_SIZE, "header must fit its page");
+_Static_assert(offsetof(struct psd_header, magic) == 0, "identity line is fixed");
+_Static_assert(offsetof(struct psd_header, layout_version) == 8, "identity line is fixed");
+_Static_assert(offsetof(struct psd_header, psd_version) == 16, "identity line is fixed");
+_Static_assert(offsetof(struct psd_header, clock) % PSD_CACHELINE == 0, "clock on its own line");
+_Static_assert(offsetof(struct psd_slot, tail) % PSD_CACHELINE == 0, "tail on its own line");
+_Static_assert(offsetof(struct psd_slot, head) - offsetof(struct psd_slot, tail) >= PSD_CACHELINE,
+               "head and tail on separate lines");
+_Static_assert(sizeof(struct psd_entry) == PSD_CACHELINE, "entry header is one line");
+_Static_assert(sizeof(pthread_mutex_t) <= PSD_CACHELINE, "a mutex fits its line");
+_Static_assert(sizeof(struct psd_slot) % PSD_CACHELINE == 0, "slot is whole lines");
+
+/* What a layout built by another compiler or ABI would disagree on. */
+static inline uint32_t psd_fingerprint(void) {
+    uint64_t h = UINT64_C(1469598103934665603);
+    const uint64_t parts[] = {
+        sizeof(struct psd_header), sizeof(struct psd_slot), sizeof(struct psd_entry),
+        sizeof(pthread_mutex_t),   sizeof(struct psd_cond), PSD_CACHELINE,
+        offsetof(struct psd_header, admission), offsetof(struct psd_slot, mutex),
+        offsetof(struct psd_slot, head),
+    };
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        h ^= parts[i];
+        h *= UINT64_C(1099511628211);
+    }
+    return (uint32_t)(h ^ (h >> 32));
+}
+
+#endif

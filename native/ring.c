@@ -1,0 +1,198 @@
+/*
+ * ring.c -- learner slots and the producer side of each SPSC ring.
+ *
+ * A learner is the only producer of its ring: it writes an entry, then
+ * store-releases the tail past it. The update loop (update.c) is the only
+ * consumer. So a gradient is either wholly pushed (tail moved past it) and will
+ * be applied exactly once, or it was never pushed; a learner that dies halfway
+ * through writing leaves the tail where it was.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <string.h>
+
+#include "psd.h"
+
+static int lock_slot(struct psd_slot *s) {
+    /* Ownership fields are written before `state` is store-released, so a
+     * dead holder leaves nothing half-visible to repair: taking over is enough. */
+    int rc = psd_mutex_lock(&s->mutex, NULL, NULL);
+    return rc == PSD_EOWNERDEAD ? 0 : rc;
+}
+
+int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *slot,
+                   uint64_t *claim) {
+    struct psd_header *h = psd_hdr(m);
+    /* Pairs with the store-release of READY in psd_arena_set_state. */
+    if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
+        return PSD_ESTATE;
+    int rc = psd_mutex_lock(&h->admission, NULL, NULL);
+    if (rc != 0 && rc != PSD_EOWNERDEAD)
+        return rc;
+    rc = PSD_ENOSLOT;
+    for (uint32_t i = 0; i < h->n_slots; i++) {
+        struct psd_slot *s = psd_slot_at(m, i);
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE)
+            continue;
+        if ((rc = lock_slot(s)) != 0)
+            break;
+        s->pid = pid;
+        s->start_time = start_time;
+        s->claims++;
+        PSD_STORE_RLX(&s->learner_clock, 0);
+        PSD_STORE_RLX(&s->pulls, 0);
+        PSD_STORE_RLX(&s->pulls_skipped, 0);
+        PSD_STORE_RLX(&s->full_waits, 0);
+        PSD_STORE_RLX(&s->applied, 0);
+        PSD_STORE_RLX(&s->rejected, 0);
+        PSD_STORE_RLX(&s->staleness_sum, 0);
+        PSD_STORE_RLX(&s->staleness_max, 0);
+        /* Pairs with the load-acquire of state in the update loop and reaper. */
+        PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
+        *slot = i;
+        *claim = s->claims;
+        psd_mutex_unlock(&s->mutex);
+        break;
+    }
+    psd_mutex_unlock(&h->admission);
+    return rc;
+}
+
+static bool still_mine(struct psd_slot *s, uint64_t claim) {
+    return s->claims == claim && PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE;
+}
+
+int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim) {
+    struct psd_slot *s = psd_slot_at(m, slot);
+    int rc = lock_slot(s);
+    if (rc)
+        return rc;
+    if (still_mine(s, claim)) {
+        /* The update loop drains what is left, then frees the slot. */
+        PSD_STORE_REL(&s->state, PSD_SLOT_DRAINING);
+        rc = 0;
+    } else {
+        rc = PSD_ESLOT;
+    }
+    psd_mutex_unlock(&s->mutex);
+    if (rc == 0) {
+        struct psd_header *h = psd_hdr(m);
+        if (atomic_load(&h->sleeping))
+            psd_cond_broadcast(&h->doorbell);
+    }
+    return rc;
+}
+
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss) {
+    struct psd_header *h = psd_hdr(m);
+    struct psd_slot *s = psd_slot_at(m, slot);
+    if (PSD_LOAD_RLX(&s->state) != PSD_SLOT_ACTIVE)
+        return PSD_ESLOT;
+    uint64_t tail = PSD_LOAD_RLX(&s->tail); /* only this process writes it */
+    /* Pairs with the store-release of head in the update loop: the entry at
+     * `tail` is no longer being read. */
+    if (tail - PSD_LOAD_ACQ(&s->head) >= h->ring_k)
+        return PSD_ESTATE; /* caller must psd_wait_space() first */
+    struct psd_entry *e = psd_entry_at(m, slot, tail);
+    e->seq = tail;
+    e->clock = clock;
+    e->batch_size = batch;
+    e->flags = 0;
+    e->loss = loss;
+    /* seq_cst store (a release, pairs with the load-acquire of tail in the
+     * update loop) so that the load of `sleeping` below cannot move before it:
+     * with the loop's store of `sleeping` and load of tails, a Dekker pair. */
+    atomic_store(&s->tail, tail + 1);
+    if (atomic_load(&h->sleeping))
+        psd_cond_broadcast(&h->doorbell);
+    return 0;
+}
+
+static int server_check(struct psd_map *m) {
+    /* A dead server is noticed within one wait slice, not at the deadline. */
+    return psd_server_alive(m, 0) ? 0 : PSD_ESERVER;
+}
+
+/* Wait until `done(s, ring_k)` holds, sleeping on the slot's not_full. */
+static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns,
+                     bool (*done)(struct psd_slot *, uint32_t)) {
+    struct psd_header *h = psd_hdr(m);
+    struct psd_slot *s = psd_slot_at(m, slot);
+    uint64_t deadline = psd_now_ns() + timeout_ns;
+    for (;;) {
+        uint32_t seen = psd_cond_prepare(&s->not_full);
+        if (done(s, h->ring_k)) {
+            psd_cond_done(&s->not_full);
+            return 0;
+        }
+        int rc = s->claims == claim ? server_check(m) : PSD_ESLOT;
+        uint64_t now = psd_now_ns();
+        if (rc == 0 && now >= deadline)
+            rc = PSD_ETIMEOUT;
+        if (rc) {
+            psd_cond_done(&s->not_full);
+            return rc;
+        }
+        uint64_t left = deadline - now;
+        rc = psd_cond_wait(&s->not_full, seen, left < PSD_WAIT_SLICE_NS ? left : PSD_WAIT_SLICE_NS);
+        psd_cond_done(&s->not_full);
+        if (rc == EINTR)
+            return EINTR;
+    }
+}
+
+static bool has_space(struct psd_slot *s, uint32_t ring_k) {
+    /* Pairs with the store-release of head in the update loop. */
+    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < ring_k;
+}
+
+static bool is_drained(struct psd_slot *s, uint32_t ring_k) {
+    (void)ring_k;
+    return PSD_LOAD_RLX(&s->tail) == PSD_LOAD_ACQ(&s->head);
+}
+
+int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
+    struct psd_slot *s = psd_slot_at(m, slot);
+    if (!has_space(s, psd_hdr(m)->ring_k))
+        PSD_ADD_RLX(&s->full_waits, 1);
+    return wait_slot(m, slot, claim, timeout_ns, has_space);
+}
+
+int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
+    return wait_slot(m, slot, claim, timeout_ns, is_drained);
+}
+
+int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
+    struct psd_header *h = psd_hdr(m);
+    *n = 0;
+    if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
+        return 0;
+    for (uint32_t i = 0; i < h->n_slots; i++) {
+        struct psd_slot *s = psd_slot_at(m, i);
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || psd_owner_alive(s->pid, s->start_time))
+            continue;
+        int rc = lock_slot(s);
+        if (rc)
+            return rc;
+        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !psd_owner_alive(s->pid, s->start_time)) {
+            /* Everything it fully pushed is still applied; then the loop frees it. */
+            PSD_STORE_REL(&s->state, PSD_SLOT_DRAINING);
+            if (*n < max)
+                pids[(*n)++] = s->pid;
+        }
+        psd_mutex_unlock(&s->mutex);
+    }
+    if (*n && atomic_load(&h->sleeping))
+        psd_cond_broadcast(&h->doorbell);
+    return 0;
+}
+
+bool psd_server_alive(struct psd_map *m, uint64_t stale_ns) {
+    struct psd_header *h = psd_hdr(m);
+    if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_STOPPED)
+        return false;
+    if (!psd_owner_alive(atomic_load(&h->server_pid), h->server_start_time))
+        return false;
+    uint64_t hb = atomic_load(&h->heartbeat_ns);
+    return stale_ns == 0 || hb == 0 || psd_now_ns() - hb < stale_ns;
+}

@@ -1,0 +1,154 @@
+/*
+ * sync.c -- the locks and waits that survive process death.
+ *
+ * Mutexes are pthread PROCESS_SHARED + ROBUST, and every lock goes through
+ * psd_mutex_lock(), which turns EOWNERDEAD into repair + consistent.
+ * Condition variables are futexes on a sequence word (see psd_cond in
+ * psd_layout.h for why not pthread_cond_t). Every wait has a timeout.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "psd.h"
+
+static const char *const psd_errors[] = {
+    [PSD_EBADMAGIC - PSD_EFIRST] = "not a psd arena (bad magic number or foreign byte order)",
+    [PSD_EVERSION - PSD_EFIRST] = "arena was made by an incompatible psd version",
+    [PSD_ENOSLOT - PSD_EFIRST] = "every learner slot of the job is taken",
+    [PSD_ESTATE - PSD_EFIRST] = "arena is not in the state this call needs",
+    [PSD_ESPEC - PSD_EFIRST] = "parameter spec does not fit or was refused",
+    [PSD_EOWNERDEAD - PSD_EFIRST] = "previous lock owner died; state repaired",
+    [PSD_EEXPORTS - PSD_EFIRST] = "arena memory is still in use by buffers",
+    [PSD_ESERVER - PSD_EFIRST] = "the job's server is gone or stopped",
+    [PSD_ETIMEOUT - PSD_EFIRST] = "timed out",
+    [PSD_ESLOT - PSD_EFIRST] = "the learner slot was taken back by the server",
+};
+
+const char *psd_strerror(int code) {
+    if (code >= PSD_EFIRST && code <= PSD_ELAST && psd_errors[code - PSD_EFIRST])
+        return psd_errors[code - PSD_EFIRST];
+    if (code > 0)
+        return strerror(code);
+    return code == 0 ? "success" : "unknown psd error";
+}
+
+uint64_t psd_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Field 22 of /proc/<pid>/stat, in clock ticks since boot. The command name
+ * (field 2) may hold spaces and parentheses, so parse from its last ')'. */
+uint64_t psd_proc_start_time(pid_t pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (!p)
+        return 0;
+    p++;
+    /* p now points before field 3; skip fields 3..21 */
+    for (int field = 3; field <= 21; field++) {
+        p = strchr(p + 1, ' ');
+        if (!p)
+            return 0;
+    }
+    unsigned long long v = strtoull(p + 1, NULL, 10);
+    /* A zombie has exited: its slot is dead even though /proc still lists it. */
+    char *st = strrchr(buf, ')');
+    if (st[1] == ' ' && (st[2] == 'Z' || st[2] == 'X'))
+        return 0;
+    return (uint64_t)v;
+}
+
+bool psd_owner_alive(pid_t pid, uint64_t start_time) {
+    if (pid <= 0)
+        return false;
+    uint64_t now_start = psd_proc_start_time(pid);
+    return now_start != 0 && now_start == start_time;
+}
+
+int psd_mutex_init(pthread_mutex_t *m) {
+    pthread_mutexattr_t a;
+    int rc = pthread_mutexattr_init(&a);
+    if (rc)
+        return rc;
+    if ((rc = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED)) == 0 &&
+        (rc = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST)) == 0)
+        rc = pthread_mutex_init(m, &a);
+    pthread_mutexattr_destroy(&a);
+    return rc;
+}
+
+int psd_mutex_lock(pthread_mutex_t *m, void (*repair)(void *), void *arg) {
+    int rc = pthread_mutex_lock(m);
+    if (rc == EOWNERDEAD) {
+        /* Repair what the dead owner may have left half-done, then mark the
+         * mutex usable again; report it, never a quiet success. */
+        if (repair)
+            repair(arg);
+        pthread_mutex_consistent(m);
+        return PSD_EOWNERDEAD;
+    }
+    return rc;
+}
+
+void psd_mutex_unlock(pthread_mutex_t *m) { pthread_mutex_unlock(m); }
+
+static long psd_futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
+    /* Shared futexes (no FUTEX_PRIVATE_FLAG): the word lives in shared memory
+     * mapped by several processes. */
+    return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+
+void psd_cond_init(struct psd_cond *c) {
+    atomic_init(&c->seq, 0);
+    atomic_init(&c->waiters, 0);
+}
+
+uint32_t psd_cond_prepare(struct psd_cond *c) {
+    /* seq_cst: the announcement must be visible before we read the predicate
+     * (pairs with the load of `waiters` in psd_cond_broadcast_if_waiters). */
+    atomic_fetch_add(&c->waiters, 1);
+    return atomic_load(&c->seq);
+}
+
+void psd_cond_done(struct psd_cond *c) {
+    /* Never let a counter wrap below zero, even after a repair reset it. */
+    uint32_t w = atomic_load(&c->waiters);
+    while (w > 0 && !atomic_compare_exchange_weak(&c->waiters, &w, w - 1)) {
+    }
+}
+
+int psd_cond_wait(struct psd_cond *c, uint32_t seen, uint64_t timeout_ns) {
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
+    long rc = psd_futex(&c->seq, FUTEX_WAIT, seen, &ts);
+    if (rc == 0 || errno == EAGAIN)
+        return 0; /* woken, or seq had already moved on */
+    return errno;  /* ETIMEDOUT or EINTR */
+}
+
+void psd_cond_broadcast(struct psd_cond *c) {
+    atomic_fetch_add(&c->seq, 1); /* pairs with the load of seq in psd_cond_prepare */
+    psd_futex(&c->seq, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+void psd_cond_broadcast_if_waiters(struct psd_cond *c) {
+    /* seq_cst load, pairs with the fetch_add in psd_cond_prepare. */
+    if (atomic_load(&c->waiters) != 0)
+        psd_cond_broadcast(c);
+}

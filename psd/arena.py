@@ -1,0 +1,150 @@
+"""Naming, sizing and opening a job's arena, and the parameter spec stored in it.
+
+The server and the learner client both need to turn a job name into a
+shared-memory name safely, check /dev/shm for space before allocating, and
+compare parameter specs; that shared vocabulary lives here. Creating, growing
+and removing arenas stays with the server (psd.server); the client only opens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from psd import _native
+from psd.errors import ArenaCorrupt, InvalidJobName, JobNotFound, OutOfSharedMemory, SpecMismatch
+
+__all__ = [
+    "DEFAULT_JOB",
+    "SHM_DIR",
+    "ParamSpec",
+    "check_space",
+    "decode_spec",
+    "default_job",
+    "encode_spec",
+    "first_difference",
+    "list_jobs",
+    "open_job",
+    "shm_name",
+    "shm_path",
+]
+
+SHM_DIR = "/dev/shm"
+DEFAULT_JOB = "default"
+_PREFIX = "psd."
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_MIB = 1 << 20
+
+
+def default_job() -> str:
+    """The job name used when none is given: $PSD_JOB, else ``default``."""
+    return os.environ.get("PSD_JOB", DEFAULT_JOB)
+
+
+def shm_name(job: str) -> str:
+    """The POSIX shared-memory name of ``job`` ("/psd.<job>"), after validating it.
+
+    Job names are 1-64 characters of letters, digits, ``_``, ``.`` and ``-``,
+    starting with a letter or digit and never containing ``..``, so no name can
+    reach outside /dev/shm or collide with another program's objects.
+    """
+    if not isinstance(job, str) or not _JOB_RE.fullmatch(job) or ".." in job:
+        raise InvalidJobName(
+            f"invalid job name {job!r}: use 1-64 letters, digits, '_', '.' or '-', "
+            f"starting with a letter or digit (for example --job demo)"
+        )
+    return "/" + _PREFIX + job
+
+
+def shm_path(job: str) -> str:
+    """The file that backs ``job``'s arena."""
+    return SHM_DIR + shm_name(job)
+
+
+def list_jobs() -> list[str]:
+    """Names of the jobs that have an arena in /dev/shm (live or not)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(n[len(_PREFIX):] for n in names if n.startswith(_PREFIX))
+
+
+def check_space(needed: int, what: str) -> None:
+    """Raise OutOfSharedMemory unless /dev/shm has ``needed`` bytes free."""
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise OutOfSharedMemory(
+            f"{what} needs {needed / _MIB:,.1f} MiB of shared memory but {SHM_DIR} has only "
+            f"{free / _MIB:,.1f} MiB free (of {st.f_blocks * st.f_frsize / _MIB:,.1f} MiB): "
+            f"remove stale arenas with `psd clean`, use fewer --learners or --slots, or enlarge "
+            f"{SHM_DIR} (e.g. `mount -o remount,size=32G {SHM_DIR}`; in Docker, --shm-size)"
+        )
+
+
+def open_job(job: str) -> _native.Arena:
+    """Map ``job``'s arena, or raise an error that says how to start it."""
+    name = shm_name(job)
+    try:
+        return _native.open(name)
+    except FileNotFoundError:
+        raise JobNotFound(
+            f"no psd job {job!r} on this machine ({SHM_DIR}{name} does not exist): start its server "
+            f"first with `psd serve --job {job} --learners N`"
+        ) from None
+    except ArenaCorrupt as e:
+        raise ArenaCorrupt(f"{e}: {SHM_DIR}{name} is not a psd arena; remove it with `psd clean`") from None
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of a model: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def encode_spec(spec: Iterable[ParamSpec]) -> tuple[bytes, int]:
+    """The spec as stored in the arena (canonical JSON) and its 64-bit hash."""
+    data = json.dumps(
+        [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in spec],
+        separators=(",", ":"),
+    ).encode()
+    return data, int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+def decode_spec(data: bytes) -> list[ParamSpec]:
+    """Inverse of encode_spec."""
+    return [ParamSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in json.loads(data)]
+
+
+def first_difference(job: str, ours: list[ParamSpec], theirs: list[ParamSpec]) -> SpecMismatch | None:
+    """An error naming the first tensor where ``ours`` (the learner's) differs from the job's."""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return SpecMismatch(
+                f"model does not match job {job!r}: parameter #{i} is {a.name!r} {list(a.shape)} "
+                f"{a.dtype} in this model but {b.name!r} {list(b.shape)} {b.dtype} in the job; attach "
+                f"the same model the job was started with, or start a new job"
+            )
+    if len(ours) != len(theirs):
+        extra = ours[len(theirs)] if len(ours) > len(theirs) else theirs[len(ours)]
+        where = "this model" if len(ours) > len(theirs) else "the job"
+        return SpecMismatch(
+            f"model does not match job {job!r}: this model has {len(ours)} parameters and the job "
+            f"{len(theirs)}; the first one only {where} has is {extra.name!r} {list(extra.shape)}"
+        )
+    return None
