@@ -133,7 +133,7 @@ class Learner:
                     h = self._arena.header()
                     pids = [self._arena.slot_info(i)["pid"] for i in range(h["n_slots"])]
                     raise NoFreeSlot(
-                        f"job {self.job!r} has {h['n_slots']} learner slots and all are in use "
+                        f"job {self.job!r} has {h['n_slots']} learner slot(s) and all are in use "
                         f"(pids {', '.join(map(str, pids))}): start its server with more --learners, "
                         f"or pass slot_timeout= to wait for a slot"
                     ) from None
@@ -284,6 +284,8 @@ class Learner:
             if flush:
                 self.flush()
             a.release(self.slot, self._claim_token)
+            if flush:  # the slot is usable by the next learner when close() returns
+                a.wait_freed(self.slot, self._claim_token, self.timeout)
         finally:
             for p in self._params:
                 p.grad = None

@@ -169,8 +169,8 @@ int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64
     struct psd_header *h = psd_hdr(m);
     if (len > h->spec_cap || n_params == 0)
         return PSD_ESPEC;
-    int rc = psd_mutex_lock(&h->admission, NULL, NULL);
-    if (rc != 0 && rc != PSD_EOWNERDEAD)
+    int rc = psd_mutex_lock(h, &h->admission);
+    if (!psd_locked(rc))
         return rc;
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_WAITING_SPEC) {
         psd_mutex_unlock(&h->admission);

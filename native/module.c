@@ -308,6 +308,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "staleness_sum", atomic_load(&h->staleness_sum));
     U64(d, "staleness_max", atomic_load(&h->staleness_max));
     U64(d, "reclaimed", atomic_load(&h->reclaimed));
+    U64(d, "lock_recoveries", atomic_load(&h->lock_recoveries));
     U64(d, "sleeping", atomic_load(&h->sleeping));
     return d;
 }
@@ -477,7 +478,9 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *wait_common(Arena *a, PyObject *args, int drained) {
+enum wait_kind { WAIT_SPACE, WAIT_DRAINED, WAIT_FREED };
+
+static PyObject *wait_common(Arena *a, PyObject *args, enum wait_kind kind) {
     unsigned int slot;
     unsigned long long claim;
     double timeout;
@@ -486,18 +489,23 @@ static PyObject *wait_common(Arena *a, PyObject *args, int drained) {
     uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
     int rc;
 #define LEFT() (deadline > psd_now_ns() ? deadline - psd_now_ns() : 0)
-    if (drained)
+    static const char *const what[] = {"wait for ring space", "wait for ring to drain",
+                                       "wait for slot to be freed"};
+    if (kind == WAIT_DRAINED)
         BLOCKING(rc, psd_wait_drained(&a->map, slot, claim, LEFT()));
+    else if (kind == WAIT_FREED)
+        BLOCKING(rc, psd_wait_freed(&a->map, slot, claim, LEFT()));
     else
         BLOCKING(rc, psd_wait_space(&a->map, slot, claim, LEFT()));
 #undef LEFT
     if (rc)
-        return raise_code(rc, drained ? "wait for ring to drain" : "wait for ring space", a->name);
+        return raise_code(rc, what[kind], a->name);
     Py_RETURN_NONE;
 }
 
-static PyObject *arena_wait_space(Arena *a, PyObject *args) { return wait_common(a, args, 0); }
-static PyObject *arena_wait_drained(Arena *a, PyObject *args) { return wait_common(a, args, 1); }
+static PyObject *arena_wait_space(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_SPACE); }
+static PyObject *arena_wait_drained(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_DRAINED); }
+static PyObject *arena_wait_freed(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_FREED); }
 
 static PyObject *arena_has_space(Arena *a, PyObject *args) {
     unsigned int slot;
@@ -696,6 +704,7 @@ static PyMethodDef arena_methods[] = {
     {"push", (PyCFunction)arena_push, METH_VARARGS, "push(slot, clock, batch, loss): publish the entry at the tail."},
     {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
+    {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
     {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
     {"reap", (PyCFunction)arena_reap, METH_NOARGS, "Server: mark slots of dead learners draining; returns their pids."},
     {"server_alive", (PyCFunction)arena_server_alive, METH_VARARGS, "server_alive(stale_s=0) -> bool"},

@@ -41,6 +41,7 @@ const char *psd_strerror(int code);
 
 #define PSD_HEARTBEAT_NS (20ull * 1000 * 1000)
 #define PSD_WAIT_SLICE_NS (50ull * 1000 * 1000) /* longest single futex sleep */
+#define PSD_LOCK_TIMEOUT_S 5                    /* longest wait for a robust mutex */
 
 /* A mapping of an arena in this process. */
 struct psd_map {
@@ -75,9 +76,11 @@ bool psd_owner_alive(pid_t pid, uint64_t start_time);
 
 /* sync.c: robust mutexes and futex condition variables */
 int psd_mutex_init(pthread_mutex_t *m);
-/* Lock, repairing after a dead owner: returns 0, or PSD_EOWNERDEAD when the
- * lock is held and was made consistent after `repair` ran (repair may be NULL). */
-int psd_mutex_lock(pthread_mutex_t *m, void (*repair)(void *), void *arg);
+/* Lock, taking over from a dead owner: returns 0, or PSD_EOWNERDEAD when the
+ * lock is held and was made consistent (counted in h->lock_recoveries), or
+ * PSD_ETIMEOUT / an errno when it is not held. */
+int psd_mutex_lock(struct psd_header *h, pthread_mutex_t *m);
+static inline bool psd_locked(int rc) { return rc == 0 || rc == PSD_EOWNERDEAD; }
 void psd_mutex_unlock(pthread_mutex_t *m);
 void psd_cond_init(struct psd_cond *c);
 /* Sleep until signalled or `timeout_ns` passes, if `c->seq` still equals
@@ -111,6 +114,7 @@ int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss);
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
+int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
 bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
 

@@ -154,6 +154,7 @@ struct psd_header {
     _Atomic uint64_t staleness_sum;
     _Atomic uint64_t staleness_max;
     _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
+    _Atomic uint64_t lock_recoveries; /* mutexes taken over from a dead owner (any process) */
 
     /* -- doorbell: the update loop sets `sleeping` before it sleeps on
      *    `doorbell`; a learner that published a tail and then sees `sleeping`

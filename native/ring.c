@@ -13,11 +13,9 @@
 
 #include "psd.h"
 
-static int lock_slot(struct psd_slot *s) {
-    /* Ownership fields are written before `state` is store-released, so a
-     * dead holder leaves nothing half-visible to repair: taking over is enough. */
-    int rc = psd_mutex_lock(&s->mutex, NULL, NULL);
-    return rc == PSD_EOWNERDEAD ? 0 : rc;
+static int lock_slot(struct psd_map *m, struct psd_slot *s) {
+    int rc = psd_mutex_lock(psd_hdr(m), &s->mutex);
+    return psd_locked(rc) ? 0 : rc; /* a dead previous holder is counted, nothing to repair */
 }
 
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *slot,
@@ -26,15 +24,15 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *
     /* Pairs with the store-release of READY in psd_arena_set_state. */
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return PSD_ESTATE;
-    int rc = psd_mutex_lock(&h->admission, NULL, NULL);
-    if (rc != 0 && rc != PSD_EOWNERDEAD)
+    int rc = psd_mutex_lock(h, &h->admission);
+    if (!psd_locked(rc))
         return rc;
     rc = PSD_ENOSLOT;
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE)
             continue;
-        if ((rc = lock_slot(s)) != 0)
+        if ((rc = lock_slot(m, s)) != 0)
             break;
         s->pid = pid;
         s->start_time = start_time;
@@ -64,7 +62,7 @@ static bool still_mine(struct psd_slot *s, uint64_t claim) {
 
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim) {
     struct psd_slot *s = psd_slot_at(m, slot);
-    int rc = lock_slot(s);
+    int rc = lock_slot(m, s);
     if (rc)
         return rc;
     if (still_mine(s, claim)) {
@@ -115,13 +113,13 @@ static int server_check(struct psd_map *m) {
 
 /* Wait until `done(s, ring_k)` holds, sleeping on the slot's not_full. */
 static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns,
-                     bool (*done)(struct psd_slot *, uint32_t)) {
+                     bool (*done)(struct psd_slot *, uint32_t, uint64_t)) {
     struct psd_header *h = psd_hdr(m);
     struct psd_slot *s = psd_slot_at(m, slot);
     uint64_t deadline = psd_now_ns() + timeout_ns;
     for (;;) {
         uint32_t seen = psd_cond_prepare(&s->not_full);
-        if (done(s, h->ring_k)) {
+        if (done(s, h->ring_k, claim)) {
             psd_cond_done(&s->not_full);
             return 0;
         }
@@ -141,25 +139,37 @@ static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t 
     }
 }
 
-static bool has_space(struct psd_slot *s, uint32_t ring_k) {
+static bool has_space(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
+    (void)claim;
     /* Pairs with the store-release of head in the update loop. */
     return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < ring_k;
 }
 
-static bool is_drained(struct psd_slot *s, uint32_t ring_k) {
+static bool is_drained(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
     (void)ring_k;
+    (void)claim;
     return PSD_LOAD_RLX(&s->tail) == PSD_LOAD_ACQ(&s->head);
+}
+
+static bool is_freed(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
+    (void)ring_k;
+    /* Pairs with the store-release of FREE in free_slot (update.c). */
+    return PSD_LOAD_ACQ(&s->state) == PSD_SLOT_FREE || s->claims != claim;
 }
 
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
     struct psd_slot *s = psd_slot_at(m, slot);
-    if (!has_space(s, psd_hdr(m)->ring_k))
+    if (!has_space(s, psd_hdr(m)->ring_k, claim))
         PSD_ADD_RLX(&s->full_waits, 1);
     return wait_slot(m, slot, claim, timeout_ns, has_space);
 }
 
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
     return wait_slot(m, slot, claim, timeout_ns, is_drained);
+}
+
+int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
+    return wait_slot(m, slot, claim, timeout_ns, is_freed);
 }
 
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
@@ -171,7 +181,7 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
         struct psd_slot *s = psd_slot_at(m, i);
         if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || psd_owner_alive(s->pid, s->start_time))
             continue;
-        int rc = lock_slot(s);
+        int rc = lock_slot(m, s);
         if (rc)
             return rc;
         if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !psd_owner_alive(s->pid, s->start_time)) {

@@ -94,14 +94,25 @@ int psd_mutex_init(pthread_mutex_t *m) {
     return rc;
 }
 
-int psd_mutex_lock(pthread_mutex_t *m, void (*repair)(void *), void *arg) {
-    int rc = pthread_mutex_lock(m);
+int psd_mutex_lock(struct psd_header *h, pthread_mutex_t *m) {
+    /* Bounded: a dead owner is handled by robustness (EOWNERDEAD); a live owner
+     * that holds one of psd's tiny critical sections for this long is hung. */
+    /* timedlock takes a CLOCK_REALTIME deadline; a clock step only stretches or
+     * shortens this safety bound. (pthread_mutex_clocklock would avoid that, but
+     * ThreadSanitizer does not see it as a lock.) */
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += PSD_LOCK_TIMEOUT_S;
+    int rc = pthread_mutex_timedlock(m, &deadline);
+    if (rc == ETIMEDOUT)
+        return PSD_ETIMEOUT;
     if (rc == EOWNERDEAD) {
-        /* Repair what the dead owner may have left half-done, then mark the
-         * mutex usable again; report it, never a quiet success. */
-        if (repair)
-            repair(arg);
+        /* Nothing to repair: every field these mutexes protect is written
+         * before one store-release that publishes it (see psd_layout.h), so a
+         * dead owner left either the old or the new state, never half of one.
+         * Make the mutex usable again and report it, never a quiet success. */
         pthread_mutex_consistent(m);
+        PSD_ADD_RLX(&h->lock_recoveries, 1);
         return PSD_EOWNERDEAD;
     }
     return rc;

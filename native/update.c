@@ -70,8 +70,7 @@ static void apply_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint
 /* A draining slot whose ring is empty: account for it and hand it back. */
 static void free_slot(struct psd_map *m, struct psd_slot *s) {
     struct psd_header *h = psd_hdr(m);
-    int rc = psd_mutex_lock(&s->mutex, NULL, NULL);
-    if (rc != 0 && rc != PSD_EOWNERDEAD)
+    if (!psd_locked(psd_mutex_lock(h, &s->mutex)))
         return; /* try again next round */
     /* Pairs with the store of tail in psd_push. */
     uint64_t tail = PSD_LOAD_ACQ(&s->tail);

@@ -31,6 +31,7 @@ __all__ = [
     "open_job",
     "shm_name",
     "shm_path",
+    "wait_for_job",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -148,3 +149,31 @@ def first_difference(job: str, ours: list[ParamSpec], theirs: list[ParamSpec]) -
             f"{len(theirs)}; the first one only {where} has is {extra.name!r} {list(extra.shape)}"
         )
     return None
+
+
+def wait_for_job(job: str, timeout: float = 30.0, server_pid: int | None = None) -> None:
+    """Return once ``job``'s arena exists and its server is alive, or raise JobNotFound.
+
+    A new server has no way to tell anybody it created its arena, so this polls
+    (every 20 ms). If ``server_pid`` is given and that process exits first, give
+    up at once.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            a = open_job(job)
+        except JobNotFound:
+            pass
+        else:
+            try:
+                if a.server_alive():
+                    return
+            finally:
+                a.close()
+        if server_pid is not None and _native.proc_start_time(server_pid) == 0:
+            raise JobNotFound(f"the server of job {job!r} (pid {server_pid}) exited before it was ready")
+        if time.monotonic() > deadline:
+            raise JobNotFound(f"job {job!r} did not appear within {timeout:g} s")
+        time.sleep(0.02)

@@ -1,0 +1,127 @@
+"""Shared fixtures: unique job names, a real `psd serve` process, child processes that report readiness.
+
+Every test that starts a server checks, at teardown, that the server stopped
+cleanly and left nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from psd.arena import shm_path, wait_for_job
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
+_counter = itertools.count()
+
+
+@pytest.fixture
+def job() -> Iterator[str]:
+    """A job name no other test uses; fails the test if its arena is left behind."""
+    name = f"test-{os.getpid()}-{next(_counter)}"
+    yield name
+    path = shm_path(name)
+    if os.path.exists(path):
+        os.unlink(path)
+        pytest.fail(f"{path} was left behind")
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+class Served:
+    """A `psd serve` process for one job."""
+
+    def __init__(self, job: str, *args: str) -> None:
+        self.job = job
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "psd.cli", "serve", "--job", job, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+        )
+        wait_for_job(job, timeout=30, server_pid=self.proc.pid)
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        """Stop it as a user would, return its log; asserts a clean exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        out, _ = self.proc.communicate(timeout=30)
+        assert self.proc.returncode == 0, f"psd serve exited with {self.proc.returncode}:\n{out}"
+        assert not os.path.exists(shm_path(self.job)), "a clean stop must remove the arena"
+        return out
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    """serve(job, *flags) starts `psd serve`; every server still running at teardown is stopped."""
+    started: list[Served] = []
+
+    def start(job: str, *args: str) -> Served:
+        s = Served(job, *args)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.stop()
+
+
+def spawn(script: str, *args: str) -> subprocess.Popen:
+    """Run tests/helpers/<script> with args; stdout is a pipe of lines."""
+    return subprocess.Popen([sys.executable, str(HELPERS / script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env())
+
+
+def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """The child's next stdout line, waiting at most ``timeout`` seconds."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            raise AssertionError(f"no line from pid {proc.pid} within {timeout} s")
+        line = proc.stdout.readline()
+    finally:
+        sel.close()
+    if not line:
+        err = proc.stderr.read() if proc.stderr else ""
+        raise AssertionError(f"pid {proc.pid} closed stdout (exit {proc.wait()}):\n{err}")
+    return line.strip()
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
+    """Poll ``predicate`` until it returns a true value or ``timeout`` passes (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = predicate()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """Wait for a child to exit 0 and return its remaining stdout."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"pid {proc.pid} exited {proc.returncode}:\n{out}\n{err}"
+    return out
+
+
+def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    assert proc.returncode == -sig

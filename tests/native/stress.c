@@ -1,0 +1,182 @@
+/*
+ * stress.c -- the C core on its own, built with sanitizers by tests/test_native.py.
+ *
+ * 1. a process dies holding a robust mutex: the next locker gets
+ *    PSD_EOWNERDEAD, the lock works again, and the recovery is counted;
+ * 2. a process dies while waiting on a psd_cond: broadcasting afterwards
+ *    returns (glibc's pthread_cond_t can hang here);
+ * 3. producer threads push through their rings while the update loop applies
+ *    them: every gradient applied exactly once, all slots taken means ENOSLOT.
+ * Prints one line per check and "N passed, M failed" at the end.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "psd.h"
+
+static int passed, failed;
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            passed++;                                                                              \
+        } else {                                                                                   \
+            failed++;                                                                              \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                            \
+            printf(__VA_ARGS__);                                                                   \
+            printf("\n");                                                                          \
+        }                                                                                          \
+    } while (0)
+
+enum { SLOTS = 4, RING = 4, N = 257, PUSHES = 20000 };
+
+static struct psd_map map = {.fd = -1};
+static char name[64];
+
+static void setup(void) {
+    snprintf(name, sizeof name, "/psd.stress-%d", (int)getpid());
+    int rc = psd_arena_create(&map, name, 0600, SLOTS, RING, 4096, "stress");
+    CHECK(rc == 0, "create: %s", psd_strerror(rc));
+    const char spec[] = "[]";
+    pid_t me = getpid();
+    rc = psd_arena_set_spec(&map, spec, sizeof spec, 1, N, me, psd_proc_start_time(me));
+    CHECK(rc == 0, "set_spec: %s", psd_strerror(rc));
+    rc = psd_arena_grow(&map);
+    CHECK(rc == 0, "grow: %s", psd_strerror(rc));
+    psd_hdr(&map)->lr = 1.0;
+    atomic_store(&psd_hdr(&map)->server_pid, me);
+    psd_hdr(&map)->server_start_time = psd_proc_start_time(me);
+    psd_arena_set_state(&map, PSD_ARENA_READY);
+}
+
+static void test_dead_mutex_owner(void) {
+    struct psd_slot *s = psd_slot_at(&map, 0);
+    pid_t child = fork();
+    if (child == 0) {
+        psd_mutex_lock(psd_hdr(&map), &s->mutex);
+        _exit(0); /* dies holding it */
+    }
+    int status;
+    waitpid(child, &status, 0);
+    int rc = psd_mutex_lock(psd_hdr(&map), &s->mutex);
+    CHECK(rc == PSD_EOWNERDEAD, "lock after dead owner gave %d (%s)", rc, psd_strerror(rc));
+    psd_mutex_unlock(&s->mutex);
+    rc = psd_mutex_lock(psd_hdr(&map), &s->mutex);
+    CHECK(rc == 0, "lock after recovery gave %d", rc);
+    psd_mutex_unlock(&s->mutex);
+    CHECK(atomic_load(&psd_hdr(&map)->lock_recoveries) == 1, "recovery not counted");
+}
+
+static void test_dead_cond_waiter(void) {
+    struct psd_cond *c = &psd_slot_at(&map, 1)->not_full;
+    pid_t child = fork();
+    if (child == 0) {
+        uint32_t seen = psd_cond_prepare(c);
+        psd_cond_wait(c, seen, 10ull * 1000 * 1000 * 1000);
+        _exit(0);
+    }
+    uint64_t deadline = psd_now_ns() + 5ull * 1000 * 1000 * 1000;
+    while (atomic_load(&c->waiters) == 0 && psd_now_ns() < deadline)
+        usleep(1000);
+    CHECK(atomic_load(&c->waiters) == 1, "child never announced itself as a waiter");
+    kill(child, SIGKILL);
+    int status;
+    waitpid(child, &status, 0);
+    CHECK(WIFSIGNALED(status), "child was not killed");
+    uint64_t t0 = psd_now_ns();
+    for (int i = 0; i < 3; i++)
+        psd_cond_broadcast_if_waiters(c); /* the dead waiter's announcement is still there */
+    CHECK(psd_now_ns() - t0 < 1000ull * 1000 * 1000, "broadcast after a dead waiter took over 1 s");
+    uint32_t seen = psd_cond_prepare(c);
+    int rc = psd_cond_wait(c, seen, 1000 * 1000);
+    psd_cond_done(c);
+    CHECK(rc == ETIMEDOUT, "a wait with nobody signalling must time out, got %d", rc);
+    atomic_store(&c->waiters, 0);
+}
+
+struct producer {
+    pthread_t thread;
+    uint32_t slot;
+    uint64_t claim;
+    int rc;
+};
+
+static void *produce(void *arg) {
+    struct producer *p = arg;
+    for (uint64_t i = 0; i < PUSHES; i++) {
+        int rc = psd_wait_space(&map, p->slot, p->claim, 5ull * 1000 * 1000 * 1000);
+        if (rc) {
+            p->rc = rc;
+            return NULL;
+        }
+        struct psd_slot *s = psd_slot_at(&map, p->slot);
+        float *g = psd_entry_grad(psd_entry_at(&map, p->slot, atomic_load_explicit(&s->tail, memory_order_relaxed)));
+        memset(g, 0, N * sizeof(float));
+        g[p->slot] = 1.0f;
+        g[N - 1] = 1.0f;
+        if ((rc = psd_push(&map, p->slot, i, 1, 0.0))) {
+            p->rc = rc;
+            return NULL;
+        }
+    }
+    p->rc = psd_wait_drained(&map, p->slot, p->claim, 5ull * 1000 * 1000 * 1000);
+    return NULL;
+}
+
+static void test_rings(void) {
+    struct psd_loop *loop;
+    int rc = psd_loop_start(&map, 1, 20, &loop);
+    CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
+    struct producer prods[SLOTS];
+    pid_t me = getpid();
+    for (int i = 0; i < SLOTS; i++) {
+        memset(&prods[i], 0, sizeof prods[i]);
+        rc = psd_slot_claim(&map, me, psd_proc_start_time(me), &prods[i].slot, &prods[i].claim);
+        CHECK(rc == 0, "claim %d: %s", i, psd_strerror(rc));
+    }
+    uint32_t extra;
+    uint64_t extra_claim;
+    rc = psd_slot_claim(&map, me, psd_proc_start_time(me), &extra, &extra_claim);
+    CHECK(rc == PSD_ENOSLOT, "claim beyond the slots gave %d", rc);
+    for (int i = 0; i < SLOTS; i++)
+        pthread_create(&prods[i].thread, NULL, produce, &prods[i]);
+    for (int i = 0; i < SLOTS; i++) {
+        pthread_join(prods[i].thread, NULL);
+        CHECK(prods[i].rc == 0, "producer %d: %s", i, psd_strerror(prods[i].rc));
+    }
+    for (int i = 0; i < SLOTS; i++) {
+        rc = psd_slot_release(&map, prods[i].slot, prods[i].claim);
+        CHECK(rc == 0, "release %d: %s", i, psd_strerror(rc));
+        rc = psd_wait_freed(&map, prods[i].slot, prods[i].claim, 5ull * 1000 * 1000 * 1000);
+        CHECK(rc == 0, "wait freed %d: %s", i, psd_strerror(rc));
+    }
+    psd_loop_stop(loop);
+    struct psd_header *h = psd_hdr(&map);
+    float *w = psd_weights(&map);
+    for (int i = 0; i < SLOTS; i++)
+        CHECK(w[i] == -(float)PUSHES, "w[%d] = %g, expected %d", i, w[i], -PUSHES);
+    CHECK(w[N - 1] == -(float)(SLOTS * PUSHES), "w[N-1] = %g", w[N - 1]);
+    for (int i = SLOTS; i < N - 1; i++)
+        CHECK(w[i] == 0.0f, "w[%d] = %g, expected 0", i, w[i]);
+    CHECK(atomic_load(&h->applied) == SLOTS * PUSHES, "applied %llu", (unsigned long long)atomic_load(&h->applied));
+    CHECK(atomic_load(&h->retired_pushed) == SLOTS * PUSHES, "retired %llu",
+          (unsigned long long)atomic_load(&h->retired_pushed));
+    CHECK(atomic_load(&h->clock) == SLOTS * PUSHES, "clock");
+}
+
+int main(void) {
+    setup();
+    test_dead_mutex_owner(); /* fork-based checks first, before any thread exists */
+    test_dead_cond_waiter();
+    test_rings();
+    psd_arena_close(&map);
+    shm_unlink(name);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}

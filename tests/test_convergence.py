@@ -1,0 +1,52 @@
+"""N learners through psd reach the accuracy of one process, in the same number of epochs.
+
+The workload is the generated classification problem that ships with psd
+(psd.workloads); the baseline is plain single-process SGD on the same data,
+model, initial weights, mini-batch and learning rate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ROOT, finish
+from psd import learner
+from psd.workloads import evaluate, make_classification, make_mlp, train_single
+
+EPOCHS = 3
+LR = {1: 0.01, 2: 0.02, 4: 0.03, 8: 0.05}
+
+
+def train_psd(job: str, serve, learners: int, batch: int) -> float:
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    serve(job, "--learners", str(learners), "--lr", str(LR[batch]))
+    procs = [
+        subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_mlp.py"), "--job", job,
+                          "--rank", str(r), "--world", str(learners), "--epochs", str(EPOCHS),
+                          "--batch-size", str(batch)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=child_env())
+        for r in range(learners)
+    ]
+    for p in procs:
+        assert "done" in finish(p, timeout=300)
+    data = make_classification(0)
+    model = make_mlp(data.dim, data.classes)
+    model.load_state_dict(learner.pull_state_dict(job))
+    return evaluate(model, data)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("learners, batch", [(4, 1), (4, 2), (4, 4), (4, 8), (8, 4)])
+def test_async_learners_reach_single_learner_accuracy(job, serve, learners, batch):
+    torch.set_num_threads(1)
+    data = make_classification(0)
+    single = evaluate(train_single(data, EPOCHS, batch, LR[batch]), data)
+    ours = train_psd(job, serve, learners, batch)
+    print(f"mini-batch {batch}: one learner {single:.4f}, {learners} learners {ours:.4f}")
+    assert single > 0.9, "the baseline itself must learn the problem"
+    assert ours >= single - 0.01

@@ -1,0 +1,97 @@
+"""The learner client in this process: attach, step, pull, detach, reattach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import wait_until
+from psd import learner
+from psd.cli import _job_status
+
+
+class Flat(torch.nn.Module):
+    def __init__(self, n: int = 64) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+
+def test_first_learner_brings_the_model_and_later_ones_get_its_weights(job, serve):
+    serve(job, "--learners", "2")
+    a = Flat()
+    with torch.no_grad():
+        a.w.copy_(torch.arange(64.0))
+    with learner.attach(a, job=job):
+        b = Flat()  # zeros; must be replaced by the job's weights on attach
+        with learner.attach(b, job=job):
+            assert torch.equal(b.w.detach(), torch.arange(64.0))
+    assert torch.equal(learner.pull_state_dict(job)["w"], torch.arange(64.0))
+
+
+def test_attach_detach_reattach(job, serve):
+    serve(job, "--learners", "1", "--lr", "1")
+    m = Flat()
+    for round_ in range(3):
+        with learner.attach(m, job=job) as ps:
+            for _ in range(10):
+                m.w.grad[1] += 1.0
+                ps.step()
+        # Detaching frees the only slot, so the next round can claim it.
+        wait_until(lambda: not _job_status(job)["learners"], what="the slot to be freed")
+        assert learner.pull_state_dict(job)["w"][1] == -10.0 * (round_ + 1)
+        assert m.w.grad is None  # no tensor of ours points into the arena any more
+    st = _job_status(job)
+    assert st["pushed"] == st["applied"] == 30
+
+
+def test_gradients_from_autograd_are_pushed_exactly(job, serve):
+    serve(job, "--learners", "1", "--lr", "0.5")
+    m = Flat()
+    c = torch.linspace(-1, 1, 64)
+    with learner.attach(m, job=job) as ps:
+        (m.w * c).sum().backward()
+        ps.step(loss=1.5, batch_size=4)
+        ps.flush()
+    assert torch.allclose(learner.pull_state_dict(job)["w"], -0.5 * c)
+
+
+def test_user_zero_grad_is_harmless(job, serve):
+    """Scripts that still call zero_grad() (set_to_none) push the right gradient, through a copy."""
+    serve(job, "--learners", "1", "--lr", "1")
+    m = Flat()
+    opt_like = torch.optim.SGD(m.parameters(), lr=0.1)
+    with learner.attach(m, job=job) as ps:
+        for _ in range(3):
+            opt_like.zero_grad()
+            (m.w * 2.0).sum().backward()
+            ps.step()
+        ps.flush()
+    assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((64,), -6.0))
+
+
+def test_steps_swap_in_weights_pushed_by_others(job, serve):
+    serve(job, "--learners", "2", "--lr", "1")
+    a, b = Flat(), Flat()
+    with learner.attach(a, job=job) as pa, learner.attach(b, job=job) as pb:
+        for _ in range(5):
+            a.w.grad[7] += 1.0
+            pa.step()
+        pa.flush()
+
+        def b_sees_them():
+            pb.step()  # a zero gradient: changes nothing, but lets the pull thread hand over
+            return b.w[7].item() == -5.0
+
+        wait_until(b_sees_them, what="learner b to swap in a's updates")
+        assert pb.clock >= 5
+        assert pb.pull() >= 5 and b.w[7].item() == -5.0
+
+
+def test_detached_learner_refuses_to_step(job, serve):
+    serve(job, "--learners", "1")
+    m = Flat()
+    ps = learner.attach(m, job=job)
+    ps.close()
+    with pytest.raises(learner.client.Error, match="detached"):
+        ps.step()
