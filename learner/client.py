@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+
 import torch
 
 from psd import _native

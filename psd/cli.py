@@ -31,7 +31,7 @@ def _env(flag: str, default, kind=str):
     try:
         return kind(raw)
     except ValueError:
-        raise SystemExit(f"psd: PSD_{flag.upper().replace('-', '_')}={raw!r} is not a valid {kind.__name__}")
+        raise SystemExit(f"psd: PSD_{flag.upper().replace('-', '_')}={raw!r} is not a valid {kind.__name__}") from None
 
 
 def get_args_parser() -> argparse.ArgumentParser:
