@@ -332,9 +332,9 @@ static PyObject *arena_slot_info(Arena *a, PyObject *args) {
     }
     Py_DECREF(o);
     U64(d, "state", atomic_load(&s->state));
-    U64(d, "pid", (uint32_t)s->pid);
-    U64(d, "start_time", s->start_time);
-    U64(d, "claims", s->claims);
+    U64(d, "pid", (uint32_t)PSD_LOAD_RLX(&s->pid));
+    U64(d, "start_time", PSD_LOAD_RLX(&s->start_time));
+    U64(d, "claims", PSD_LOAD_RLX(&s->claims));
     U64(d, "tail", atomic_load(&s->tail));
     U64(d, "head", atomic_load(&s->head));
     U64(d, "learner_clock", atomic_load(&s->learner_clock));

@@ -73,6 +73,9 @@ static inline float *psd_weights(const struct psd_map *m) {
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
 uint64_t psd_proc_start_time(pid_t pid); /* 0 if no such process */
 bool psd_owner_alive(pid_t pid, uint64_t start_time);
+static inline bool psd_slot_owner_alive(struct psd_slot *s) {
+    return psd_owner_alive(PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time));
+}
 
 /* sync.c: robust mutexes and futex condition variables */
 int psd_mutex_init(pthread_mutex_t *m);

@@ -174,11 +174,13 @@ struct psd_header {
 /* Per-learner control block, at the start of each slot. */
 struct psd_slot {
     /* -- ownership: written under `mutex` (and `admission` for a claim);
-     *    `state` is store-released last and load-acquired by the update loop. */
+     *    `state` is store-released last and load-acquired by the update loop.
+     *    pid, start_time and claims are also read without the mutex (relaxed),
+     *    and rechecked under it before anything is changed. */
     alignas(PSD_CACHELINE) _Atomic uint32_t state;
-    int32_t pid;
-    uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
-    uint64_t claims;     /* grows at every claim: tells reattached learners apart */
+    _Atomic int32_t pid;
+    _Atomic uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
+    _Atomic uint64_t claims;     /* grows at every claim: tells reattached learners apart */
 
     /* -- robust, process-shared; protects ownership changes and pairs with
      *    `not_full`. Initialised by the server only. */

@@ -34,9 +34,9 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *
             continue;
         if ((rc = lock_slot(m, s)) != 0)
             break;
-        s->pid = pid;
-        s->start_time = start_time;
-        s->claims++;
+        PSD_STORE_RLX(&s->pid, pid);
+        PSD_STORE_RLX(&s->start_time, start_time);
+        PSD_ADD_RLX(&s->claims, 1);
         PSD_STORE_RLX(&s->learner_clock, 0);
         PSD_STORE_RLX(&s->pulls, 0);
         PSD_STORE_RLX(&s->pulls_skipped, 0);
@@ -48,7 +48,7 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *
         /* Pairs with the load-acquire of state in the update loop and reaper. */
         PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
         *slot = i;
-        *claim = s->claims;
+        *claim = PSD_LOAD_RLX(&s->claims);
         psd_mutex_unlock(&s->mutex);
         break;
     }
@@ -57,7 +57,7 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *
 }
 
 static bool still_mine(struct psd_slot *s, uint64_t claim) {
-    return s->claims == claim && PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE;
+    return PSD_LOAD_RLX(&s->claims) == claim && PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE;
 }
 
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim) {
@@ -123,7 +123,7 @@ static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t 
             psd_cond_done(&s->not_full);
             return 0;
         }
-        int rc = s->claims == claim ? server_check(m) : PSD_ESLOT;
+        int rc = PSD_LOAD_RLX(&s->claims) == claim ? server_check(m) : PSD_ESLOT;
         uint64_t now = psd_now_ns();
         if (rc == 0 && now >= deadline)
             rc = PSD_ETIMEOUT;
@@ -154,7 +154,7 @@ static bool is_drained(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
 static bool is_freed(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
     (void)ring_k;
     /* Pairs with the store-release of FREE in free_slot (update.c). */
-    return PSD_LOAD_ACQ(&s->state) == PSD_SLOT_FREE || s->claims != claim;
+    return PSD_LOAD_ACQ(&s->state) == PSD_SLOT_FREE || PSD_LOAD_RLX(&s->claims) != claim;
 }
 
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
@@ -179,16 +179,16 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
         return 0;
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
-        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || psd_owner_alive(s->pid, s->start_time))
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || psd_slot_owner_alive(s))
             continue;
         int rc = lock_slot(m, s);
         if (rc)
             return rc;
-        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !psd_owner_alive(s->pid, s->start_time)) {
+        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !psd_slot_owner_alive(s)) {
             /* Everything it fully pushed is still applied; then the loop frees it. */
             PSD_STORE_REL(&s->state, PSD_SLOT_DRAINING);
             if (*n < max)
-                pids[(*n)++] = s->pid;
+                pids[(*n)++] = PSD_LOAD_RLX(&s->pid);
         }
         psd_mutex_unlock(&s->mutex);
     }

@@ -76,13 +76,13 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
     uint64_t tail = PSD_LOAD_ACQ(&s->tail);
     if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_DRAINING && tail == PSD_LOAD_RLX(&s->head)) {
         PSD_ADD_RLX(&h->retired_pushed, tail);
-        if (!psd_owner_alive(s->pid, s->start_time))
+        if (!psd_slot_owner_alive(s))
             PSD_ADD_RLX(&h->reclaimed, 1);
         PSD_STORE_RLX(&s->tail, 0);
         atomic_store(&s->head, 0);
         PSD_STORE_RLX(&s->not_full.waiters, 0); /* a dead waiter's announcement */
-        s->pid = 0;
-        s->start_time = 0;
+        PSD_STORE_RLX(&s->pid, 0);
+        PSD_STORE_RLX(&s->start_time, 0);
         /* Pairs with the load-acquire of state in psd_slot_claim. */
         PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
     }
