@@ -19,8 +19,12 @@
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-size_t psd_header_span(uint64_t spec_cap) {
-    return (size_t)(PSD_HEADER_SIZE + round_up(spec_cap, PSD_PAGE));
+static uint64_t ranks_bytes(uint32_t n_slots) {
+    return round_up((uint64_t)n_slots * sizeof(struct psd_rank), PSD_PAGE);
+}
+
+size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap) {
+    return (size_t)(PSD_HEADER_SIZE + ranks_bytes(n_slots) + round_up(spec_cap, PSD_PAGE));
 }
 
 int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
@@ -31,7 +35,7 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t 
         return EINVAL;
     uint64_t grad_bytes = round_up(n_params * sizeof(float), PSD_CACHELINE);
     *entry_stride = sizeof(struct psd_entry) + grad_bytes;
-    *weights_off = psd_header_span(spec_cap);
+    *weights_off = psd_header_span(n_slots, spec_cap);
     uint64_t weights_bytes = round_up(n_params * sizeof(float), PSD_PAGE);
     *slots_off = *weights_off + weights_bytes; /* optimizer state: none for sgd */
     *slot_stride = round_up(sizeof(struct psd_slot) + (uint64_t)ring_k * *entry_stride, PSD_PAGE);
@@ -53,7 +57,7 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     int rc = psd_geometry(n_slots, ring_k, spec_cap, 1, &t, &w, &so, &ss, &es);
     if (rc)
         return rc;
-    size_t size = psd_header_span(spec_cap);
+    size_t size = psd_header_span(n_slots, spec_cap);
     int fd = shm_open(shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd < 0)
         return errno;
@@ -81,7 +85,8 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     strncpy(h->psd_version, version, PSD_VERSION_LEN - 1);
     h->n_slots = n_slots;
     h->ring_k = ring_k;
-    h->spec_off = PSD_HEADER_SIZE;
+    h->ranks_off = PSD_HEADER_SIZE;
+    h->spec_off = PSD_HEADER_SIZE + ranks_bytes(n_slots);
     h->spec_cap = spec_cap;
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);

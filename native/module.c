@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "psd.h"
@@ -205,7 +206,7 @@ static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "IIKK", &n_slots, &ring_k, &spec_cap, &n_params))
         return NULL;
     if (n_params == 0)
-        return PyLong_FromSize_t(psd_header_span(spec_cap));
+        return PyLong_FromSize_t(psd_header_span(n_slots, spec_cap));
     uint64_t t, w, so, ss, es;
     int rc = psd_geometry(n_slots, ring_k, spec_cap, n_params, &t, &w, &so, &ss, &es);
     if (rc) {
@@ -309,6 +310,14 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "staleness_max", atomic_load(&h->staleness_max));
     U64(d, "reclaimed", atomic_load(&h->reclaimed));
     U64(d, "lock_recoveries", atomic_load(&h->lock_recoveries));
+    U64(d, "ranks_off", h->ranks_off);
+    U64(d, "pause_req", atomic_load(&h->pause_req));
+    U64(d, "paused", atomic_load(&h->paused));
+    U64(d, "watchdog_pid", (uint32_t)atomic_load(&h->watchdog_pid));
+    U64(d, "watchdog_start_time", atomic_load(&h->watchdog_start_time));
+    U64(d, "checkpoint_clock", atomic_load(&h->checkpoint_clock));
+    U64(d, "checkpoint_unix_ns", atomic_load(&h->checkpoint_unix_ns));
+    U64(d, "server_restarts", atomic_load(&h->server_restarts));
     U64(d, "sleeping", atomic_load(&h->sleeping));
     return d;
 }
@@ -335,6 +344,14 @@ static PyObject *arena_slot_info(Arena *a, PyObject *args) {
     U64(d, "pid", (uint32_t)PSD_LOAD_RLX(&s->pid));
     U64(d, "start_time", PSD_LOAD_RLX(&s->start_time));
     U64(d, "claims", PSD_LOAD_RLX(&s->claims));
+    PyObject *r = PyLong_FromLong(PSD_LOAD_RLX(&s->rank));
+    if (!r || PyDict_SetItemString(d, "rank", r)) {
+        Py_XDECREF(r);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(r);
+    U64(d, "waiters", atomic_load(&s->not_full.waiters));
     U64(d, "tail", atomic_load(&s->tail));
     U64(d, "head", atomic_load(&s->head));
     U64(d, "learner_clock", atomic_load(&s->learner_clock));
@@ -443,14 +460,14 @@ static PyObject *arena_wait_state(Arena *a, PyObject *args) {
 }
 
 static PyObject *arena_claim(Arena *a, PyObject *args) {
-    int pid;
+    int pid, rank = -1;
     unsigned long long start;
-    if (!PyArg_ParseTuple(args, "iK", &pid, &start) || check_open(a))
+    if (!PyArg_ParseTuple(args, "iK|i", &pid, &start, &rank) || check_open(a))
         return NULL;
     uint32_t slot = 0;
     uint64_t claim = 0;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, &slot, &claim);
+    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, rank, &slot, &claim);
     Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "claim learner slot", a->name);
     return Py_BuildValue("(IK)", slot, (unsigned long long)claim);
 }
@@ -657,6 +674,152 @@ static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *arena_pause(Arena *a, PyObject *args) {
+    int pid;
+    unsigned long long start;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iKd", &pid, &start, &timeout) || check_open(a))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_pause(&a->map, pid, start, seconds_to_ns(timeout));
+    Py_END_ALLOW_THREADS if (rc == EINTR && PyErr_CheckSignals()) return NULL;
+    if (rc)
+        return raise_code(rc, "pause the update loop", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_resume(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    psd_resume(&a->map);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_beat(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    PSD_STORE_RLX(&psd_hdr(&a->map)->heartbeat_ns, psd_now_ns());
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_identity(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    struct stat st;
+    if (check_open(a))
+        return NULL;
+    if (fstat(a->map.fd, &st) != 0)
+        return raise_code(errno, "stat arena", a->name);
+    return Py_BuildValue("(KK)", (unsigned long long)st.st_dev, (unsigned long long)st.st_ino);
+}
+
+static PyObject *arena_ranks(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    PyObject *list = PyList_New(h->n_slots);
+    if (!list)
+        return NULL;
+    for (uint32_t r = 0; r < h->n_slots; r++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&psd_rank_at(&a->map, r)->applied));
+        if (!v) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, r, v);
+    }
+    return list;
+}
+
+static PyObject *arena_restore(Arena *a, PyObject *args) {
+    unsigned long long clock, generation;
+    PyObject *ranks;
+    if (!PyArg_ParseTuple(args, "KKO", &clock, &generation, &ranks) || check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY)
+        return raise_code(PSD_ESTATE, "restore a checkpoint into a running arena", a->name);
+    PyObject *seq = PySequence_Fast(ranks, "ranks must be a sequence of ints");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t r = 0; r < n && (uint64_t)r < h->n_slots; r++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, r));
+        if (PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        PSD_STORE_RLX(&psd_rank_at(&a->map, (uint32_t)r)->applied, v);
+    }
+    Py_DECREF(seq);
+    PSD_STORE_RLX(&h->clock, clock);
+    atomic_store(&h->generation, generation);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_note_watchdog(Arena *a, PyObject *args) {
+    int pid;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "iK", &pid, &start) || check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    atomic_store(&h->watchdog_start_time, start);
+    atomic_store(&h->watchdog_pid, pid);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_note_checkpoint(Arena *a, PyObject *args) {
+    unsigned long long clock, unix_ns;
+    if (!PyArg_ParseTuple(args, "KK", &clock, &unix_ns) || check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    atomic_store(&h->checkpoint_clock, clock);
+    atomic_store(&h->checkpoint_unix_ns, unix_ns);
+    Py_RETURN_NONE;
+}
+
+/* Fault injection for tests and chaos scripts: take one of the arena's robust
+ * mutexes and keep it, so that the process can be killed while holding it. */
+static pthread_mutex_t *named_mutex(Arena *a, const char *which, unsigned int slot) {
+    if (check_open(a))
+        return NULL;
+    if (strcmp(which, "admission") == 0)
+        return &psd_hdr(&a->map)->admission;
+    if (strcmp(which, "slot") == 0 && check_slot(a, slot) == 0)
+        return &psd_slot_at(&a->map, slot)->mutex;
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "no mutex %s (use 'admission' or 'slot')", which);
+    return NULL;
+}
+
+static PyObject *arena_hold_mutex(Arena *a, PyObject *args) {
+    const char *which;
+    unsigned int slot = 0;
+    if (!PyArg_ParseTuple(args, "s|I", &which, &slot))
+        return NULL;
+    pthread_mutex_t *mu = named_mutex(a, which, slot);
+    if (!mu)
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_mutex_lock(psd_hdr(&a->map), mu);
+    Py_END_ALLOW_THREADS if (!psd_locked(rc)) return raise_code(rc, "lock", a->name);
+    return PyBool_FromLong(rc == PSD_EOWNERDEAD); /* True: taken over from a dead owner */
+}
+
+static PyObject *arena_release_mutex(Arena *a, PyObject *args) {
+    const char *which;
+    unsigned int slot = 0;
+    if (!PyArg_ParseTuple(args, "s|I", &which, &slot))
+        return NULL;
+    pthread_mutex_t *mu = named_mutex(a, which, slot);
+    if (!mu)
+        return NULL;
+    psd_mutex_unlock(mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *arena_close(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (a->exports)
@@ -718,6 +881,19 @@ static PyMethodDef arena_methods[] = {
     {"tail", (PyCFunction)arena_tail, METH_VARARGS, "tail(slot) -> the slot's producer index"},
     {"clock", (PyCFunction)arena_clock, METH_NOARGS, "The weights clock (load-acquire)."},
     {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
+    {"pause", (PyCFunction)arena_pause, METH_VARARGS,
+     "pause(pid, start_time, timeout): stop the update loop between two gradients (for a snapshot)"},
+    {"resume", (PyCFunction)arena_resume, METH_NOARGS, "Let a paused update loop go on."},
+    {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
+    {"identity", (PyCFunction)arena_identity, METH_NOARGS, "(device, inode) of the mapped object"},
+    {"ranks", (PyCFunction)arena_ranks, METH_NOARGS, "Gradients applied per learner rank."},
+    {"restore", (PyCFunction)arena_restore, METH_VARARGS,
+     "restore(clock, generation, ranks): server, before READY: continue from a checkpoint"},
+    {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
+    {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
+    {"hold_mutex", (PyCFunction)arena_hold_mutex, METH_VARARGS,
+     "hold_mutex('admission'|'slot', slot=0) -> bool: fault injection; True if a dead owner's lock was recovered"},
+    {"release_mutex", (PyCFunction)arena_release_mutex, METH_VARARGS, "release_mutex('admission'|'slot', slot=0)"},
     {"close", (PyCFunction)arena_close, METH_NOARGS, "Unmap; fails while buffers are exported."},
     {NULL, NULL, 0, NULL},
 };

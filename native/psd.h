@@ -95,7 +95,7 @@ void psd_cond_broadcast(struct psd_cond *c);
 void psd_cond_broadcast_if_waiters(struct psd_cond *c);
 
 /* arena.c */
-size_t psd_header_span(uint64_t spec_cap);
+size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap);
 int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
                  uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
                  uint64_t *slot_stride, uint64_t *entry_stride);
@@ -111,7 +111,7 @@ void psd_arena_set_state(struct psd_map *m, uint32_t state);
 int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns);
 
 /* ring.c: the learner side, and slot bookkeeping */
-int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *slot,
+int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
                    uint64_t *claim);
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss);
@@ -120,6 +120,16 @@ int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t 
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
 bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
+
+static inline struct psd_rank *psd_rank_at(const struct psd_map *m, uint32_t r) {
+    return (struct psd_rank *)(m->base + psd_hdr(m)->ranks_off) + r;
+}
+
+/* pause.c: consistent snapshots */
+int psd_pause(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t timeout_ns);
+void psd_resume(struct psd_map *m);
+bool psd_loop_should_pause(struct psd_map *m);
+void psd_loop_pause(struct psd_map *m, _Atomic int *stop);
 
 /* update.c: the server's update loop */
 struct psd_loop;

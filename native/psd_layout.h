@@ -9,6 +9,7 @@
  * Arena (one POSIX shared-memory object per job, /dev/shm/psd.<job>):
  *
  *   [0, PSD_HEADER_SIZE)            struct psd_header
+ *   [ranks_off, +n_slots lines)      struct psd_rank per learner rank (progress)
  *   [spec_off, +spec_cap)            parameter spec, JSON text (names, shapes, dtypes)
  *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned
  *   [optstate_off, +optstate_bytes)  optimizer state (empty for plain SGD)
@@ -95,6 +96,7 @@ struct psd_header {
     /* -- fixed geometry: written by the server at create, never changed */
     alignas(PSD_CACHELINE) uint32_t n_slots;
     uint32_t ring_k;        /* entries per ring, a power of two */
+    uint64_t ranks_off;     /* n_slots struct psd_rank, one per learner rank */
     uint64_t spec_off;
     uint64_t spec_cap;
     uint64_t created_unix_ns;
@@ -162,6 +164,26 @@ struct psd_header {
     alignas(PSD_CACHELINE) _Atomic uint32_t sleeping;
     struct psd_cond doorbell;
 
+    /* -- pause: a consistent snapshot. The pauser (the watchdog) writes its
+     *    pid and start time, then sets `pause_req` (seq_cst) and waits on
+     *    `pause_cond` for `paused`; the update loop, between two gradients,
+     *    sets `paused`, and waits on `pause_cond` until `pause_req` is cleared
+     *    or the pauser is dead. Nothing else writes weights meanwhile. */
+    alignas(PSD_CACHELINE) _Atomic uint32_t pause_req;
+    _Atomic uint32_t paused;
+    _Atomic int32_t pauser_pid;
+    uint32_t pad2;
+    _Atomic uint64_t pauser_start_time;
+    struct psd_cond pause_cond;
+
+    /* -- supervision: written by the watchdog; read by `psd status` and tools. */
+    alignas(PSD_CACHELINE) _Atomic int32_t watchdog_pid;
+    uint32_t pad3;
+    _Atomic uint64_t watchdog_start_time;
+    _Atomic uint64_t checkpoint_clock;   /* weights clock of the last checkpoint */
+    _Atomic uint64_t checkpoint_unix_ns; /* when it was written; 0: none yet */
+    _Atomic uint64_t server_restarts;    /* servers started on this arena after the first */
+
     /* -- admission: robust, process-shared; taken to claim a slot or offer a
      *    spec. Initialised by the server only. */
     alignas(PSD_CACHELINE) pthread_mutex_t admission;
@@ -169,6 +191,14 @@ struct psd_header {
     /* -- why the server refused an offered spec or stopped; server writes,
      *    then changes state. */
     alignas(PSD_CACHELINE) char fail_msg[PSD_MSG_LEN];
+};
+
+/* Progress of one learner rank (the PSD_RANK that `psd run` hands each
+ * learner), kept across that learner's restarts and in checkpoints. */
+struct psd_rank {
+    /* gradients of this rank applied to the weights; written only by the
+     * update loop (relaxed), or by a server restoring a checkpoint before READY. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t applied;
 };
 
 /* Per-learner control block, at the start of each slot. */
@@ -181,6 +211,7 @@ struct psd_slot {
     _Atomic int32_t pid;
     _Atomic uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
     _Atomic uint64_t claims;     /* grows at every claim: tells reattached learners apart */
+    _Atomic int32_t rank;        /* the learner's rank, or -1 */
 
     /* -- robust, process-shared; protects ownership changes and pairs with
      *    `not_full`. Initialised by the server only. */
@@ -233,6 +264,7 @@ _Static_assert(offsetof(struct psd_slot, tail) % PSD_CACHELINE == 0, "tail on it
 _Static_assert(offsetof(struct psd_slot, head) - offsetof(struct psd_slot, tail) >= PSD_CACHELINE,
                "head and tail on separate lines");
 _Static_assert(sizeof(struct psd_entry) == PSD_CACHELINE, "entry header is one line");
+_Static_assert(sizeof(struct psd_rank) == PSD_CACHELINE, "a rank is one line");
 _Static_assert(sizeof(pthread_mutex_t) <= PSD_CACHELINE, "a mutex fits its line");
 _Static_assert(sizeof(struct psd_slot) % PSD_CACHELINE == 0, "slot is whole lines");
 

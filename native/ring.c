@@ -18,7 +18,7 @@ static int lock_slot(struct psd_map *m, struct psd_slot *s) {
     return psd_locked(rc) ? 0 : rc; /* a dead previous holder is counted, nothing to repair */
 }
 
-int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *slot,
+int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
                    uint64_t *claim) {
     struct psd_header *h = psd_hdr(m);
     /* Pairs with the store-release of READY in psd_arena_set_state. */
@@ -37,6 +37,7 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, uint32_t *
         PSD_STORE_RLX(&s->pid, pid);
         PSD_STORE_RLX(&s->start_time, start_time);
         PSD_ADD_RLX(&s->claims, 1);
+        PSD_STORE_RLX(&s->rank, rank >= 0 && (uint32_t)rank < h->n_slots ? rank : -1);
         PSD_STORE_RLX(&s->learner_clock, 0);
         PSD_STORE_RLX(&s->pulls, 0);
         PSD_STORE_RLX(&s->pulls_skipped, 0);

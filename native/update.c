@@ -57,6 +57,9 @@ static void apply_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint
     PSD_ADD_RLX(&s->staleness_sum, staleness);
     atomic_max(&s->staleness_max, staleness);
     PSD_ADD_RLX(&h->applied, 1);
+    int32_t rank = PSD_LOAD_RLX(&s->rank);
+    if (rank >= 0)
+        PSD_ADD_RLX(&psd_rank_at(m, (uint32_t)rank)->applied, 1);
     PSD_ADD_RLX(&h->staleness_sum, staleness);
     atomic_max(&h->staleness_max, staleness);
     /* Pairs with the load-acquire of clock before a learner's pull. */
@@ -82,6 +85,7 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
         atomic_store(&s->head, 0);
         PSD_STORE_RLX(&s->not_full.waiters, 0); /* a dead waiter's announcement */
         PSD_STORE_RLX(&s->pid, 0);
+        PSD_STORE_RLX(&s->rank, -1);
         PSD_STORE_RLX(&s->start_time, 0);
         /* Pairs with the load-acquire of state in psd_slot_claim. */
         PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
@@ -130,6 +134,10 @@ static void *loop_main(void *arg) {
     struct psd_header *h = psd_hdr(L->m);
     uint64_t now = psd_now_ns(), last_work = now, last_beat = 0;
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
+        if (psd_loop_should_pause(L->m)) {
+            psd_loop_pause(L->m, &L->stop);
+            continue;
+        }
         uint32_t applied = round_robin(L);
         now = psd_now_ns();
         if (now - last_beat >= PSD_HEARTBEAT_NS) {
@@ -146,7 +154,7 @@ static void *loop_main(void *arg) {
         }
         uint32_t seen = atomic_load(&h->doorbell.seq);
         atomic_store(&h->sleeping, 1); /* seq_cst: the loop's half of the Dekker pair */
-        if (!any_pending(L->m) && !atomic_load(&L->stop))
+        if (!any_pending(L->m) && !atomic_load(&L->stop) && !psd_loop_should_pause(L->m))
             psd_cond_wait(&h->doorbell, seen, PSD_HEARTBEAT_NS * 5);
         atomic_store(&h->sleeping, 0);
         PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns());

@@ -137,12 +137,12 @@ static void test_rings(void) {
     pid_t me = getpid();
     for (int i = 0; i < SLOTS; i++) {
         memset(&prods[i], 0, sizeof prods[i]);
-        rc = psd_slot_claim(&map, me, psd_proc_start_time(me), &prods[i].slot, &prods[i].claim);
+        rc = psd_slot_claim(&map, me, psd_proc_start_time(me), i, &prods[i].slot, &prods[i].claim);
         CHECK(rc == 0, "claim %d: %s", i, psd_strerror(rc));
     }
     uint32_t extra;
     uint64_t extra_claim;
-    rc = psd_slot_claim(&map, me, psd_proc_start_time(me), &extra, &extra_claim);
+    rc = psd_slot_claim(&map, me, psd_proc_start_time(me), -1, &extra, &extra_claim);
     CHECK(rc == PSD_ENOSLOT, "claim beyond the slots gave %d", rc);
     for (int i = 0; i < SLOTS; i++)
         pthread_create(&prods[i].thread, NULL, produce, &prods[i]);
@@ -168,6 +168,8 @@ static void test_rings(void) {
     CHECK(atomic_load(&h->retired_pushed) == SLOTS * PUSHES, "retired %llu",
           (unsigned long long)atomic_load(&h->retired_pushed));
     CHECK(atomic_load(&h->clock) == SLOTS * PUSHES, "clock");
+    for (int i = 0; i < SLOTS; i++)
+        CHECK(atomic_load(&psd_rank_at(&map, (uint32_t)i)->applied) == PUSHES, "rank %d progress", i);
 }
 
 int main(void) {

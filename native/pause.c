@@ -1,0 +1,77 @@
+/*
+ * pause.c -- stopping the update loop between two gradients, for a consistent
+ * snapshot (a checkpoint) taken while learners keep pushing.
+ *
+ * Only the watchdog pauses. If it dies while the loop is paused, the loop
+ * notices (pid + start time) and resumes by itself, so a dead pauser can never
+ * stall training.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+
+#include "psd.h"
+
+#define PAUSE_SLICE_NS (20ull * 1000 * 1000)
+
+bool psd_loop_should_pause(struct psd_map *m) {
+    /* Pairs with the seq_cst store of pause_req in psd_pause. */
+    return atomic_load_explicit(&psd_hdr(m)->pause_req, memory_order_acquire) != 0;
+}
+
+void psd_loop_pause(struct psd_map *m, _Atomic int *stop) {
+    struct psd_header *h = psd_hdr(m);
+    atomic_store(&h->paused, 1); /* read by the pauser in psd_pause */
+    psd_cond_broadcast(&h->pause_cond);
+    while (!atomic_load(stop)) {
+        uint32_t seen = psd_cond_prepare(&h->pause_cond);
+        if (!atomic_load(&h->pause_req)) {
+            psd_cond_done(&h->pause_cond);
+            break;
+        }
+        if (!psd_owner_alive(atomic_load(&h->pauser_pid), atomic_load(&h->pauser_start_time))) {
+            atomic_store(&h->pause_req, 0); /* the pauser died mid-snapshot */
+            psd_cond_done(&h->pause_cond);
+            break;
+        }
+        psd_cond_wait(&h->pause_cond, seen, PAUSE_SLICE_NS);
+        psd_cond_done(&h->pause_cond);
+        PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* paused is not hung */
+    }
+    atomic_store(&h->paused, 0);
+}
+
+int psd_pause(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t timeout_ns) {
+    struct psd_header *h = psd_hdr(m);
+    atomic_store(&h->pauser_pid, pid);
+    atomic_store(&h->pauser_start_time, start_time);
+    atomic_store(&h->pause_req, 1); /* pairs with psd_loop_should_pause */
+    psd_cond_broadcast(&h->doorbell); /* a sleeping loop wakes up to pause */
+    uint64_t deadline = psd_now_ns() + timeout_ns;
+    for (;;) {
+        uint32_t seen = psd_cond_prepare(&h->pause_cond);
+        /* Paused, or nobody is running the loop: either way nothing writes the weights. */
+        if (atomic_load(&h->paused) || PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY || !psd_server_alive(m, 0)) {
+            psd_cond_done(&h->pause_cond);
+            return 0;
+        }
+        uint64_t now = psd_now_ns();
+        if (now >= deadline) {
+            psd_cond_done(&h->pause_cond);
+            psd_resume(m);
+            return PSD_ETIMEOUT;
+        }
+        uint64_t left = deadline - now;
+        int rc = psd_cond_wait(&h->pause_cond, seen, left < PAUSE_SLICE_NS ? left : PAUSE_SLICE_NS);
+        psd_cond_done(&h->pause_cond);
+        if (rc == EINTR) {
+            psd_resume(m);
+            return EINTR;
+        }
+    }
+}
+
+void psd_resume(struct psd_map *m) {
+    struct psd_header *h = psd_hdr(m);
+    atomic_store(&h->pause_req, 0);
+    psd_cond_broadcast(&h->pause_cond);
+}
