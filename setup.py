@@ -21,7 +21,7 @@ native = Extension(
 )
 
 setup(
-    packages=["psd", "psd.learner"],
-    package_dir={"psd": "psd", "psd.learner": "learner"},
+    packages=["psd", "psd.learner", "psd.watchdog"],
+    package_dir={"psd": "psd", "psd.learner": "learner", "psd.watchdog": "watchdog"},
     ext_modules=[native],
 )

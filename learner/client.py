@@ -12,17 +12,21 @@ under it. Both hand-offs are queues of one, as in GaDei.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
+import time
 
 import torch
 
 from psd import _native
-from psd.arena import ParamSpec, decode_spec, default_job, encode_spec, first_difference, open_job
-from psd.errors import ArenaBusy, Error, NoFreeSlot, OutOfSharedMemory, SpecError, StateError, Timeout
+from psd.arena import ParamSpec, decode_spec, default_job, encode_spec, first_difference, open_job, shm_path
+from psd.errors import ArenaBusy, Error, NoFreeSlot, OutOfSharedMemory, ServerGone, SpecError, StateError, Timeout
 
 __all__ = ["Learner", "attach", "pull_state_dict"]
+
+log = logging.getLogger("psd.learner")
 
 
 def _spec_of(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.nn.Parameter]]:
@@ -99,35 +103,55 @@ class Learner:
     """A model attached to a psd job. Use ``attach()``; call ``step()`` after each backward pass."""
 
     def __init__(self, model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
-                 slot_timeout: float = 0.0) -> None:
+                 slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0) -> None:
         self.job = job or default_job()
         self.model = model
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.rank = _default_rank() if rank is None else rank
         spec, params = _spec_of(model)
         self._spec, self._params = spec, params
         self.n_params = n = sum(p.numel for p in spec)
+        # Two private weight buffers: the model trains on `front`; the pull thread fills `back`.
+        self._front = torch.empty(n, dtype=torch.float32)
+        self._back = torch.empty(n, dtype=torch.float32)
+        self._front_views = _views(self._front, spec)
+        self._back_views = _views(self._back, spec)
+        self.pushed = 0
+        self.reconnects = 0
+        self._closing = False
+        self._cv = threading.Condition()
+        self._puller: threading.Thread | None = None
+        self._connect(slot_timeout)
+
+    # -- connecting ---------------------------------------------------------
+
+    def _connect(self, slot_timeout: float) -> None:
+        """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
         arena = open_job(self.job)
-        self._arena = arena
         try:
             if arena.state != _native.ARENA_READY:
-                _wait_ready(arena, self.job, spec, n, params, timeout)
+                _wait_ready(arena, self.job, self._spec, self.n_params, self._params, self.timeout)
             arena.remap()
-            theirs = decode_spec(arena.spec())
-            mismatch = first_difference(self.job, spec, theirs)
+            mismatch = first_difference(self.job, self._spec, decode_spec(arena.spec()))
             if mismatch:
                 raise mismatch
+            self._arena = arena
             self._claim(slot_timeout)
         except BaseException:
             arena.close()
             raise
-        self._setup_buffers()
+        self._identity = arena.identity()
+        self._generation = arena.generation()
+        self.resume_step = self._rank_progress()
+        self._map_buffers()
 
     def _claim(self, slot_timeout: float) -> None:
         me = os.getpid()
         deadline = _Deadline(slot_timeout)
         while True:
             try:
-                self.slot, self._claim_token = self._arena.claim(me, _native.proc_start_time(me))
+                self.slot, self._claim_token = self._arena.claim(me, _native.proc_start_time(me), self.rank)
                 break
             except NoFreeSlot:
                 if deadline.expired():
@@ -144,7 +168,32 @@ class Learner:
             except StateError:
                 raise Error(f"job {self.job!r} is not accepting learners (state {self._arena.state})") from None
 
-    def _setup_buffers(self) -> None:
+    def _rank_progress(self) -> int:
+        """Gradients this rank had applied before this attach (0 without a rank).
+
+        A restarted learner's earlier incarnation may still be draining; its
+        gradients count once they are applied, so wait for that first.
+        """
+        if self.rank < 0:
+            return 0
+        a = self._arena
+        deadline = _Deadline(self.timeout)
+
+        def predecessor_busy() -> bool:
+            for i in range(a.header()["n_slots"]):
+                s = a.slot_info(i)
+                if i != self.slot and s["rank"] == self.rank and s["state"] != _native.SLOT_FREE:
+                    return True
+            return False
+
+        while predecessor_busy():
+            if deadline.expired():
+                raise Timeout(f"job {self.job!r}: another learner with rank {self.rank} is still attached; "
+                              f"give each learner its own rank (PSD_RANK)")
+            a.wait_state(_native.ARENA_READY, 0.02)  # a slot frees without a signal of its own
+        return a.ranks()[self.rank] if self.rank < len(a.ranks()) else 0
+
+    def _map_buffers(self) -> None:
         a, n, spec = self._arena, self.n_params, self._spec
         h = a.header()
         self._k = h["ring_k"]
@@ -154,29 +203,83 @@ class Learner:
             for k in range(self._k)
         ]
         self._entry_views = [_views(e, spec) for e in self._entries]
-        # Two private weight buffers: the model trains on `front`; the pull thread fills `back`.
-        self._front = torch.empty(n, dtype=torch.float32)
-        self._back = torch.empty(n, dtype=torch.float32)
         self.clock = a.clock()
         self._front.copy_(self._weights)
-        self._front_views = _views(self._front, spec)
-        self._back_views = _views(self._back, spec)
         with torch.no_grad():
             for p, v in zip(self._params, self._front_views, strict=True):
                 p.data = v
-        self.pushed = 0
         self._tail = a.tail(self.slot)
         self._arm_entry()
         # Pull thread hand-off (a queue of one): `_want` asks for a pull; `_fresh`
         # says `back` holds newer weights that step() has not swapped in yet.
-        self._cv = threading.Condition()
         self._want = False
         self._fresh = False
+        self._stop_pull = False
         self._back_clock = self.clock
-        self._closing = False
         self._pull_error: BaseException | None = None
         self._puller = threading.Thread(target=self._pull_loop, name=f"psd-pull-{self.job}", daemon=True)
         self._puller.start()
+
+    def _unmap(self) -> None:
+        """Drop every tensor over the arena, stop the pull thread, unmap."""
+        with self._cv:
+            self._stop_pull = True
+            self._cv.notify()
+        if self._puller is not None:
+            self._puller.join()
+        for p in self._params:
+            p.grad = None
+        self._weights = self._entries = self._entry_views = None
+        try:
+            self._arena.close()
+        except ArenaBusy:
+            pass  # the user still holds a tensor over the arena; it unmaps when that goes
+
+    def _await_server(self, cause: Error) -> None:
+        """The server died: wait for its successor, on this arena or (after a loss) on a new one."""
+        log.warning("job %r: %s; waiting up to %g s for the server to come back", self.job, cause,
+                    self.reconnect_timeout)
+        deadline = _Deadline(self.reconnect_timeout)
+        path = shm_path(self.job)
+        while not deadline.expired():
+            try:
+                st = os.stat(path)
+                ident = (st.st_dev, st.st_ino)
+            except FileNotFoundError:
+                ident = None
+            if ident is not None and ident == self._identity:
+                if self._arena.server_alive():
+                    log.warning("job %r: server is back (generation %d)", self.job, self._arena.generation())
+                    self.reconnects += 1
+                    return
+            elif ident is not None:  # the arena was lost; a server started over from a checkpoint
+                if self._identity is not None:
+                    self._unmap()
+                    self._identity = None
+                try:
+                    self._connect(slot_timeout=self.timeout)
+                except Error as e:
+                    log.warning("job %r: cannot attach to the new arena yet: %s", self.job, e)
+                else:
+                    log.warning("job %r: attached to the restarted job (clock %d)", self.job, self.clock)
+                    self.reconnects += 1
+                    return
+            # Nothing in shared memory announces a new server: recheck every 50 ms.
+            time.sleep(0.05)
+        raise ServerGone(f"the server of job {self.job!r} did not come back within {self.reconnect_timeout:g} s "
+                         f"({cause}); check its watchdog (`psd status --job {self.job}`) or restart it with "
+                         f"`psd serve --job {self.job} --resume`") from cause
+
+    def _with_server(self, call, *args):
+        """Run an arena wait; if the server dies meanwhile, wait for it to come back and retry."""
+        while True:
+            try:
+                return call(*args)
+            except ServerGone as e:
+                before = self._identity
+                self._await_server(e)
+                if self._identity != before:
+                    return None  # a new arena: the old ring and what was in it are gone
 
     # -- gradients ----------------------------------------------------------
 
@@ -202,6 +305,7 @@ class Learner:
 
         Gradients are zeroed for the next mini-batch (as ``zero_grad(set_to_none=False)``), so do
         not call ``zero_grad()`` yourself. ``loss`` and ``batch_size`` are recorded with the gradient.
+        If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
@@ -214,9 +318,15 @@ class Learner:
         self._tail += 1
         self.pushed += 1
         if not a.has_space(self.slot):
-            a.wait_space(self.slot, self._claim_token, self.timeout)
+            self._with_server(self._arena.wait_space, self.slot, self._claim_token, self.timeout)
+            if self._arena is not a:
+                return  # reattached to a new arena: buffers are armed and weights pulled
         self._arm_entry()
+        gen = a.generation()
         with self._cv:
+            if gen != self._generation:  # a new server took over: its weights are what counts
+                self._generation = gen
+                self._fresh = False
             if self._fresh:
                 self._swap_in()
             self._want = True
@@ -234,22 +344,23 @@ class Learner:
         self._fresh = False
 
     def _pull_loop(self) -> None:
-        a = self._arena
+        a, slot, weights = self._arena, self.slot, self._weights
         try:
             while True:
                 with self._cv:
-                    while not self._closing and not (self._want and not self._fresh):
+                    while not self._stop_pull and not (self._want and not self._fresh):
                         self._cv.wait()
-                    if self._closing:
+                    if self._stop_pull:
                         return
                     self._want = False
                     current = self.clock
+                    back = self._back
                 clock = a.clock()
                 if clock == current:
-                    a.note_pull(self.slot, clock, True)
+                    a.note_pull(slot, clock, True)
                     continue
-                self._back.copy_(self._weights)  # releases the GIL
-                a.note_pull(self.slot, clock, False)
+                back.copy_(weights)  # releases the GIL
+                a.note_pull(slot, clock, False)
                 with self._cv:
                     self._back_clock = clock
                     self._fresh = True
@@ -268,7 +379,8 @@ class Learner:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the server has applied every gradient this learner pushed."""
-        self._arena.wait_drained(self.slot, self._claim_token, self.timeout if timeout is None else timeout)
+        self._with_server(self._arena.wait_drained, self.slot, self._claim_token,
+                          self.timeout if timeout is None else timeout)
 
     # -- detaching ----------------------------------------------------------
 
@@ -276,25 +388,17 @@ class Learner:
         """Detach: wait for pushed gradients to be applied (if ``flush``), free the slot, unmap."""
         if self._closing:
             return
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
-        self._puller.join()
-        a = self._arena
+        self._closing = True
+        if self._identity is None:
+            return  # lost with its arena (see _await_server), nothing left to release
         try:
             if flush:
                 self.flush()
-            a.release(self.slot, self._claim_token)
+            self._arena.release(self.slot, self._claim_token)
             if flush:  # the slot is usable by the next learner when close() returns
-                a.wait_freed(self.slot, self._claim_token, self.timeout)
+                self._with_server(self._arena.wait_freed, self.slot, self._claim_token, self.timeout)
         finally:
-            for p in self._params:
-                p.grad = None
-            del self._weights, self._entries, self._entry_views
-            try:
-                a.close()
-            except ArenaBusy:
-                pass  # the user still holds a tensor over the arena; it unmaps when that goes
+            self._unmap()
 
     def __enter__(self) -> Learner:
         return self
@@ -307,17 +411,30 @@ class Learner:
         return f"<psd.learner.Learner job={self.job!r} slot={self.slot} pushed={self.pushed} clock={self.clock}>"
 
 
+def _default_rank() -> int:
+    raw = os.environ.get("PSD_RANK")
+    try:
+        return int(raw) if raw is not None else -1
+    except ValueError:
+        raise Error(f"PSD_RANK={raw!r} is not a whole number") from None
+
+
 def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
-           slot_timeout: float = 0.0) -> Learner:
+           slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0) -> Learner:
     """Attach ``model`` to the psd job ``job`` (default: $PSD_JOB, else ``default``).
 
     Claims a learner slot and pulls the job's current weights into the model. If
     the job has no model yet, this model's parameter names, shapes and values
     become the job's. ``timeout`` bounds every wait on the server;
     ``slot_timeout`` is how long to wait for a free slot when all are taken.
+    ``rank`` (default: $PSD_RANK, which ``psd run`` sets) names this learner's
+    place in the job: ``resume_step`` then says how many of its gradients were
+    already applied, so a restarted learner can skip them. If the server dies,
+    steps wait up to ``reconnect_timeout`` seconds for the watchdog's new one.
     Use as a context manager, and call ``step()`` where ``optimizer.step()`` was.
     """
-    return Learner(model, job, timeout=timeout, slot_timeout=slot_timeout)
+    return Learner(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
+                   reconnect_timeout=reconnect_timeout)
 
 
 def pull_state_dict(job: str | None = None) -> dict[str, torch.Tensor]:

@@ -572,6 +572,8 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     atomic_store(&h->server_pid, pid);
     /* Pairs with the learners' load of generation: a new server is visible. */
     uint64_t gen = atomic_fetch_add(&h->generation, 1) + 1;
+    if (gen > 1)
+        atomic_fetch_add(&h->server_restarts, 1);
     return PyLong_FromUnsignedLongLong(gen);
 }
 
@@ -661,6 +663,13 @@ static PyObject *arena_clock(Arena *a, PyObject *noargs) {
     /* Pairs with the store-release of clock in apply_entry: weights copied
      * after this load are at least this fresh. */
     return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock));
+}
+
+static PyObject *arena_generation(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load(&psd_hdr(&a->map)->generation));
 }
 
 static PyObject *arena_note_pull(Arena *a, PyObject *args) {
@@ -880,6 +889,7 @@ static PyMethodDef arena_methods[] = {
     {"grad_offset", (PyCFunction)arena_grad_offset, METH_VARARGS, "grad_offset(slot, k) -> byte offset"},
     {"tail", (PyCFunction)arena_tail, METH_VARARGS, "tail(slot) -> the slot's producer index"},
     {"clock", (PyCFunction)arena_clock, METH_NOARGS, "The weights clock (load-acquire)."},
+    {"generation", (PyCFunction)arena_generation, METH_NOARGS, "Servers started on this arena so far."},
     {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
     {"pause", (PyCFunction)arena_pause, METH_VARARGS,
      "pause(pid, start_time, timeout): stop the update loop between two gradients (for a snapshot)"},

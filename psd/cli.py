@@ -1,4 +1,4 @@
-"""The ``psd`` command line: ``psd serve``, ``psd status``, ``psd clean``.
+"""The ``psd`` command line: ``psd serve``, ``psd run``, ``psd status``, ``psd clean``.
 
 Shape follows torch's distributed/run.py: get_args_parser() -> parse_args()
 -> a config object -> run(config). Every flag can also come from a
@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from psd import __version__, _native
 from psd.arena import default_job, list_jobs, open_job, shm_name, shm_path
@@ -40,10 +41,38 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"psd {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    s = sub.add_parser("serve", help="run a job's server", description=(
+    s = sub.add_parser("serve", help="run a job's server under a watchdog", description=(
         "Create the job's arena in /dev/shm and apply the gradients its learners push. "
-        "The model comes from the first learner to attach, or from --init. Stop with Ctrl-C or SIGTERM; "
-        "the arena is removed on a clean stop."))
+        "The model comes from the first learner to attach, from --init, or from a checkpoint (--resume). "
+        "A watchdog restarts the server if it dies or hangs and writes checkpoints. Stop with Ctrl-C or "
+        "SIGTERM: a last checkpoint is written and the arena removed. SIGUSR1 asks for a checkpoint now."))
+    _serve_flags(s)
+    s.add_argument("--no-watchdog", action="store_true",
+                   help="run the bare server in this process, without restarts or checkpoints")
+    s.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+
+    r = sub.add_parser("run", help="launch a whole job: watchdog, server and N learners (like torchrun)",
+                       description="Start the watchdog and server, then N copies of COMMAND as learners "
+                       "(PSD_JOB, PSD_RANK, PSD_WORLD tell each its job and rank). A learner that dies is "
+                       "restarted alone; so is the server. Exits with the learners' status.",
+                       usage="psd run --learners N [serve options] -- COMMAND [ARGS...]")
+    _serve_flags(r)
+    r.add_argument("--max-restarts", type=int, default=_env("max-restarts", 5, int),
+                   help="restarts allowed per learner before the job fails (default: %(default)s)")
+    r.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    r.add_argument("learner_command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the learner command, after --")
+
+    st = sub.add_parser("status", help="show a job's counters and learners, read from its arena")
+    st.add_argument("--job", default=_env("job", None), help="job name (default: every job)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+
+    c = sub.add_parser("clean", help="remove arenas whose server is dead")
+    c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    return p
+
+
+def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
     s.add_argument("--learners", type=int, default=_env("learners", 8, int),
                    help="learner slots: how many learners may attach at once (default: %(default)s)")
@@ -57,44 +86,85 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="how long the update loop spins for more work before sleeping (default: %(default)s)")
     s.add_argument("--init", default=_env("init", None),
                    help="start from these weights (.safetensors) instead of the first learner's")
-    s.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    s.add_argument("--resume", nargs="?", const="", default=_env("resume", None), metavar="DIR",
+                   help="start from the newest valid checkpoint in DIR (default: the checkpoint dir)")
+    s.add_argument("--checkpoint-dir", default=_env("checkpoint-dir", None),
+                   help="where checkpoints go (default: the --resume DIR, else ~/.local/state/psd/checkpoints/JOB)")
+    s.add_argument("--checkpoint-every", type=float, default=_env("checkpoint-every", 60.0, float),
+                   help="seconds between checkpoints; 0: only on demand and at stop (default: %(default)s)")
+    s.add_argument("--keep", type=int, default=_env("keep", 3, int),
+                   help="checkpoints to keep (default: %(default)s)")
+    s.add_argument("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout", 2.0, float),
+                   help="restart a server whose heartbeat is older than this, in seconds (default: %(default)s)")
 
-    st = sub.add_parser("status", help="show a job's counters and learners, read from its arena")
-    st.add_argument("--job", default=_env("job", None), help="job name (default: every job)")
-    st.add_argument("--json", action="store_true", help="machine-readable output")
 
-    c = sub.add_parser("clean", help="remove arenas whose server is dead")
-    c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    return p
+def _watchdog_config(args: argparse.Namespace):
+    from psd.watchdog.supervisor import WatchdogConfig
+
+    ckpt_dir = args.checkpoint_dir or args.resume or None
+    serve = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, slots=args.slots,
+                        threads=args.threads, spin_us=args.spin_us, init=args.init,
+                        resume=None if args.resume is None else (ckpt_dir or ""))
+    try:
+        serve.validate()
+        if args.keep < 1:
+            raise ValueError(f"--keep must be 1 or more, not {args.keep}")
+        if args.heartbeat_timeout <= 0 or args.checkpoint_every < 0:
+            raise ValueError("--heartbeat-timeout must be positive and --checkpoint-every 0 or more")
+    except ValueError as e:
+        raise SystemExit(f"psd {args.command}: {e}") from None
+    cfg = WatchdogConfig(serve, Path(ckpt_dir) if ckpt_dir else None, args.checkpoint_every, args.keep,
+                         args.heartbeat_timeout)
+    if serve.resume == "":
+        serve.resume = str(cfg.ckpt_dir)
+    return cfg
+
+
+def _logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format=f"%(asctime)s psd {args.command}[%(process)d]: %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s psd serve: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
-    cfg = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, slots=args.slots,
-                      threads=args.threads, spin_us=args.spin_us, init=args.init)
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise SystemExit(f"psd serve: {e}") from None
-    return run(cfg)
+    _logging(args)
+    cfg = _watchdog_config(args)
+    if args.no_watchdog:
+        return serve_bare(cfg.serve)
+    from psd.watchdog.supervisor import serve_forever
+
+    return serve_forever(cfg)
 
 
-def run(cfg: ServeConfig) -> int:
-    """Serve ``cfg`` until SIGINT or SIGTERM."""
+def _run(args: argparse.Namespace) -> int:
+    from psd.watchdog.launcher import Launcher
+
+    _logging(args)
+    command = args.learner_command[1:] if args.learner_command[:1] == ["--"] else args.learner_command
+    if not command:
+        raise SystemExit("psd run: give the learner command after --, e.g. "
+                         "`psd run --learners 4 -- python train.py`")
+    return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts).run()
+
+
+def serve_bare(cfg: ServeConfig) -> int:
+    """The server alone (what the watchdog runs): until SIGINT/SIGTERM, or SIGUSR2 to hand over."""
     stop = threading.Event()
+    handover = threading.Event()
 
     def on_signal(signum, frame):
+        if signum == signal.SIGUSR2:
+            handover.set()
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, on_signal)
     server = Server(cfg)
     try:
         server.start()
         server.run(stop)
     finally:
-        server.stop()
+        server.stop(remove=not handover.is_set())
     return 0
 
 
@@ -203,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``psd`` command."""
     args = get_args_parser().parse_args(argv)
     try:
-        return {"serve": _serve, "status": _status, "clean": _clean}[args.command](args)
+        return {"serve": _serve, "run": _run, "status": _status, "clean": _clean}[args.command](args)
     except Error as e:
         print(f"psd {args.command}: {e}", file=sys.stderr)
         return 1

@@ -4,8 +4,14 @@ The server creates the arena, learns the model's parameter spec (from the first
 learner to attach, or from an initial-weights file), grows the arena to hold
 the weights and one ring per learner slot, starts the update loop, notices
 learners that died and lets the loop drain and free their slots, and removes
-the arena on a clean stop. It is the only role that creates, grows or removes
-an arena; learners only attach.
+the arena on a clean stop. It is the only role that creates, grows, repairs or
+removes an arena; learners only attach.
+
+A server that finds the arena of a dead server for its job takes it over:
+the rings are as the dead server left them, so nothing a learner pushed is
+lost (only the one gradient being applied at the moment of the crash may be
+applied twice, partly). With ``resume`` it starts a job whose arena is gone or
+damaged from the newest valid checkpoint instead.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from psd.arena import (
     shm_name,
     shm_path,
 )
-from psd.errors import Error, OutOfSharedMemory, SpecError
+from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 
 __all__ = ["ServeConfig", "Server", "auto_threads"]
 
@@ -55,6 +61,7 @@ class ServeConfig:
     threads: int = 0
     spin_us: int = 50
     init: str | None = None
+    resume: str | None = None
     poll_interval: float = 0.1
 
     def validate(self) -> None:
@@ -103,50 +110,93 @@ class Server:
     # -- life cycle ---------------------------------------------------------
 
     def start(self) -> None:
-        """Create the arena (and, given initial weights, make it ready at once)."""
+        """Create the arena, or take over the one a dead server left; load initial weights if given."""
         cfg = self.config
-        name = shm_name(cfg.job)
-        spec = tensors = None
+        spec = tensors = ckpt = None
         if cfg.init:
             spec, tensors = _load_initial_weights(cfg.init)
-        check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, 0), f"job {cfg.job!r}")
-        if spec is not None:
-            n = sum(p.numel for p in spec)
-            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n), f"job {cfg.job!r}")
         try:
-            self.arena = _native.create(name, 0o600, cfg.learners, cfg.slots, SPEC_CAPACITY, __version__)
-        except FileExistsError:
-            raise self._existing_job_error() from None
+            self.arena = _native.open(shm_name(cfg.job))
+        except FileNotFoundError:
+            pass
+        except (ArenaCorrupt, VersionMismatch) as e:
+            if not cfg.resume:
+                raise Error(f"{shm_path(cfg.job)} cannot be used ({e}); remove it with `psd clean`, or start "
+                            f"with --resume DIR to continue from the last checkpoint") from None
+            log.warning("job %r: the arena is damaged (%s); starting over from the last checkpoint", cfg.job, e)
+            _native.unlink(shm_name(cfg.job))
+        if self.arena is not None:
+            self._take_over(spec)
+        else:
+            if cfg.resume and spec is None:
+                ckpt = self._latest_checkpoint()
+                if ckpt is not None:
+                    spec, tensors = ckpt.spec, ckpt.weights
+            self._create(spec)
         me = os.getpid()
         self.generation = self.arena.become_server(
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
         log.info(
-            "job %r: arena %s, %d learner slots x %d ring entries, lr %g, %d update thread(s)",
-            cfg.job, shm_path(cfg.job), cfg.learners, cfg.slots, cfg.lr, self.threads,
+            "job %r: arena %s, %d learner slots x %d ring entries, lr %g, %d update thread(s), generation %d",
+            cfg.job, shm_path(cfg.job), cfg.learners, cfg.slots, cfg.lr, self.threads, self.generation,
         )
-        if spec is not None:
-            self._load_weights(spec, tensors)
-        else:
+        if spec is not None and self.arena.state == _native.ARENA_WAITING_SPEC:
+            self._load_weights(spec, tensors, ckpt)
+        elif self.arena.state == _native.ARENA_WAITING_SPEC:
             log.info("job %r: waiting for the first learner to bring its model", cfg.job)
 
-    def _existing_job_error(self) -> Error:
-        job = self.config.job
+    def _create(self, spec: list[ParamSpec] | None) -> None:
+        cfg = self.config
+        check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, 0), f"job {cfg.job!r}")
+        if spec is not None:
+            n = sum(p.numel for p in spec)
+            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n), f"job {cfg.job!r}")
         try:
-            old = _native.open(shm_name(job))
-        except Error as e:
-            return Error(f"{shm_path(job)} exists but cannot be used ({e}); remove it with `psd clean`")
-        try:
-            pid = old.header()["server_pid"]
-            if old.server_alive():
-                return Error(f"job {job!r} already has a running server (pid {pid}); stop it first, "
-                             f"or choose another --job")
-            return Error(f"job {job!r} has an arena left by a server that died (pid {pid}); remove it "
-                         f"with `psd clean`, then start again")
-        finally:
-            old.close()
+            self.arena = _native.create(shm_name(cfg.job), 0o600, cfg.learners, cfg.slots, SPEC_CAPACITY,
+                                        __version__)
+        except FileExistsError:  # another server won the race to create it
+            raise Error(f"job {cfg.job!r} was just started by another server; stop it first, "
+                        f"or choose another --job") from None
 
-    def _load_weights(self, spec: list[ParamSpec], tensors: dict) -> None:
+    def _latest_checkpoint(self):
+        from psd.watchdog import checkpoint
+
+        ckpt = checkpoint.latest(self.config.resume)
+        if ckpt is None:
+            log.warning("job %r: no valid checkpoint in %s; starting without one", self.config.job,
+                        self.config.resume)
+        else:
+            log.info("job %r: resuming from %s (clock %d)", self.config.job, ckpt.path, ckpt.clock)
+        return ckpt
+
+    def _take_over(self, spec: list[ParamSpec] | None) -> None:
+        """Recover the arena of a dead server: same geometry, same model, rings as they are."""
+        cfg, a = self.config, self.arena
+        h = a.header()
+        try:
+            if a.server_alive():
+                raise Error(f"job {cfg.job!r} already has a running server (pid {h['server_pid']}); stop it "
+                            f"first, or choose another --job")
+            if (h["n_slots"], h["ring_k"]) != (cfg.learners, cfg.slots):
+                raise Error(f"job {cfg.job!r} has an arena left by a dead server (pid {h['server_pid']}) made for "
+                            f"--learners {h['n_slots']} --slots {h['ring_k']}; start with those to recover it, or "
+                            f"remove it with `psd clean`")
+            if spec is not None and h["state"] >= _native.ARENA_INIT_WEIGHTS and \
+                    encode_spec(spec)[1] != h["spec_hash"]:
+                raise Error(f"job {cfg.job!r} has an arena left by a dead server with another model than "
+                            f"{cfg.init}; remove it with `psd clean` to start over")
+            a.remap()
+        except BaseException:
+            a.close()
+            self.arena = None
+            raise
+        if h["state"] == _native.ARENA_STOPPED:  # the dead server was stopping: go on where it stopped
+            a.set_state(_native.ARENA_READY if h["n_params"] and h["weights_off"] else _native.ARENA_WAITING_SPEC)
+        log.warning("job %r: taking over the arena of dead server pid %d (clock %d, %d gradients pending)",
+                    cfg.job, h["server_pid"], h["clock"], a.counters()["pending"])
+
+    def _load_weights(self, spec: list[ParamSpec], tensors: dict, ckpt=None) -> None:
         import torch
 
         data, digest = encode_spec(spec)
@@ -161,9 +211,12 @@ class Server:
             w[off:off + p.numel].copy_(tensors[p.name].reshape(-1))
             off += p.numel
         del w
+        if ckpt is not None:
+            self.generation = max(ckpt.generation + 1, self.generation)
+            self.arena.restore(ckpt.clock, self.generation, ckpt.ranks)
         self.arena.set_state(_native.ARENA_READY)
         log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, n, len(spec),
-                 self.config.init)
+                 ckpt.path if ckpt is not None else self.config.init)
 
     def poll(self) -> None:
         """One supervision tick: admit a spec, start the loop, reap dead learners."""
@@ -178,7 +231,9 @@ class Server:
                             f"learner pid {h['offer_pid']} died before writing its initial weights")
                 log.warning("job %r: learner pid %d died before writing its initial weights; waiting for "
                             "another", self.config.job, h["offer_pid"])
-        elif st == _native.ARENA_READY:
+        if not self._loop_running:
+            a.beat()  # the update loop beats once it runs; until then, this thread does
+        if st == _native.ARENA_READY:
             if not self._loop_running:
                 a.start_loop()
                 self._loop_running = True
@@ -227,14 +282,23 @@ class Server:
             self.poll()
             stop.wait(self.config.poll_interval)
 
-    def stop(self) -> None:
-        """Stop the update loop, mark the arena stopped, and remove it."""
+    def stop(self, remove: bool = True) -> None:
+        """Stop the update loop, mark the arena stopped, and remove it.
+
+        With ``remove=False`` (a hand-over), leave the arena as it is for the
+        next server to take over; learners wait for that one.
+        """
         if self._stopped or self.arena is None:
             return
         self._stopped = True
         a = self.arena
         a.stop_loop()
         c = a.counters()
+        if not remove:
+            a.close()
+            log.info("job %r: server handing over; the arena stays for its successor (clock %d, %d pending)",
+                     self.config.job, c["clock"], c["pending"])
+            return
         a.set_state(_native.ARENA_STOPPED, "the server stopped")
         try:
             _native.unlink(a.name)

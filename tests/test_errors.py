@@ -116,7 +116,8 @@ def test_not_enough_shared_memory_for_a_learners_model(job, serve):
 def test_second_server_for_a_running_job(job, serve):
     s = serve(job, "--learners", "1")
     r = psd_cli("serve", "--job", job)
-    assert r.returncode == 1 and f"already has a running server (pid {s.proc.pid})" in r.stderr
+    assert r.returncode == 1 and "already has a running server" in r.stderr
+    assert f"watchdog pid {s.proc.pid}" in r.stderr
     assert os.path.exists(shm_path(job)), "the failed second server must not remove the first's arena"
 
 

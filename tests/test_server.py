@@ -62,7 +62,7 @@ def test_idle_server_sleeps(job, serve):
 def test_clean_removes_arenas_of_dead_servers_only(job, serve):
     live = serve(job, "--learners", "1")
     dead_job = job + "-dead"
-    dead = Served(dead_job, "--learners", "1")
+    dead = Served(dead_job, "--learners", "1", "--no-watchdog")
     dead.proc.send_signal(signal.SIGKILL)
     dead.proc.wait(timeout=30)
     assert os.path.exists(shm_path(dead_job))

@@ -1,0 +1,198 @@
+"""Checkpoints: consistent snapshots of a job's arena, written so that a crash never leaves a torn one.
+
+A checkpoint is one safetensors file (no pickle; safe to load from anyone;
+memory-mappable) holding every parameter under its own name, plus metadata:
+format, psd version, weights clock, generation, spec and its hash, config,
+per-rank progress, counters, and a SHA-256 of the tensor data. It is written
+to a temporary file, fsynced, renamed into place and the directory fsynced
+(as Redis's rdbSave does), and only the newest ``keep`` are kept. Loading
+checks the format and the checksum, so a torn or corrupt file is detected and
+skipped with a message instead of being trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from psd import __version__, _native
+from psd.arena import ParamSpec, decode_spec, encode_spec
+from psd.errors import Error
+
+__all__ = [
+    "FORMAT",
+    "Checkpoint",
+    "CorruptCheckpoint",
+    "default_dir",
+    "latest",
+    "list_checkpoints",
+    "load",
+    "snapshot",
+    "write",
+]
+
+FORMAT = "psd-checkpoint/1"
+SUFFIX = ".safetensors"
+log = logging.getLogger("psd.watchdog")
+
+
+class CorruptCheckpoint(Error):
+    """A checkpoint file that is torn, truncated, or fails its checksum."""
+
+
+def default_dir(job: str) -> Path:
+    """Where a job's checkpoints go when no --checkpoint-dir is given."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "psd" / "checkpoints" / job
+
+
+@dataclass
+class Checkpoint:
+    """A snapshot of a job: weights by parameter name, and where training stood."""
+
+    weights: dict[str, torch.Tensor]
+    spec: list[ParamSpec]
+    clock: int
+    generation: int
+    ranks: list[int]
+    config: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)
+    job: str = ""
+    created_unix_ns: int = 0
+    path: Path | None = None
+
+    @property
+    def spec_hash(self) -> int:
+        return encode_spec(self.spec)[1]
+
+
+def _digest(weights: dict[str, torch.Tensor], spec: list[ParamSpec]) -> str:
+    h = hashlib.sha256()
+    for p in spec:
+        h.update(weights[p.name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_timeout: float = 2.0) -> Checkpoint:
+    """Copy the arena's weights consistently: pause the update loop, copy, resume.
+
+    Learners keep pushing meanwhile; the pause lasts one memory copy of the weights.
+    """
+    me = os.getpid()
+    h = arena.header()
+    spec = decode_spec(arena.spec())
+    arena.pause(me, _native.proc_start_time(me), pause_timeout)
+    try:
+        flat = torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"], offset=h["weights_off"]).clone()
+        clock = arena.clock()
+        ranks = arena.ranks()
+        counters = arena.counters()
+    finally:
+        arena.resume()
+    weights, off = {}, 0
+    for p in spec:
+        weights[p.name] = flat[off:off + p.numel].view(p.shape)
+        off += p.numel
+    return Checkpoint(weights, spec, clock, h["generation"], ranks, dict(config or {}, lr=h["lr"]),
+                      counters, job, time.time_ns())
+
+
+def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path:
+    """Write ``ckpt`` atomically into ``directory``; keep the newest ``keep``; return its path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    name = f"ckpt-{ckpt.created_unix_ns:020d}-c{ckpt.clock}{SUFFIX}"
+    spec_json, spec_hash = encode_spec(ckpt.spec)
+    meta = {
+        "format": FORMAT,
+        "psd_version": __version__,
+        "job": ckpt.job,
+        "clock": str(ckpt.clock),
+        "generation": str(ckpt.generation),
+        "spec": spec_json.decode(),
+        "spec_hash": str(spec_hash),
+        "config": json.dumps(ckpt.config, sort_keys=True),
+        "ranks": json.dumps(ckpt.ranks),
+        "counters": json.dumps(ckpt.counters, sort_keys=True),
+        "created_unix_ns": str(ckpt.created_unix_ns),
+        "sha256": _digest(ckpt.weights, ckpt.spec),
+    }
+    tmp = d / f".{name}.tmp-{os.getpid()}"
+    try:
+        save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(tmp), metadata=meta)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, d / name)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(d)
+    for old in list_checkpoints(d)[keep:]:
+        old.unlink(missing_ok=True)
+    _fsync_dir(d)
+    ckpt.path = d / name
+    return ckpt.path
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoint files in ``directory``, newest first (temporary files are not listed)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted((p for p in d.glob(f"ckpt-*{SUFFIX}") if p.is_file()), key=lambda p: p.name, reverse=True)
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Load and verify one checkpoint; raise CorruptCheckpoint if it cannot be trusted."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise CorruptCheckpoint(f"{path}: not a psd checkpoint (format {meta.get('format')!r})")
+            spec = decode_spec(meta["spec"].encode())
+            weights = {p.name: f.get_tensor(p.name) for p in spec}
+    except CorruptCheckpoint:
+        raise
+    except Exception as e:  # safetensors raises its own error types for torn files
+        raise CorruptCheckpoint(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    for p in spec:
+        if tuple(weights[p.name].shape) != p.shape or weights[p.name].dtype != torch.float32:
+            raise CorruptCheckpoint(f"{path}: tensor {p.name!r} does not match the spec")
+    if _digest(weights, spec) != meta.get("sha256"):
+        raise CorruptCheckpoint(f"{path}: checksum mismatch (the file is damaged)")
+    return Checkpoint(weights, spec, int(meta["clock"]), int(meta["generation"]), json.loads(meta["ranks"]),
+                      json.loads(meta["config"]), json.loads(meta["counters"]), meta.get("job", ""),
+                      int(meta["created_unix_ns"]), path)
+
+
+def latest(directory: str | os.PathLike) -> Checkpoint | None:
+    """The newest checkpoint in ``directory`` that verifies; corrupt ones are skipped with a warning."""
+    for path in list_checkpoints(directory):
+        try:
+            return load(path)
+        except CorruptCheckpoint as e:
+            log.warning("skipping checkpoint: %s", e)
+    return None

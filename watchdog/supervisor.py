@@ -1,0 +1,353 @@
+"""The watchdog: keeps a job's server alive and writes its checkpoints.
+
+``psd serve`` runs this. It starts the server as a child process (in its own
+session, so a Ctrl-C reaches only the watchdog, which then checkpoints and
+stops the server in order), reads the server's heartbeat from the arena
+header, and restarts a server that died or hung: SIGUSR2 (hand over: stop
+without removing the arena), a one-second deadline, then SIGKILL. The new server takes over the
+surviving arena, so learners lose nothing; only if the arena itself is gone
+or damaged does the new server start from the newest valid checkpoint.
+Periodically, on SIGUSR1 and at a clean stop, it writes a consistent
+checkpoint. A watchdog that finds a live server for its job (because an
+earlier watchdog was killed) adopts it instead of starting another.
+
+The watchdog only supervises and checkpoints; creating, repairing and
+removing arenas stays with the server.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from psd import _native
+from psd.arena import open_job, shm_name, shm_path
+from psd.errors import Error, JobNotFound
+from psd.server import ServeConfig
+from psd.watchdog import checkpoint
+
+__all__ = ["ServerState", "Watchdog", "WatchdogConfig", "terminate"]
+
+log = logging.getLogger("psd.watchdog")
+
+
+class ServerState(enum.Enum):
+    """What the watchdog believes about its server.
+
+    STARTING -> RUNNING      the server's heartbeat appeared in the arena
+    STARTING -> FAILED       the very first server exited before it ran: a configuration error
+                             (its message is on stderr), not a crash to restart
+    STARTING -> RESTARTING   a later server exited, or gave no heartbeat within the start deadline
+    RUNNING  -> RESTARTING   it exited, was killed, or its heartbeat went stale
+    RESTARTING -> STARTING   after the back-off, a new server was started
+    RESTARTING -> FAILED     too many restarts in a row
+    any      -> STOPPED      clean stop (SIGINT/SIGTERM)
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class WatchdogConfig:
+    """What ``psd serve`` asks of its watchdog; each field has a flag and a PSD_<FLAG> variable."""
+
+    serve: ServeConfig
+    checkpoint_dir: Path | None = None  # None: checkpoint.default_dir(job)
+    checkpoint_every: float = 60.0  # seconds; 0 turns periodic checkpoints off
+    keep: int = 3
+    heartbeat_timeout: float = 2.0
+    max_restarts: int = 10  # in a row, each within `stable_after` of its start
+    stable_after: float = 10.0
+    start_timeout: float = 30.0
+    extra_env: dict = field(default_factory=dict)
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else checkpoint.default_dir(self.serve.job)
+
+
+def terminate(proc_or_pid, deadline: float = 5.0, sig: int = signal.SIGTERM) -> None:
+    """Stop a process: ``sig`` (SIGTERM), wait up to ``deadline`` seconds, then SIGKILL."""
+    if isinstance(proc_or_pid, subprocess.Popen):
+        p = proc_or_pid
+        if p.poll() is not None:
+            return
+        p.send_signal(sig)
+        try:
+            p.wait(deadline)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        return
+    import psutil
+
+    try:
+        p = psutil.Process(proc_or_pid)
+        p.send_signal(sig)
+        p.wait(deadline)
+    except psutil.TimeoutExpired:
+        p.kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
+class Watchdog:
+    """Supervise one job's server. ``start()``, then ``run(stop_event)``, then ``stop()``."""
+
+    def __init__(self, config: WatchdogConfig) -> None:
+        config.serve.validate()
+        self.config = config
+        self.state = ServerState.STARTING
+        self.proc: subprocess.Popen | None = None  # our child server, if we started it
+        self.server_pid = 0
+        self._server_start = 0
+        self._started_at = 0.0
+        self._restarts_in_row = 0
+        self.restarts = 0
+        self._arena: _native.Arena | None = None
+        self._arena_id: tuple[int, int] | None = None
+        self._next_checkpoint = 0.0
+        self._last_ckpt_clock = -1
+        self.checkpoint_requested = threading.Event()
+        self._resume_first = bool(config.serve.resume)
+        self.exit_code = 1  # when FAILED
+
+    # -- the server process -------------------------------------------------
+
+    def _server_argv(self, resume: bool) -> list[str]:
+        s = self.config.serve
+        argv = [sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", "--job", s.job,
+                "--learners", str(s.learners), "--lr", repr(s.lr), "--slots", str(s.slots),
+                "--threads", str(s.threads), "--spin-us", str(s.spin_us)]
+        if s.init and self.restarts == 0:
+            argv += ["--init", s.init]
+        if resume:
+            argv += ["--resume", str(self.config.ckpt_dir)]
+        return argv
+
+    def _spawn(self, resume: bool) -> None:
+        env = dict(os.environ, **self.config.extra_env)
+        self.proc = subprocess.Popen(self._server_argv(resume), env=env, start_new_session=True)
+        self.server_pid = self.proc.pid
+        self._server_start = _native.proc_start_time(self.proc.pid)
+        self._started_at = time.monotonic()
+        self.state = ServerState.STARTING
+        log.info("job %r: started server pid %d%s", self.config.serve.job, self.proc.pid,
+                 " (resuming from checkpoint)" if resume else "")
+
+    def _open_arena(self, announce: bool = True) -> _native.Arena | None:
+        """Our mapping of the job's arena, reopened if the object was replaced.
+
+        A new mapping records this process as the arena's watchdog, unless ``announce`` is false.
+        """
+        try:
+            st = os.stat(shm_path(self.config.serve.job))
+        except FileNotFoundError:
+            self._drop_arena()
+            return None
+        if self._arena is not None and self._arena_id == (st.st_dev, st.st_ino):
+            return self._arena
+        self._drop_arena()
+        try:
+            a = open_job(self.config.serve.job)
+        except (Error, OSError):
+            return None
+        self._arena, self._arena_id = a, a.identity()
+        if announce:
+            me = os.getpid()
+            a.note_watchdog(me, _native.proc_start_time(me))
+        return a
+
+    def _drop_arena(self) -> None:
+        if self._arena is not None:
+            try:
+                self._arena.close()
+            except Error:
+                pass  # a snapshot tensor still maps it; it goes with the tensor
+            self._arena = None
+            self._arena_id = None
+
+    def _server_alive(self) -> bool:
+        if self.proc is not None and self.proc.pid == self.server_pid:
+            return self.proc.poll() is None
+        return _native.proc_start_time(self.server_pid) == self._server_start != 0
+
+    def start(self) -> None:
+        """Adopt the job's live server, or start one."""
+        a = self._open_arena(announce=False)
+        if a is not None and a.server_alive():
+            h = a.header()
+            if _native.proc_start_time(h["watchdog_pid"]) == h["watchdog_start_time"] != 0:
+                self._drop_arena()
+                raise Error(f"job {self.config.serve.job!r} already has a running server (pid {h['server_pid']}, "
+                            f"watchdog pid {h['watchdog_pid']}); stop it first, or choose another --job")
+            me = os.getpid()
+            a.note_watchdog(me, _native.proc_start_time(me))  # take over as its watchdog
+            self.server_pid, self._server_start = h["server_pid"], h["server_start_time"]
+            self._started_at = time.monotonic()
+            self.state = ServerState.RUNNING
+            log.info("job %r: adopted running server pid %d", self.config.serve.job, self.server_pid)
+        else:
+            self._spawn(resume=self._resume_first)
+        self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the server is up (its arena exists and it is alive)."""
+        deadline = time.monotonic() + (timeout or self.config.start_timeout)
+        while time.monotonic() < deadline and self.state != ServerState.FAILED:
+            self.poll()
+            if self.state == ServerState.RUNNING:
+                return
+            time.sleep(0.02)  # the server announces nothing: poll its arena
+        raise JobNotFound(f"the server of job {self.config.serve.job!r} did not come up "
+                          f"(state {self.state.value}); see its log above")
+
+    def _restart(self, why: str) -> None:
+        job = self.config.serve.job
+        log.warning("job %r: server pid %d %s; restarting it", job, self.server_pid, why)
+        if self._server_alive():
+            terminate(self.proc if self.proc is not None and self.proc.pid == self.server_pid else self.server_pid,
+                      deadline=1.0, sig=signal.SIGUSR2)
+        quick = time.monotonic() - self._started_at < self.config.stable_after
+        self._restarts_in_row = self._restarts_in_row + 1 if quick else 1
+        if self._restarts_in_row > self.config.max_restarts:
+            self.state = ServerState.FAILED
+            log.error("job %r: server failed %d times in a row; giving up", job, self._restarts_in_row - 1)
+            return
+        self.state = ServerState.RESTARTING
+        backoff = 0.0 if self._restarts_in_row <= 1 else min(5.0, 0.25 * 2 ** (self._restarts_in_row - 2))
+        if backoff:
+            time.sleep(backoff)
+        self.restarts += 1
+        a = self._open_arena()
+        # The arena survived: the new server takes it over. Gone or damaged: the last checkpoint.
+        self._spawn(resume=a is None)
+
+    def poll(self) -> None:
+        """One supervision tick."""
+        if self.state in (ServerState.FAILED, ServerState.STOPPED):
+            return
+        alive = self._server_alive()
+        if self.proc is not None and self.proc.poll() is not None and self.proc.pid == self.server_pid:
+            if self.state == ServerState.STARTING and self.restarts == 0 and self.proc.returncode > 0:
+                self.state = ServerState.FAILED
+                self.exit_code = self.proc.returncode
+                return
+            self._restart(f"exited with {self.proc.returncode}")
+            return
+        if not alive:
+            self._restart("is gone")
+            return
+        a = self._open_arena()
+        if a is None:
+            if time.monotonic() - self._started_at > self.config.start_timeout:
+                self._restart("has no arena")
+            return
+        h = a.header()
+        if h["server_pid"] != self.server_pid:
+            return  # not yet attached to its arena
+        age = h["heartbeat_age_s"]
+        if self.state == ServerState.STARTING and 0 <= age < self.config.heartbeat_timeout:
+            self.state = ServerState.RUNNING
+            self._restarts_in_row = 0 if time.monotonic() - self._started_at > self.config.stable_after else \
+                self._restarts_in_row
+        elif self.state == ServerState.RUNNING and age > self.config.heartbeat_timeout:
+            self._restart(f"has not beaten for {age:.1f} s")
+            return
+        if self.checkpoint_requested.is_set() or (
+                self.config.checkpoint_every > 0 and time.monotonic() >= self._next_checkpoint):
+            self.checkpoint(force=self.checkpoint_requested.is_set())
+
+    # -- checkpoints --------------------------------------------------------
+
+    def checkpoint(self, force: bool = False) -> Path | None:
+        """Write a checkpoint now if the weights changed since the last one (or ``force``)."""
+        self.checkpoint_requested.clear()
+        self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
+        a = self._open_arena()
+        if a is None or a.state != _native.ARENA_READY:
+            return None
+        a.remap()
+        if not force and a.clock() == self._last_ckpt_clock:
+            return None
+        s = self.config.serve
+        t0 = time.monotonic()
+        try:
+            snap = checkpoint.snapshot(a, s.job, {"learners": s.learners, "slots": s.slots, "lr": s.lr})
+        except Error as e:
+            log.warning("job %r: checkpoint skipped: %s", s.job, e)
+            return None
+        path = checkpoint.write(snap, self.config.ckpt_dir, self.config.keep)
+        self._last_ckpt_clock = snap.clock
+        del snap
+        a.note_checkpoint(self._last_ckpt_clock, time.time_ns())
+        log.info("job %r: checkpoint %s (clock %d, %.0f ms)", s.job, path, self._last_ckpt_clock,
+                 (time.monotonic() - t0) * 1000)
+        return path
+
+    # -- life cycle ---------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Supervise until ``stop`` is set (or the server fails for good)."""
+        while not stop.is_set() and self.state != ServerState.FAILED:
+            self.poll()
+            stop.wait(self.config.serve.poll_interval)
+
+    def stop(self) -> None:
+        """Clean stop: a last checkpoint, then stop the server, which removes the arena."""
+        if self.state == ServerState.STOPPED:
+            return
+        try:
+            if self.state == ServerState.RUNNING and self._server_alive():
+                self.checkpoint(force=True)
+        finally:
+            self._drop_arena()
+            if self.proc is not None and self.proc.pid == self.server_pid:
+                terminate(self.proc, deadline=10.0)
+            elif self._server_alive():
+                terminate(self.server_pid, deadline=10.0)
+            self.state = ServerState.STOPPED
+            # A server killed before it could clean up leaves its arena: nobody else will remove it.
+            try:
+                a = _native.open(shm_name(self.config.serve.job))
+            except (Error, OSError):
+                return
+            try:
+                dead = not a.server_alive()
+            finally:
+                a.close()
+            if dead:
+                _native.unlink(shm_name(self.config.serve.job))
+
+
+def serve_forever(config: WatchdogConfig) -> int:
+    """``psd serve``: supervise until SIGINT/SIGTERM; SIGUSR1 asks for a checkpoint."""
+    stop = threading.Event()
+    wd = Watchdog(config)
+
+    def on_stop(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGUSR1, lambda s, f: wd.checkpoint_requested.set())
+    failed = False
+    try:
+        wd.start()
+        wd.run(stop)
+        failed = wd.state == ServerState.FAILED
+    finally:
+        wd.stop()
+    return wd.exit_code if failed else 0
