@@ -5,8 +5,13 @@ Run it once per learner against a running server:
     psd serve --job demo --learners 8 --lr 0.05 &
     for r in 0 1 2 3 4 5 6 7; do python examples/train_mlp.py --job demo --rank $r --world 8 & done
 
-Each learner trains on its own shard (rank::world) of the data. The only psd
-lines are `learner.attach(...)` and `ps.step(...)` where `optimizer.step()` was.
+or let `psd run` start, watch and restart them:
+
+    psd run --job demo --learners 8 --lr 0.03 -- python examples/train_mlp.py
+
+Each learner trains on its own shard (rank::world) of the data. The psd lines
+are `learner.attach(...)`, `ps.step(...)` where `optimizer.step()` was, and
+the `resume_step` skip that lets a restarted learner go on where it stopped.
 """
 
 from __future__ import annotations
@@ -38,19 +43,30 @@ def main(argv: list[str] | None = None) -> int:
     x, y = shard(data, args.rank, args.world)
     model = make_mlp(data.dim, data.classes, seed=args.seed)
     g = torch.Generator().manual_seed(1000 + args.rank)
+    steps_per_epoch = -(-len(x) // args.batch_size)
     t0 = time.monotonic()
-    with learner.attach(model, job=args.job) as ps:
+    with learner.attach(model, job=args.job, rank=args.rank) as ps:
+        # A restarted learner (psd run restarts the ones that die) skips what it already pushed:
+        # resume_step counts this rank's gradients that the server applied.
+        done = ps.resume_step
+        if done:
+            print(f"learner {args.rank}: resuming at step {done} of {args.epochs * steps_per_epoch}", flush=True)
         for epoch in range(args.epochs):
-            order = torch.randperm(len(x), generator=g)
-            total = 0.0
-            for i in range(0, len(order), args.batch_size):
+            order = torch.randperm(len(x), generator=g)  # drawn even when skipped: same order as before
+            total, seen = 0.0, 0
+            for step in range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch):
+                if step < done:
+                    continue
+                i = (step - epoch * steps_per_epoch) * args.batch_size
                 idx = order[i:i + args.batch_size]
                 loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
                 loss.backward()
                 ps.step(loss, batch_size=len(idx))
                 total += loss.item() * len(idx)
-            print(f"learner {args.rank}: epoch {epoch + 1}/{args.epochs} loss {total / len(x):.4f} "
-                  f"clock {ps.clock}", flush=True)
+                seen += len(idx)
+            if seen:
+                print(f"learner {args.rank}: epoch {epoch + 1}/{args.epochs} loss {total / seen:.4f} "
+                      f"clock {ps.clock}", flush=True)
         ps.flush()
         ps.pull()
         acc = evaluate(model, data)

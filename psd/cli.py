@@ -58,7 +58,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                        usage="psd run --learners N [serve options] -- COMMAND [ARGS...]")
     _serve_flags(r)
     r.add_argument("--max-restarts", type=int, default=_env("max-restarts", 5, int),
-                   help="restarts allowed per learner before the job fails (default: %(default)s)")
+                   help="a learner that dies this many times in a row without progress fails the job "
+                        "(default: %(default)s)")
     r.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     r.add_argument("learner_command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the learner command, after --")

@@ -19,12 +19,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from psd import __version__, _native
 from psd.arena import ParamSpec, decode_spec, encode_spec
 from psd.errors import Error
+
+if TYPE_CHECKING:  # torch is imported where it is used: a restarting server must not wait for it
+    import torch
 
 __all__ = [
     "FORMAT",
@@ -74,6 +76,8 @@ class Checkpoint:
 
 
 def _digest(weights: dict[str, torch.Tensor], spec: list[ParamSpec]) -> str:
+    import torch
+
     h = hashlib.sha256()
     for p in spec:
         h.update(weights[p.name].contiguous().view(torch.uint8).numpy().tobytes())
@@ -93,6 +97,8 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
 
     Learners keep pushing meanwhile; the pause lasts one memory copy of the weights.
     """
+    import torch
+
     me = os.getpid()
     h = arena.header()
     spec = decode_spec(arena.spec())
@@ -164,6 +170,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 def load(path: str | os.PathLike) -> Checkpoint:
     """Load and verify one checkpoint; raise CorruptCheckpoint if it cannot be trusted."""
+    import torch
     from safetensors import safe_open
 
     path = Path(path)

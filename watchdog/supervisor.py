@@ -46,9 +46,10 @@ class ServerState(enum.Enum):
     STARTING -> FAILED       the very first server exited before it ran: a configuration error
                              (its message is on stderr), not a crash to restart
     STARTING -> RESTARTING   a later server exited, or gave no heartbeat within the start deadline
-    RUNNING  -> RESTARTING   it exited, was killed, or its heartbeat went stale
-    RESTARTING -> STARTING   after the back-off, a new server was started
-    RESTARTING -> FAILED     too many restarts in a row
+                             (restarted after a back-off that doubles with each such failure)
+    RUNNING  -> RESTARTING   it exited, was killed, or its heartbeat went stale (restarted at once)
+    RESTARTING -> STARTING   a new server was started
+    RESTARTING -> FAILED     more than max_restarts servers in a row died while starting
     any      -> STOPPED      clean stop (SIGINT/SIGTERM)
     """
 
@@ -68,8 +69,7 @@ class WatchdogConfig:
     checkpoint_every: float = 60.0  # seconds; 0 turns periodic checkpoints off
     keep: int = 3
     heartbeat_timeout: float = 2.0
-    max_restarts: int = 10  # in a row, each within `stable_after` of its start
-    stable_after: float = 10.0
+    max_restarts: int = 10  # servers in a row that die before they run
     start_timeout: float = 30.0
     extra_env: dict = field(default_factory=dict)
 
@@ -220,16 +220,16 @@ class Watchdog:
         if self._server_alive():
             terminate(self.proc if self.proc is not None and self.proc.pid == self.server_pid else self.server_pid,
                       deadline=1.0, sig=signal.SIGUSR2)
-        quick = time.monotonic() - self._started_at < self.config.stable_after
-        self._restarts_in_row = self._restarts_in_row + 1 if quick else 1
+        # A server that ran and then died (killed, crashed) is restarted at once: every second
+        # counts. One that dies while starting is crash-looping: back off, and give up in the end.
+        self._restarts_in_row = self._restarts_in_row + 1 if self.state == ServerState.STARTING else 0
         if self._restarts_in_row > self.config.max_restarts:
             self.state = ServerState.FAILED
-            log.error("job %r: server failed %d times in a row; giving up", job, self._restarts_in_row - 1)
+            log.error("job %r: server failed to start %d times in a row; giving up", job, self._restarts_in_row)
             return
         self.state = ServerState.RESTARTING
-        backoff = 0.0 if self._restarts_in_row <= 1 else min(5.0, 0.25 * 2 ** (self._restarts_in_row - 2))
-        if backoff:
-            time.sleep(backoff)
+        if self._restarts_in_row:
+            time.sleep(min(5.0, 0.1 * 2 ** (self._restarts_in_row - 1)))
         self.restarts += 1
         a = self._open_arena()
         # The arena survived: the new server takes it over. Gone or damaged: the last checkpoint.
@@ -261,8 +261,8 @@ class Watchdog:
         age = h["heartbeat_age_s"]
         if self.state == ServerState.STARTING and 0 <= age < self.config.heartbeat_timeout:
             self.state = ServerState.RUNNING
-            self._restarts_in_row = 0 if time.monotonic() - self._started_at > self.config.stable_after else \
-                self._restarts_in_row
+            log.info("job %r: server pid %d running (%.2f s after its start)", self.config.serve.job,
+                     self.server_pid, time.monotonic() - self._started_at)
         elif self.state == ServerState.RUNNING and age > self.config.heartbeat_timeout:
             self._restart(f"has not beaten for {age:.1f} s")
             return
@@ -309,6 +309,7 @@ class Watchdog:
         """Clean stop: a last checkpoint, then stop the server, which removes the arena."""
         if self.state == ServerState.STOPPED:
             return
+        failed = self.state == ServerState.FAILED
         try:
             if self.state == ServerState.RUNNING and self._server_alive():
                 self.checkpoint(force=True)
@@ -319,17 +320,22 @@ class Watchdog:
             elif self._server_alive():
                 terminate(self.server_pid, deadline=10.0)
             self.state = ServerState.STOPPED
-            # A server killed before it could clean up leaves its arena: nobody else will remove it.
-            try:
-                a = _native.open(shm_name(self.config.serve.job))
-            except (Error, OSError):
-                return
-            try:
-                dead = not a.server_alive()
-            finally:
-                a.close()
-            if dead:
-                _native.unlink(shm_name(self.config.serve.job))
+            # A server killed before it could clean up leaves its arena: nobody else would remove it.
+            # After a failure, though, keep it: it holds what the learners pushed, for a later server.
+            if not failed:
+                self._remove_dead_arena()
+
+    def _remove_dead_arena(self) -> None:
+        try:
+            a = _native.open(shm_name(self.config.serve.job))
+        except (Error, OSError):
+            return
+        try:
+            dead = not a.server_alive()
+        finally:
+            a.close()
+        if dead:
+            _native.unlink(shm_name(self.config.serve.job))
 
 
 def serve_forever(config: WatchdogConfig) -> int:

@@ -1,0 +1,319 @@
+"""``psd run``: the launcher, as torchrun is for DDP, but one death restarts one process.
+
+It starts the watchdog (which starts the server) and N learner processes, each
+told its job, rank and world size by PSD_JOB, PSD_RANK and PSD_WORLD (and how
+often it was restarted by PSD_RESTARTS). A learner that dies is restarted
+alone, with capped restarts and back-off; the others never stop. A learner
+that restarts attaches with the same rank, and ``resume_step`` tells it how
+many of its gradients were already applied, so it goes on where its last life
+stopped. A watchdog that dies is restarted and adopts the running server; the
+watchdog restarts the server. The launcher exits with the learners' status
+when they finish, stops everything on Ctrl-C, and leaves nothing in /dev/shm.
+
+The launcher is a child subreaper (PR_SET_CHILD_SUBREAPER), so a server
+orphaned by a killed watchdog becomes its child and is reaped when it dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from psd import _native
+from psd.arena import open_job, shm_name, wait_for_job
+from psd.errors import Error
+from psd.watchdog.supervisor import WatchdogConfig, terminate
+
+__all__ = ["Launcher", "WorkerState"]
+
+log = logging.getLogger("psd.run")
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, arg: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, arg, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl failed")
+
+
+def _die_with_launcher() -> None:
+    """In a child, before exec: get SIGTERM when the launcher dies, however it dies."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class WorkerState(enum.Enum):
+    """A learner process under ``psd run``.
+
+    RUNNING -> SUCCEEDED  it exited with 0
+    RUNNING -> BACKOFF    it died (non-zero exit or a signal) and has restarts left
+    BACKOFF -> RUNNING    restarted, once its back-off passed
+    RUNNING -> FAILED     it died with no restarts left (the job then stops)
+
+    Restarts are capped per learner: ``max_restarts`` lives in a row that made
+    no progress (none of the rank's gradients applied). A learner that is
+    killed while it trains is not crash-looping, so its count starts over; the
+    back-off (0.1 s, doubling up to 10 s) grows only with lives without progress.
+    """
+
+    RUNNING = "running"
+    BACKOFF = "backoff"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass
+class Worker:
+    rank: int
+    proc: subprocess.Popen | None = None
+    state: WorkerState = WorkerState.RUNNING
+    restarts: int = 0
+    fruitless: int = 0  # lives in a row that made no progress
+    progress_at_start: int = 0
+    restart_at: float = 0.0
+    exit_code: int | None = None
+
+
+class Launcher:
+    """Run a whole job: ``Launcher(watchdog_config, ["python", "train.py"], max_restarts=5).run()``."""
+
+    def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 5,
+                 progress_every: float | None = None) -> None:
+        self.config = config
+        self.job = config.serve.job
+        self.n = config.serve.learners
+        self.command = command
+        self.max_restarts = max_restarts
+        self.workers = [Worker(r) for r in range(self.n)]
+        self.watchdog: subprocess.Popen | None = None
+        self.watchdog_restarts = 0
+        self._stop = threading.Event()
+        self._tty = sys.stderr.isatty()
+        self._progress_every = progress_every if progress_every is not None else (1.0 if self._tty else 10.0)
+        self._next_progress = 0.0
+        self._arena: _native.Arena | None = None
+        self._arena_id = None
+        self._last = (time.monotonic(), 0)
+
+    # -- processes ----------------------------------------------------------
+
+    def _watchdog_argv(self) -> list[str]:
+        c, s = self.config, self.config.serve
+        argv = [sys.executable, "-m", "psd.cli", "serve", "--job", s.job, "--learners", str(s.learners),
+                "--lr", repr(s.lr), "--slots", str(s.slots), "--threads", str(s.threads), "--spin-us",
+                str(s.spin_us), "--checkpoint-dir", str(c.ckpt_dir), "--checkpoint-every",
+                str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout)]
+        if s.init and self.watchdog_restarts == 0:
+            argv += ["--init", s.init]
+        if self.watchdog_restarts:
+            # The new watchdog adopts the running server, or restarts it on the surviving arena;
+            # only if the arena is gone does the server start from the last checkpoint.
+            argv += ["--resume", str(c.ckpt_dir)]
+        elif s.resume:
+            argv += ["--resume", s.resume]
+        if logging.getLogger().level > logging.INFO:
+            argv.append("--quiet")
+        return argv
+
+    def _start_watchdog(self) -> None:
+        self.watchdog = subprocess.Popen(self._watchdog_argv(), start_new_session=True,
+                                         preexec_fn=_die_with_launcher)
+        log.info("job %r: watchdog pid %d", self.job, self.watchdog.pid)
+
+    def _start_worker(self, w: Worker) -> None:
+        env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
+                   PSD_RESTARTS=str(w.restarts), PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.n)))
+        w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
+        w.state = WorkerState.RUNNING
+        w.progress_at_start = self._rank_progress(w.rank)
+
+    def _rank_progress(self, rank: int) -> int:
+        a = self._arena_or_none()
+        if a is None or a.state != _native.ARENA_READY:
+            return 0
+        ranks = a.ranks()
+        return ranks[rank] if rank < len(ranks) else 0
+
+    # -- supervision --------------------------------------------------------
+
+    def _supervise_watchdog(self) -> None:
+        code = self.watchdog.poll()
+        if code is None:
+            return
+        if code > 0 and self.watchdog_restarts == 0 and self._arena_or_none() is None:
+            raise Error(f"psd run: the server of job {self.job!r} could not start (exit {code}); see above")
+        self.watchdog_restarts += 1
+        log.warning("job %r: watchdog pid %d died (%s); restarting it", self.job, self.watchdog.pid,
+                    f"exit {code}" if code >= 0 else signal.Signals(-code).name)
+        self._start_watchdog()
+
+    def _supervise_workers(self) -> None:
+        now = time.monotonic()
+        died = []
+        for w in self.workers:
+            if w.state == WorkerState.RUNNING:
+                code = w.proc.poll()
+                if code is None:
+                    continue
+                w.exit_code = code
+                if code == 0:
+                    w.state = WorkerState.SUCCEEDED
+                    log.info("job %r: learner %d finished", self.job, w.rank)
+                    continue
+                how = f"exit {code}" if code > 0 else signal.Signals(-code).name
+                w.fruitless = 0 if self._rank_progress(w.rank) > w.progress_at_start else w.fruitless + 1
+                if w.fruitless > self.max_restarts:
+                    w.state = WorkerState.FAILED
+                    log.error("job %r: learner %d died (%s) %d times in a row without progress; giving up",
+                              self.job, w.rank, how, w.fruitless)
+                    continue
+                w.state = WorkerState.BACKOFF
+                w.restart_at = now + min(10.0, 0.1 * 2 ** w.fruitless)
+                died.append(f"{w.rank} ({how})")
+            elif w.state == WorkerState.BACKOFF and now >= w.restart_at:
+                w.restarts += 1
+                self._start_worker(w)
+                log.warning("job %r: learner %d restarted (restart %d)", self.job, w.rank, w.restarts)
+        if died:
+            if not any(w.state == WorkerState.RUNNING for w in self.workers) and \
+                    all(w.state != WorkerState.SUCCEEDED for w in self.workers):
+                log.warning("job %r: every learner died (%s); restarting them all from the job's weights "
+                            "(they are at least as new as the last checkpoint)", self.job, ", ".join(died))
+            else:
+                log.warning("job %r: learner %s died; restarting it alone", self.job, ", ".join(died))
+
+    def _reap_orphans(self) -> None:
+        """Reap adopted processes (a server orphaned by its watchdog) without stealing our children's status."""
+        ours = {w.proc.pid for w in self.workers if w.proc is not None}
+        ours.add(self.watchdog.pid)
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if info is None or info.si_pid in ours:
+                return
+            os.waitpid(info.si_pid, 0)
+
+    # -- progress -----------------------------------------------------------
+
+    def _arena_or_none(self) -> _native.Arena | None:
+        try:
+            st = os.stat("/dev/shm" + shm_name(self.job))
+        except FileNotFoundError:
+            return None
+        if self._arena is None or self._arena_id != (st.st_dev, st.st_ino):
+            self._close_arena()
+            try:
+                self._arena = open_job(self.job)
+                self._arena_id = self._arena.identity()
+            except (Error, OSError):
+                return None
+        if self._arena.state == _native.ARENA_READY:
+            self._arena.remap()
+        return self._arena
+
+    def _close_arena(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _progress(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now < self._next_progress:
+            return
+        self._next_progress = now + self._progress_every
+        a = self._arena_or_none()
+        if a is None or a.state != _native.ARENA_READY:
+            return
+        h = a.header()
+        c = a.counters()
+        t0, applied0 = self._last
+        rate = (h["applied"] - applied0) / max(now - t0, 1e-9)
+        self._last = (now, h["applied"])
+        losses = [s["last_loss"] for s in (a.slot_info(i) for i in range(h["n_slots"]))
+                  if s["state"] != _native.SLOT_FREE and s["last_loss"] == s["last_loss"]]
+        alive = sum(w.state == WorkerState.RUNNING for w in self.workers)
+        done = sum(w.state == WorkerState.SUCCEEDED for w in self.workers)
+        restarts = sum(w.restarts for w in self.workers)
+        line = (f"psd run {self.job}: clock {c['clock']}  {rate:,.0f} grad/s  "
+                f"loss {sum(losses) / len(losses) if losses else float('nan'):.4f}  "
+                f"staleness {h['staleness_sum'] / h['applied'] if h['applied'] else 0:.1f}  "
+                f"learners {alive} running, {done} done  restarts {restarts} (server {h['server_restarts']})")
+        if self._tty and not final:
+            sys.stderr.write("\r\x1b[K" + line)
+        else:
+            sys.stderr.write(("\r\x1b[K" if self._tty else "") + line + "\n")
+        sys.stderr.flush()
+
+    # -- the whole run ------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the job to the end; returns the exit status for the shell."""
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda s, f: self._stop.set())
+        interrupted = False
+        try:
+            self._start_watchdog()
+            wait_for_job(self.job, timeout=self.config.start_timeout, server_pid=self.watchdog.pid)
+            for w in self.workers:
+                self._start_worker(w)
+            log.info("job %r: %d learners started: %s", self.job, self.n, " ".join(self.command))
+            while not self._stop.is_set():
+                self._supervise_watchdog()
+                self._supervise_workers()
+                self._reap_orphans()
+                self._progress()
+                if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED) for w in self.workers):
+                    break
+                if any(w.state == WorkerState.FAILED for w in self.workers):
+                    break
+                self._stop.wait(0.1)
+            interrupted = self._stop.is_set()
+            self._progress(final=True)
+        finally:
+            self._shutdown()
+        if interrupted:
+            return 130
+        failed = [w for w in self.workers if w.state != WorkerState.SUCCEEDED]
+        if failed:
+            code = failed[0].exit_code
+            return code if code and code > 0 else 1
+        return 0
+
+    def _shutdown(self) -> None:
+        """Stop learners, then the watchdog (it writes a last checkpoint and removes the arena)."""
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            if w.proc is not None:
+                terminate(w.proc, deadline=10.0)
+        self._close_arena()
+        if self.watchdog is not None:
+            terminate(self.watchdog, deadline=60.0)
+        self._reap_orphans()
+        # A watchdog that could not finish (killed at the wrong moment) may leave the server running:
+        try:
+            a = open_job(self.job)
+        except (Error, OSError):
+            return
+        h = a.header()
+        a.close()
+        if h["server_pid"] and _native.proc_start_time(h["server_pid"]) == h["server_start_time"] != 0:
+            terminate(h["server_pid"], deadline=10.0)
+        try:
+            _native.unlink(shm_name(self.job))
+        except FileNotFoundError:
+            pass
