@@ -117,7 +117,7 @@ int psd_arena_open(struct psd_map *m, const char *shm_name) {
     }
     if ((uint64_t)st.st_size < PSD_HEADER_SIZE) {
         close(fd);
-        return PSD_EBADMAGIC;
+        return PSD_EINIT; /* created, not yet sized */
     }
     void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) {
@@ -130,8 +130,9 @@ int psd_arena_open(struct psd_map *m, const char *shm_name) {
     m->size = (size_t)st.st_size;
     struct psd_header *h = psd_hdr(m);
     /* Pairs with the store-release of magic in psd_arena_create. */
-    if (PSD_LOAD_ACQ(&h->magic) != PSD_MAGIC)
-        return PSD_EBADMAGIC; /* mapping stays open: the caller closes it */
+    uint64_t magic = PSD_LOAD_ACQ(&h->magic);
+    if (magic != PSD_MAGIC)
+        return magic == 0 ? PSD_EINIT : PSD_EBADMAGIC; /* mapping stays open: the caller closes it */
     if (h->layout_version != PSD_LAYOUT_VERSION || h->fingerprint != psd_fingerprint())
         return PSD_EVERSION; /* mapping stays open so the caller can name the version */
     return 0;

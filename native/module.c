@@ -30,6 +30,7 @@ static const struct {
     {PSD_ESPEC, "SpecError"},        {PSD_EOWNERDEAD, "Error"},
     {PSD_EEXPORTS, "ArenaBusy"},     {PSD_ESERVER, "ServerGone"},
     {PSD_ETIMEOUT, "Timeout"},       {PSD_ESLOT, "SlotLost"},
+    {PSD_EINIT, "ArenaIncomplete"},
 };
 
 /* Raise for `code` as "operation: description"; always returns NULL. */

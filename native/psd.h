@@ -28,7 +28,8 @@
 #define PSD_ESERVER (-30593)    /* the server is gone or stopped */
 #define PSD_ETIMEOUT (-30592)   /* a bounded wait ran out */
 #define PSD_ESLOT (-30591)      /* the slot is no longer this learner's */
-#define PSD_ELAST (-30591)
+#define PSD_EINIT (-30590)      /* the arena is still being created (no magic yet) */
+#define PSD_ELAST (-30590)
 
 const char *psd_strerror(int code);
 

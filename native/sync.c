@@ -30,6 +30,7 @@ static const char *const psd_errors[] = {
     [PSD_ESERVER - PSD_EFIRST] = "the job's server is gone or stopped",
     [PSD_ETIMEOUT - PSD_EFIRST] = "timed out",
     [PSD_ESLOT - PSD_EFIRST] = "the learner slot was taken back by the server",
+    [PSD_EINIT - PSD_EFIRST] = "the arena is still being created",
 };
 
 const char *psd_strerror(int code) {

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from psd import _native
-from psd.errors import ArenaCorrupt, InvalidJobName, JobNotFound, OutOfSharedMemory, SpecMismatch
+from psd.errors import ArenaCorrupt, ArenaIncomplete, InvalidJobName, JobNotFound, OutOfSharedMemory, SpecMismatch
 
 __all__ = [
     "DEFAULT_JOB",
@@ -88,18 +88,33 @@ def check_space(needed: int, what: str) -> None:
         )
 
 
-def open_job(job: str) -> _native.Arena:
-    """Map ``job``'s arena, or raise an error that says how to start it."""
+def open_job(job: str, settle: float = 1.0) -> _native.Arena:
+    """Map ``job``'s arena, or raise an error that says how to start it.
+
+    An arena that a server is creating this very moment is waited for, up to
+    ``settle`` seconds (creation takes milliseconds; a creator that died halfway
+    leaves an incomplete arena, reported as ArenaCorrupt).
+    """
+    import time
+
     name = shm_name(job)
-    try:
-        return _native.open(name)
-    except FileNotFoundError:
-        raise JobNotFound(
-            f"no psd job {job!r} on this machine ({SHM_DIR}{name} does not exist): start its server "
-            f"first with `psd serve --job {job} --learners N`"
-        ) from None
-    except ArenaCorrupt as e:
-        raise ArenaCorrupt(f"{e}: {SHM_DIR}{name} is not a psd arena; remove it with `psd clean`") from None
+    deadline = time.monotonic() + settle
+    while True:
+        try:
+            return _native.open(name)
+        except ArenaIncomplete:
+            if time.monotonic() > deadline:
+                raise ArenaCorrupt(f"{SHM_DIR}{name} was never completed (its server died while creating it); "
+                                   f"remove it with `psd clean`") from None
+            time.sleep(0.005)  # the creator announces nothing but the magic number
+        except FileNotFoundError:
+            break
+        except ArenaCorrupt as e:
+            raise ArenaCorrupt(f"{e}: {SHM_DIR}{name} is not a psd arena; remove it with `psd clean`") from None
+    raise JobNotFound(
+        f"no psd job {job!r} on this machine ({SHM_DIR}{name} does not exist): start its server "
+        f"first with `psd serve --job {job} --learners N`"
+    )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ArenaBusy",
     "ArenaCorrupt",
+    "ArenaIncomplete",
     "Error",
     "InvalidJobName",
     "JobNotFound",
@@ -73,6 +74,10 @@ class SpecError(Error):
 
 class SpecMismatch(SpecError):
     """A learner's model differs from the job's parameter spec."""
+
+
+class ArenaIncomplete(ArenaCorrupt):
+    """The arena is being created right now (or its creator died while creating it)."""
 
 
 class ArenaBusy(Error):

@@ -29,6 +29,7 @@ from psd.arena import (
     decode_spec,
     default_job,
     encode_spec,
+    open_job,
     shm_name,
     shm_path,
 )
@@ -116,7 +117,7 @@ class Server:
         if cfg.init:
             spec, tensors = _load_initial_weights(cfg.init)
         try:
-            self.arena = _native.open(shm_name(cfg.job))
+            self.arena = open_job(cfg.job)
         except FileNotFoundError:
             pass
         except (ArenaCorrupt, VersionMismatch) as e:

@@ -12,6 +12,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +37,15 @@ def job() -> Iterator[str]:
         pytest.fail(f"{path} was left behind")
 
 
+_STATE = tempfile.mkdtemp(prefix="psd-test-state-")
+
+
 def child_env() -> dict[str, str]:
+    """Environment for psd processes under test: default checkpoints go to a temporary directory."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
+    env["XDG_STATE_HOME"] = _STATE
     return env
 
 
@@ -125,3 +131,11 @@ def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     proc.send_signal(sig)
     proc.wait(timeout=30)
     assert proc.returncode == -sig
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir_cleanup():
+    yield
+    import shutil
+
+    shutil.rmtree(_STATE, ignore_errors=True)

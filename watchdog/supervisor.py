@@ -327,7 +327,7 @@ class Watchdog:
 
     def _remove_dead_arena(self) -> None:
         try:
-            a = _native.open(shm_name(self.config.serve.job))
+            a = open_job(self.config.serve.job)
         except (Error, OSError):
             return
         try:

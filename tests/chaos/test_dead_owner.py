@@ -1,0 +1,101 @@
+"""A process killed while holding a robust mutex, or while waiting on a condition variable, never hangs the others.
+
+glibc's process-shared pthread_cond_t can hang a broadcaster after a waiter dies
+(osrm-backend#3911); psd's condition variables are futex words that leave no
+waiter state behind, and its mutexes are robust. These tests kill processes at
+exactly those points (SIGKILL), then check the job goes on and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from conftest import kill, read_line, spawn, wait_until
+from psd import _native, learner
+from psd.arena import open_job
+from psd.cli import _job_status
+
+
+def flat() -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(64))
+    return m
+
+
+def header(job: str) -> dict:
+    a = open_job(job)
+    try:
+        return a.header()
+    finally:
+        a.close()
+
+
+def test_learner_killed_holding_its_ring_mutex(job, serve):
+    serve(job, "--learners", "1", "--lr", "1")
+    victim = spawn("holder.py", job, "--hold", "slot")
+    assert read_line(victim) == "ready"
+    kill(victim)
+    # The server must take the dead owner's mutex to reclaim the slot; the only slot is then free again.
+    wait_until(lambda: _job_status(job)["reclaimed_slots"] == 1, what="the slot to be reclaimed")
+    with learner.attach(flat(), job=job) as ps:
+        ps.step()
+        ps.flush()
+    assert header(job)["lock_recoveries"] >= 1
+
+
+def test_learner_killed_holding_the_admission_mutex(job, serve):
+    serve(job, "--learners", "2", "--lr", "1")
+    victim = spawn("holder.py", job, "--hold", "admission")
+    assert read_line(victim) == "ready"
+    kill(victim)
+    with learner.attach(flat(), job=job, timeout=20) as ps:  # claiming takes the admission mutex
+        ps.step()
+    assert header(job)["lock_recoveries"] == 1
+
+
+def test_learner_killed_waiting_on_a_condition_variable(job, serve):
+    serve(job, "--learners", "2", "--lr", "1", "--slots", "4")
+    me = os.getpid()
+    with learner.attach(flat(), job=job) as other:
+        a = open_job(job)
+        a.remap()
+        a.pause(me, _native.proc_start_time(me), 5.0)  # the ring cannot drain: the victim will wait
+        try:
+            victim = spawn("holder.py", job, "--fill-ring")
+            assert read_line(victim) == "ready"
+
+            def waiting_slot() -> list[int]:
+                return [i for i in range(2) if a.slot_info(i)["waiters"] == 1]
+
+            (slot,) = wait_until(waiting_slot, what="the victim to wait on its ring's condition variable")
+            assert a.slot_info(slot)["tail"] - a.slot_info(slot)["head"] == 4
+            kill(victim)
+        finally:
+            a.resume()
+        # The loop now signals a condition variable whose only waiter is dead: it must not hang.
+        for _ in range(20):
+            other.model.w.grad.fill_(1.0)
+            other.step()
+        other.flush(timeout=10)
+        wait_until(lambda: _job_status(job)["reclaimed_slots"] == 1, what="the victim's slot to be reclaimed")
+        st = _job_status(job)
+        assert st["pushed"] == st["applied"] == 24  # the victim's 4 fully pushed gradients included
+        a.close()
+
+
+def test_server_killed_while_sleeping_on_the_doorbell(job, serve):
+    """An idle server sleeps on a condition variable; learners that ring it after it died must not hang."""
+    serve(job, "--learners", "1", "--lr", "1")
+    with learner.attach(flat(), job=job) as ps:
+        wait_until(lambda: header(job)["sleeping"] == 1, what="the server to go to sleep")
+        old = header(job)
+        os.kill(old["server_pid"], signal.SIGKILL)
+        for _ in range(10):  # each push sees `sleeping` left set by the dead server, and rings
+            ps.model.w.grad.fill_(1.0)
+            ps.step()
+        ps.flush(timeout=30)  # the watchdog's new server applies them
+    assert header(job)["generation"] == old["generation"] + 1
+    assert learner.pull_state_dict(job)["w"][0] == -10.0

@@ -1,0 +1,37 @@
+"""A learner that gets itself killed at an awkward moment, for the dead-owner tests.
+
+    holder.py JOB --hold slot|admission   take that robust mutex, print "ready", block
+    holder.py JOB --fill-ring             push until the ring is full and wait on its condition
+                                          variable (the test pauses the server first)
+"""
+
+import argparse
+import sys
+
+import torch
+
+from psd import learner
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("job")
+    p.add_argument("--hold", choices=["slot", "admission"])
+    p.add_argument("--fill-ring", action="store_true")
+    a = p.parse_args()
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(64))
+    ps = learner.attach(m, job=a.job)
+    if a.hold:
+        ps._arena.hold_mutex(a.hold, ps.slot)
+        print("ready", flush=True)
+        sys.stdin.read()  # killed here, holding the mutex
+        return 1
+    print("ready", flush=True)
+    while True:  # blocks in step() once the ring is full: the test kills us there
+        m.w.grad.fill_(1.0)
+        ps.step()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The watchdog: server restarts that lose nothing, hung servers, adoption, checkpoints, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import Served, child_env, finish, read_line, spawn, wait_until
+from psd import _native, learner
+from psd.arena import open_job, shm_name, shm_path
+from psd.cli import _job_status
+from psd.watchdog import checkpoint
+
+
+def header(job: str) -> dict:
+    a = open_job(job)
+    try:
+        return a.header()
+    finally:
+        a.close()
+
+
+def test_server_killed_mid_run_loses_nothing(job, serve):
+    """Learners keep pushing through a server SIGKILL; the new server drains the rings as they were."""
+    serve(job, "--learners", "2", "--lr", "1", "--slots", "8")
+    count = 3000
+    procs = [spawn("pusher.py", job, "--index", str(r), "--count", str(count), "--ready-after", "500")
+             for r in range(2)]
+    for p in procs:
+        assert read_line(p) == "ready"
+    old = header(job)
+    os.kill(old["server_pid"], signal.SIGKILL)
+    for p in procs:
+        assert finish(p).strip().endswith(f"done {count}")
+    h = header(job)
+    assert h["generation"] == old["generation"] + 1 and h["server_pid"] != old["server_pid"]
+    st = _job_status(job)
+    # At most the one gradient being applied when the server died is applied twice (partly).
+    assert st["pushed"] == 2 * count and st["pending"] == 0
+    assert st["pushed"] <= st["applied"] <= st["pushed"] + 1
+    w = learner.pull_state_dict(job)["w"]
+    assert -count - 1 <= w[0] <= -count and -count - 1 <= w[1] <= -count
+
+
+def test_hung_server_is_killed_and_replaced(job, serve):
+    serve(job, "--learners", "1", "--lr", "1", "--heartbeat-timeout", "0.5")
+    p = spawn("pusher.py", job, "--count", "2000", "--ready-after", "200")
+    assert read_line(p) == "ready"
+    hung = header(job)["server_pid"]
+    os.kill(hung, signal.SIGSTOP)  # alive, but its heartbeat stops
+    try:
+        assert finish(p, timeout=60).strip().endswith("done 2000")
+    finally:
+        try:
+            os.kill(hung, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert header(job)["server_pid"] != hung
+    wait_until(lambda: _native.proc_start_time(hung) == 0, what="the hung server to be gone")
+    assert learner.pull_state_dict(job)["w"][0] <= -2000
+
+
+def test_learner_gives_a_clear_error_when_the_server_never_comes_back(job, serve):
+    s = serve(job, "--learners", "1", "--no-watchdog")
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(16))
+
+    m = Flat()
+    ps = learner.attach(m, job=job, reconnect_timeout=1.0)
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait()
+    with pytest.raises(learner.client.ServerGone, match=r"did not come back within 1 s.*--resume"):
+        for _ in range(100):  # the ring fills, then the wait notices the dead server
+            ps.step()
+    ps.close(flush=False)
+    os.unlink(shm_path(job))
+
+
+def test_killed_watchdog_is_replaced_and_adopts_the_server(job, serve):
+    first = serve(job, "--learners", "1")
+    server_pid = header(job)["server_pid"]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    assert _native.proc_start_time(server_pid) != 0, "the server outlives its watchdog"
+    second = Served(job, "--learners", "1")
+    wait_until(lambda: header(job)["watchdog_pid"] == second.proc.pid, what="the new watchdog to adopt")
+    assert header(job)["server_pid"] == server_pid
+    with learner.attach(torch.nn.Linear(2, 2), job=job) as ps:
+        ps.step()
+    log = second.stop()
+    assert f"adopted running server pid {server_pid}" in log
+    wait_until(lambda: _native.proc_start_time(server_pid) == 0, what="the adopted server to stop")
+
+
+def test_checkpoints_are_consistent_atomic_and_pruned(job, serve, tmp_path):
+    """With lr 1 and unit gradients, consistent weights sum to exactly -clock."""
+    s = serve(job, "--learners", "2", "--lr", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+              "0.2", "--keep", "2")
+    procs = [spawn("pusher.py", job, "--index", str(r), "--count", "30000") for r in range(2)]
+    wait_until(lambda: len(checkpoint.list_checkpoints(tmp_path)) >= 2, timeout=60, what="two checkpoints")
+    s.proc.send_signal(signal.SIGUSR1)  # on demand
+    for p in procs:
+        finish(p)
+    s.stop()  # and one at a clean stop
+    files = checkpoint.list_checkpoints(tmp_path)
+    assert len(files) == 2, "only the newest --keep are kept"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary files left"
+    for f in files:
+        c = checkpoint.load(f)
+        assert c.weights["w"].sum().item() == -c.clock, f"{f} is not a consistent snapshot"
+        assert c.ranks == [0, 0] and c.job == job
+    final = checkpoint.load(files[0])
+    assert final.clock == 60000 and final.counters["applied"] == 60000
+
+
+def test_resume_skips_torn_and_corrupt_checkpoints(job, tmp_path):
+    good = checkpoint.Checkpoint({"w": torch.arange(8.0)}, [checkpoint.ParamSpec("w", (8,))], clock=123,
+                                 generation=4, ranks=[7, 9], job=job, created_unix_ns=1)
+    checkpoint.write(good, tmp_path)
+    src = checkpoint.list_checkpoints(tmp_path)[0]
+    torn = tmp_path / "ckpt-00000000000000000002-c200.safetensors"
+    torn.write_bytes(src.read_bytes()[:-10])
+    flipped = bytearray(src.read_bytes())
+    flipped[-1] ^= 0xFF
+    (tmp_path / "ckpt-00000000000000000003-c300.safetensors").write_bytes(bytes(flipped))
+    s = Served(job, "--learners", "2", "--resume", str(tmp_path), "--no-watchdog")
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(8))
+    with learner.attach(m, job=job, rank=1) as ps:
+        assert torch.equal(m.w.detach(), torch.arange(8.0))
+        assert ps.clock == 123 and ps.resume_step == 9
+    h = header(job)
+    assert h["generation"] == 5
+    log = s.stop()
+    assert "checksum mismatch" in log and "unreadable" in log and "resuming from" in log
+
+
+def test_lost_arena_restarts_from_the_last_checkpoint(job, serve, tmp_path):
+    s = serve(job, "--learners", "1", "--lr", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0")
+    p = spawn("pusher.py", job, "--count", "100")
+    finish(p)
+    s.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: checkpoint.list_checkpoints(tmp_path), what="the checkpoint")
+    server = header(job)["server_pid"]
+    _native.unlink(shm_name(job))  # the arena is lost (e.g. someone cleaned /dev/shm) ...
+    os.kill(server, signal.SIGKILL)  # ... and so is the server
+    wait_until(lambda: os.path.exists(shm_path(job)) and header(job)["state"] == _native.ARENA_READY,
+               what="the server to come back from the checkpoint")
+    assert learner.pull_state_dict(job)["w"][0] == -100.0
+    assert header(job)["clock"] == 100
+
+
+def test_psd_run_restarts_one_learner_and_finishes(job, tmp_path):
+    """A learner killed under `psd run` is restarted alone and resumes where it stopped."""
+    script = tmp_path / "learner.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from psd import learner\n"
+        "m = torch.nn.Module(); m.w = torch.nn.Parameter(torch.zeros(4))\n"
+        "rank = int(os.environ['PSD_RANK'])\n"
+        "with learner.attach(m) as ps:\n"
+        "    for step in range(ps.resume_step, 3000):\n"
+        "        m.w.grad[rank] += 1.0\n"
+        "        ps.step()\n"
+        "        if step == 1000 and rank == 1 and os.environ['PSD_RESTARTS'] == '0':\n"
+        "            os.kill(os.getpid(), 9)\n"
+    )
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "3", "--lr", "1",
+                        "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script)],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "learner 1 (SIGKILL) died; restarting it alone" in r.stderr
+    final = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "ck")[0])
+    # Each rank's 3000 gradients applied exactly once, the killed one's included.
+    assert final.weights["w"][:3].tolist() == [-3000.0] * 3
+    assert final.ranks[:3] == [3000] * 3
+    assert not os.path.exists(shm_path(job))
