@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-from psd import _native
 from psd.arena import open_job, wait_for_job
 
 HELPER = Path(__file__).resolve().parent.parent / "tests" / "helpers" / "pusher.py"

@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
+from chaos_helpers import leftovers
 
 from conftest import ROOT, child_env
 from psd.arena import shm_path
@@ -69,19 +69,6 @@ def final_accuracy(o: Outcome) -> float:
     model = make_mlp(data.dim, data.classes)
     model.load_state_dict(final.weights)
     return evaluate(model, data)
-
-
-def leftovers(job: str) -> list[str]:
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            env = p.info["environ"] or {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if p.pid != os.getpid() and (f"--job {job}" in cmd or env.get("PSD_JOB") == job):
-            found.append(f"{p.pid}: {cmd}")
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,59 @@
+"""`psd run` as a user runs it: Ctrl-C stops everything; a learner that cannot work fails the job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from chaos_helpers import leftovers
+
+from conftest import child_env, wait_until
+from psd.arena import open_job, shm_path
+
+
+def psd_run(job: str, tmp, *command: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2",
+                             "--checkpoint-dir", str(tmp), *extra, "--", *command],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+
+
+def test_ctrl_c_stops_everything_and_leaves_nothing(job, tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import torch\nfrom psd import learner\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "with learner.attach(m) as ps:\n"
+        "    while True:\n"
+        "        m(torch.randn(2, 4)).sum().backward()\n"
+        "        ps.step()\n"
+    )
+    run = psd_run(job, tmp_path / "ck", sys.executable, str(script))
+
+    def learners_attached() -> bool:
+        try:
+            a = open_job(job)
+        except Exception:
+            return False
+        try:
+            return a.counters()["active_learners"] == 2
+        finally:
+            a.close()
+
+    wait_until(learners_attached, timeout=60, what="both learners to attach")
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    assert not os.path.exists(shm_path(job))
+    assert not leftovers(job)
+    assert list((tmp_path / "ck").glob("ckpt-*.safetensors")), "a last checkpoint at the stop"
+
+
+def test_learner_that_keeps_failing_fails_the_job(job, tmp_path):
+    run = psd_run(job, tmp_path, sys.executable, "-c", "import sys; sys.exit(3)", extra=("--max-restarts", "1"))
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 3, err
+    assert "without progress; giving up" in err
+    assert not os.path.exists(shm_path(job))
+    assert not leftovers(job)
