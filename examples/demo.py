@@ -23,7 +23,7 @@ import torch
 
 from psd import learner
 from psd.arena import shm_path, wait_for_job
-from psd.cli import _job_status
+from psd.status import job_status
 from psd.workloads import evaluate, make_classification, make_mlp, train_single
 
 HERE = Path(__file__).resolve().parent
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(codes):
             print(f"== some learners failed: exit codes {codes}", flush=True)
             return 1
-        status = _job_status(args.job)
+        status = job_status(args.job)
         data = make_classification(0)
         model = make_mlp(data.dim, data.classes)
         model.load_state_dict(learner.pull_state_dict(args.job))

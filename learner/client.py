@@ -109,6 +109,9 @@ class Learner:
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.rank = _default_rank() if rank is None else rank
+        threads = os.environ.get("PSD_THREADS")  # set by `psd run` so N learners share the cores
+        if threads and threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
         spec, params = _spec_of(model)
         self._spec, self._params = spec, params
         self.n_params = n = sum(p.numel for p in spec)
@@ -247,6 +250,9 @@ class Learner:
                 ident = (st.st_dev, st.st_ino)
             except FileNotFoundError:
                 ident = None
+            if self._identity is not None and self._arena.state == _native.ARENA_STOPPED:
+                raise ServerGone(f"job {self.job!r} was stopped (`psd stop` or Ctrl-C on its server); "
+                                 f"start it again to go on: `psd serve --job {self.job} --resume`") from cause
             if ident is not None and ident == self._identity:
                 if self._arena.server_alive():
                     log.warning("job %r: server is back (generation %d)", self.job, self._arena.generation())

@@ -12,9 +12,11 @@
 #define _GNU_SOURCE
 #include <Python.h>
 #include <errno.h>
+#include <omp.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "psd.h"
@@ -220,6 +222,12 @@ static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(t);
 }
 
+static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("{s:i,s:i}", "max_threads", omp_get_max_threads(), "num_procs", omp_get_num_procs());
+}
+
 static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer w, g;
@@ -319,6 +327,20 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "checkpoint_clock", atomic_load(&h->checkpoint_clock));
     U64(d, "checkpoint_unix_ns", atomic_load(&h->checkpoint_unix_ns));
     U64(d, "server_restarts", atomic_load(&h->server_restarts));
+    U64(d, "server_started_unix_ns", h->server_started_unix_ns);
+    PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
+    if (!hist) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    for (int i = 0; i < PSD_HIST_BUCKETS; i++)
+        PyList_SET_ITEM(hist, i, PyLong_FromUnsignedLongLong(atomic_load(&h->staleness_hist[i])));
+    if (PyDict_SetItemString(d, "staleness_hist", hist)) {
+        Py_DECREF(hist);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(hist);
     U64(d, "sleeping", atomic_load(&h->sleeping));
     return d;
 }
@@ -570,6 +592,9 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     h->threads = threads;
     h->spin_us = spin_us;
     h->server_start_time = start;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    h->server_started_unix_ns = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
     atomic_store(&h->server_pid, pid);
     /* Pairs with the learners' load of generation: a new server is visible. */
     uint64_t gen = atomic_fetch_add(&h->generation, 1) + 1;
@@ -936,6 +961,7 @@ static PyMethodDef module_methods[] = {
     {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
     {"arena_size", mod_arena_size, METH_VARARGS,
      "arena_size(n_slots, ring_k, spec_cap, n_params) -> bytes the arena will take"},
+    {"omp_info", mod_omp_info, METH_NOARGS, "OpenMP's view of this machine: max_threads, num_procs"},
     {"apply_sgd", mod_apply_sgd, METH_VARARGS,
      "apply_sgd(w, g, lr, threads): w -= lr*g in place, the update loop's kernel"},
     {NULL, NULL, 0, NULL},

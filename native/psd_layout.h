@@ -43,6 +43,7 @@
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
 #define PSD_MAX_RING 1024
+#define PSD_HIST_BUCKETS 16 /* staleness 0, 1, 2-3, 4-7, ..., >= 2^14 */
 
 /* Arena life cycle, psd_header.state. Transitions:
  *   WAITING_SPEC  -> SPEC_OFFERED  a learner wrote its model's spec (admission mutex)
@@ -137,6 +138,7 @@ struct psd_header {
     uint32_t pad1;
     uint64_t server_start_time;
     _Atomic uint64_t generation;
+    uint64_t server_started_unix_ns; /* wall clock, for uptime */
 
     /* -- heartbeat: CLOCK_MONOTONIC ns, stored by the update loop at least
      *    every PSD_HEARTBEAT_NS while it runs; read by learners and the watchdog. */
@@ -157,6 +159,11 @@ struct psd_header {
     _Atomic uint64_t staleness_max;
     _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
     _Atomic uint64_t lock_recoveries; /* mutexes taken over from a dead owner (any process) */
+
+    /* -- staleness histogram, written only by the update loop (relaxed):
+     *    bucket 0 counts staleness 0, bucket i > 0 counts [2^(i-1), 2^i), the
+     *    last bucket everything above. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t staleness_hist[PSD_HIST_BUCKETS];
 
     /* -- doorbell: the update loop sets `sleeping` before it sleeps on
      *    `doorbell`; a learner that published a tail and then sees `sleeping`

@@ -62,6 +62,8 @@ static void apply_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint
         PSD_ADD_RLX(&psd_rank_at(m, (uint32_t)rank)->applied, 1);
     PSD_ADD_RLX(&h->staleness_sum, staleness);
     atomic_max(&h->staleness_max, staleness);
+    uint32_t bucket = staleness == 0 ? 0 : 64 - (uint32_t)__builtin_clzll(staleness);
+    PSD_ADD_RLX(&h->staleness_hist[bucket < PSD_HIST_BUCKETS ? bucket : PSD_HIST_BUCKETS - 1], 1);
     /* Pairs with the load-acquire of clock before a learner's pull. */
     PSD_STORE_REL(&h->clock, clock + 1);
     /* The entry is free again: pairs with the load-acquire of head in

@@ -1,4 +1,4 @@
-"""The ``psd`` command line: ``psd serve``, ``psd run``, ``psd status``, ``psd clean``.
+"""The ``psd`` command line: serve, run, status, top, stop, checkpoint, export, inspect, clean, doctor.
 
 Shape follows torch's distributed/run.py: get_args_parser() -> parse_args()
 -> a config object -> run(config). Every flag can also come from a
@@ -14,12 +14,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
-from psd import __version__, _native
+from psd import __version__, _native, events
 from psd.arena import default_job, list_jobs, open_job, shm_name, shm_path
-from psd.errors import Error
+from psd.errors import Error, Timeout
 from psd.server import ServeConfig, Server
+from psd.status import all_jobs, format_job, job_status
 
 __all__ = ["get_args_parser", "main"]
 
@@ -60,16 +62,53 @@ def get_args_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=_env("max-restarts", 5, int),
                    help="a learner that dies this many times in a row without progress fails the job "
                         "(default: %(default)s)")
+    r.add_argument("--learner-threads", type=int, default=_env("learner-threads", 0, int),
+                   help="torch threads per learner; 0: the cores divided among the learners, at least 1 "
+                        "(default: %(default)s)")
     r.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     r.add_argument("learner_command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the learner command, after --")
 
-    st = sub.add_parser("status", help="show a job's counters and learners, read from its arena")
-    st.add_argument("--job", default=_env("job", None), help="job name (default: every job)")
+    st = sub.add_parser("status", help="a job's figures, read straight from its arena (works on a hung job)")
+    st.add_argument("--job", default=_env("job", None), help="job name (default: every job on the machine)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--sample", type=float, default=0.25,
+                    help="seconds over which rates (gradients/s, GB/s) are measured; 0: none (default: %(default)s)")
+
+    t = sub.add_parser("top", help="psd status, live, refreshing in the terminal (Ctrl-C to leave)")
+    t.add_argument("--job", default=_env("job", None), help="job name (default: every job)")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
+    t.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: never)")
+
+    so = sub.add_parser("stop", help="stop a job cleanly (last checkpoint, arena removed), hung or not")
+    so.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
+    so.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default: %(default)s)")
+
+    ck = sub.add_parser("checkpoint", help="write a checkpoint of a job now")
+    ck.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
+    ck.add_argument("--checkpoint-dir", default=_env("checkpoint-dir", None),
+                    help="where to write it when the job has no watchdog (default: the job's checkpoint dir)")
+    ck.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default: %(default)s)")
+
+    ex = sub.add_parser("export", help="write a job's or a checkpoint's weights as a plain PyTorch state_dict")
+    src = ex.add_mutually_exclusive_group(required=True)
+    src.add_argument("--job", help="take the live weights of this job")
+    src.add_argument("--checkpoint", help="take the weights of this checkpoint file (verified first)")
+    ex.add_argument("--out", required=True, help="output file, loaded with torch.load + model.load_state_dict")
+
+    ins = sub.add_parser("inspect", help="a job's arena header, field by field, and its learner slots")
+    ins.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
 
     c = sub.add_parser("clean", help="remove arenas whose server is dead")
     c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+
+    d = sub.add_parser("doctor", help="check this machine for psd, and say what to change")
+    d.add_argument("--learners", type=int, default=None, help="learners the job will run")
+    d.add_argument("--threads", type=int, default=None, help="update-loop threads the job will use")
+    d.add_argument("--params", type=int, default=None, help="model parameters, to size the arena")
+    d.add_argument("--slots", type=int, default=4, help="ring entries per learner (default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
@@ -97,6 +136,13 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
                    help="checkpoints to keep (default: %(default)s)")
     s.add_argument("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout", 2.0, float),
                    help="restart a server whose heartbeat is older than this, in seconds (default: %(default)s)")
+    s.add_argument("--event-log", default=_env("event-log", None), metavar="FILE",
+                   help="JSON-lines log of admissions, deaths, restarts, checkpoints, rejections "
+                        "(default: ~/.local/state/psd/events/JOB.jsonl; '' for none)")
+    s.add_argument("--metrics-port", type=int, default=_env("metrics-port", 0, int),
+                   help="serve Prometheus metrics on this port (0: off; default: %(default)s)")
+    s.add_argument("--metrics-host", default=_env("metrics-host", "127.0.0.1"),
+                   help="address the metrics endpoint binds to (default: %(default)s)")
 
 
 def _watchdog_config(args: argparse.Namespace):
@@ -105,7 +151,8 @@ def _watchdog_config(args: argparse.Namespace):
     ckpt_dir = args.checkpoint_dir or args.resume or None
     serve = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, slots=args.slots,
                         threads=args.threads, spin_us=args.spin_us, init=args.init,
-                        resume=None if args.resume is None else (ckpt_dir or ""))
+                        resume=None if args.resume is None else (ckpt_dir or ""),
+                        event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
     try:
         serve.validate()
         if args.keep < 1:
@@ -115,7 +162,7 @@ def _watchdog_config(args: argparse.Namespace):
     except ValueError as e:
         raise SystemExit(f"psd {args.command}: {e}") from None
     cfg = WatchdogConfig(serve, Path(ckpt_dir) if ckpt_dir else None, args.checkpoint_every, args.keep,
-                         args.heartbeat_timeout)
+                         args.heartbeat_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     if serve.resume == "":
         serve.resume = str(cfg.ckpt_dir)
     return cfg
@@ -131,7 +178,16 @@ def _serve(args: argparse.Namespace) -> int:
     _logging(args)
     cfg = _watchdog_config(args)
     if args.no_watchdog:
-        return serve_bare(cfg.serve)
+        metrics = None
+        if cfg.metrics_port:
+            from psd.metrics import serve_metrics
+
+            metrics = serve_metrics(cfg.serve.job, cfg.metrics_port, cfg.metrics_host)
+        try:
+            return serve_bare(cfg.serve)
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
     from psd.watchdog.supervisor import serve_forever
 
     return serve_forever(cfg)
@@ -145,7 +201,8 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("psd run: give the learner command after --, e.g. "
                          "`psd run --learners 4 -- python train.py`")
-    return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts).run()
+    return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts,
+                    learner_threads=args.learner_threads).run()
 
 
 def serve_bare(cfg: ServeConfig) -> int:
@@ -169,78 +226,143 @@ def serve_bare(cfg: ServeConfig) -> int:
     return 0
 
 
-def _job_status(job: str) -> dict:
-    a = open_job(job)
+def _status(args: argparse.Namespace) -> int:
+    jobs = [job_status(args.job, args.sample)] if args.job else all_jobs(args.sample)
+    if args.json:
+        print(json.dumps(jobs[0] if args.job else jobs, indent=2))
+    elif not jobs:
+        print("no psd jobs on this machine (start one with `psd serve --job NAME --learners N`)")
+    else:
+        print("\n\n".join(format_job(j) for j in jobs))
+    return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    n = 0
+    sample = min(0.5, args.interval / 2)
+    while True:
+        jobs = [job_status(args.job, sample)] if args.job else all_jobs(sample)
+        body = "\n\n".join(format_job(j) for j in jobs) or "no psd jobs on this machine"
+        if sys.stdout.isatty():
+            sys.stdout.write("\x1b[H\x1b[2J")
+        sys.stdout.write(f"psd top  {time.strftime('%H:%M:%S')}  (Ctrl-C to leave)\n\n{body}\n")
+        sys.stdout.flush()
+        n += 1
+        if args.iterations and n >= args.iterations:
+            return 0
+        time.sleep(max(0.0, args.interval - sample))  # the display's refresh period
+
+
+def _alive(pid: int, start: int) -> bool:
+    return pid > 0 and start != 0 and _native.proc_start_time(pid) == start
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
+    from psd.watchdog.supervisor import terminate
+
+    a = open_job(args.job)
+    h = a.header()
+    a.close()
+    if _alive(h["watchdog_pid"], h["watchdog_start_time"]):
+        who, pid = "watchdog", h["watchdog_pid"]
+    elif _alive(h["server_pid"], h["server_start_time"]):
+        who, pid = "server", h["server_pid"]
+    else:
+        _native.unlink(shm_name(args.job))
+        print(f"job {args.job!r}: its server (pid {h['server_pid']}) was already dead; removed {shm_path(args.job)}")
+        return 0
+    print(f"stopping job {args.job!r}: SIGTERM to its {who} (pid {pid})", flush=True)
+    terminate(pid, deadline=args.timeout)
+    deadline = time.monotonic() + args.timeout
+    while os.path.exists(shm_path(args.job)):  # the watchdog removes it after its last checkpoint
+        if time.monotonic() > deadline:
+            raise Timeout(f"job {args.job!r} did not stop within {args.timeout:g} s; `psd status --job "
+                          f"{args.job}` shows what is left")
+        time.sleep(0.05)
+    print(f"job {args.job!r} stopped")
+    return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    """Ask the watchdog (SIGUSR1) and wait for it; without a live watchdog, snapshot the arena here."""
+    from psd.watchdog import checkpoint
+
+    a = open_job(args.job)
     try:
-        if a.state == _native.ARENA_READY:
-            a.remap()
         h = a.header()
-        out = {
-            "job": job,
-            "arena": shm_path(job),
-            "psd_version": h["psd_version"],
-            "state": {1: "waiting for a model", 2: "model offered", 3: "loading weights", 4: "ready",
-                      5: "stopped"}.get(h["state"], str(h["state"])),
-            "server_pid": h["server_pid"],
-            "server_alive": a.server_alive(),
-            "generation": h["generation"],
-            "heartbeat_age_s": round(h["heartbeat_age_s"], 3),
-            "n_params": h["n_params"],
-            "lr": h["lr"],
-            "learner_slots": h["n_slots"],
-            "ring_entries": h["ring_k"],
-            "arena_bytes": h["total_size"],
-            **a.counters(),
-            "staleness_mean": (h["staleness_sum"] / h["applied"]) if h["applied"] else 0.0,
-            "staleness_max": h["staleness_max"],
-            "reclaimed_slots": h["reclaimed"],
-            "learners": [],
-        }
-        if a.state == _native.ARENA_READY:
-            for i in range(h["n_slots"]):
-                s = a.slot_info(i)
-                if s["state"] != _native.SLOT_FREE:
-                    out["learners"].append({
-                        "slot": i, "pid": s["pid"],
-                        "state": "active" if s["state"] == _native.SLOT_ACTIVE else "draining",
-                        "pushed": s["tail"], "applied": s["applied"], "queued": s["tail"] - s["head"],
-                        "clock": s["learner_clock"], "pulls": s["pulls"], "pulls_skipped": s["pulls_skipped"],
-                        "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else 0.0,
-                        "last_loss": s["last_loss"],
-                    })
-        return out
+        if _alive(h["watchdog_pid"], h["watchdog_start_time"]):
+            before = h["checkpoint_unix_ns"]
+            os.kill(h["watchdog_pid"], signal.SIGUSR1)
+            deadline = time.monotonic() + args.timeout
+            while a.header()["checkpoint_unix_ns"] == before:
+                if time.monotonic() > deadline:
+                    raise Timeout(f"the watchdog of job {args.job!r} wrote no checkpoint within {args.timeout:g} s")
+                time.sleep(0.05)  # the watchdog announces it only in the header
+            print(f"job {args.job!r}: checkpoint written by its watchdog at clock {a.header()['checkpoint_clock']}")
+            return 0
+        if a.state != _native.ARENA_READY:
+            raise Error(f"job {args.job!r} has no weights yet; nothing to checkpoint")
+        a.remap()
+        snap = checkpoint.snapshot(a, args.job)
+        path = checkpoint.write(snap, args.checkpoint_dir or checkpoint.default_dir(args.job))
+        a.note_checkpoint(snap.clock, time.time_ns())
+        del snap
+        print(f"job {args.job!r}: no live watchdog; wrote {path}")
+        return 0
     finally:
         a.close()
 
 
-def _status(args: argparse.Namespace) -> int:
-    jobs = [args.job] if args.job else list_jobs()
-    out = []
-    for job in jobs:
-        try:
-            out.append(_job_status(job))
-        except Error as e:
-            if args.job:
-                raise
-            out.append({"job": job, "error": str(e)})
-    if args.json:
-        print(json.dumps(out if not args.job else out[0], indent=2))
-        return 0
-    if not out:
-        print("no psd jobs on this machine (start one with `psd serve --job NAME --learners N`)")
-    for j in out:
-        if "error" in j:
-            print(f"job {j['job']}: {j['error']}")
-            continue
-        print(f"job {j['job']}: {j['state']}, server pid {j['server_pid']} "
-              f"({'alive' if j['server_alive'] else 'DEAD'}), generation {j['generation']}, "
-              f"{j['n_params']:,} parameters, lr {j['lr']:g}")
-        print(f"  clock {j['clock']}  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']}"
-              f"  pending {j['pending']}  staleness mean {j['staleness_mean']:.2f} max {j['staleness_max']}")
-        for s in j["learners"]:
-            print(f"  slot {s['slot']:3d} pid {s['pid']:7d} {s['state']:8s} pushed {s['pushed']:8d} "
-                  f"queued {s['queued']} staleness {s['staleness_mean']:.2f} loss {s['last_loss']:.4f}")
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.checkpoint:
+        from psd.watchdog import checkpoint
+
+        state, src = checkpoint.load(args.checkpoint).weights, args.checkpoint
+    else:
+        from psd.learner import pull_state_dict
+
+        state, src = pull_state_dict(args.job), f"job {args.job!r}"
+    torch.save({k: v.clone() for k, v in state.items()}, args.out)
+    print(f"wrote {args.out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters from "
+          f"{src}; load it with model.load_state_dict(torch.load({args.out!r}))")
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    a = open_job(args.job)
+    try:
+        if a.state == _native.ARENA_READY:
+            a.remap()
+        h = a.header()
+        slots = [a.slot_info(i) for i in range(h["n_slots"])] if a.state == _native.ARENA_READY else []
+    finally:
+        a.close()
+    if args.json:
+        print(json.dumps({"header": h, "slots": slots}, indent=2))
+        return 0
+    print(f"arena {shm_path(args.job)}")
+    for k in sorted(h):
+        print(f"  {k:24} {h[k]}")
+    for i, s in enumerate(slots):
+        print(f"slot {i}: " + "  ".join(f"{k}={v}" for k, v in s.items()))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from psd.doctor import as_dicts, run_checks
+
+    checks = run_checks(args.learners, args.threads, args.params, args.slots)
+    if args.json:
+        print(json.dumps(as_dicts(checks), indent=2))
+    else:
+        for c in checks:
+            print(f"[{c.status.upper() if c.status == 'fail' else c.status:>4}] {c.name}: {c.detail}")
+            if c.fix:
+                print(f"       fix: {c.fix}")
+    return 1 if any(c.status == "fail" for c in checks) else 0
 
 
 def _clean(args: argparse.Namespace) -> int:
@@ -274,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``psd`` command."""
     args = get_args_parser().parse_args(argv)
     try:
-        return {"serve": _serve, "run": _run, "status": _status, "clean": _clean}[args.command](args)
+        return {"serve": _serve, "run": _run, "status": _status, "top": _top, "stop": _stop,
+                "checkpoint": _checkpoint, "export": _export, "inspect": _inspect, "clean": _clean,
+                "doctor": _doctor}[args.command](args)
     except Error as e:
         print(f"psd {args.command}: {e}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from psd.arena import (
     shm_path,
 )
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
+from psd.events import EventLog
 
 __all__ = ["ServeConfig", "Server", "auto_threads"]
 
@@ -63,6 +65,7 @@ class ServeConfig:
     spin_us: int = 50
     init: str | None = None
     resume: str | None = None
+    event_log: str | None = None
     poll_interval: float = 0.1
 
     def validate(self) -> None:
@@ -106,7 +109,9 @@ class Server:
         self.generation = 0
         self._loop_running = False
         self._owners: dict[int, int] = {}  # slot -> pid last seen
+        self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
         self._stopped = False
+        self.events = EventLog(config.event_log, config.job, "server")
 
     # -- life cycle ---------------------------------------------------------
 
@@ -126,7 +131,8 @@ class Server:
                             f"with --resume DIR to continue from the last checkpoint") from None
             log.warning("job %r: the arena is damaged (%s); starting over from the last checkpoint", cfg.job, e)
             _native.unlink(shm_name(cfg.job))
-        if self.arena is not None:
+        took_over = self.arena is not None
+        if took_over:
             self._take_over(spec)
         else:
             if cfg.resume and spec is None:
@@ -142,6 +148,8 @@ class Server:
             "job %r: arena %s, %d learner slots x %d ring entries, lr %g, %d update thread(s), generation %d",
             cfg.job, shm_path(cfg.job), cfg.learners, cfg.slots, cfg.lr, self.threads, self.generation,
         )
+        self.events.emit("server_started", generation=self.generation, took_over=took_over,
+                         resumed_from=str(ckpt.path) if ckpt is not None else None)
         if spec is not None and self.arena.state == _native.ARENA_WAITING_SPEC:
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
@@ -243,7 +251,8 @@ class Server:
             for pid in a.reap():
                 log.warning("job %r: learner pid %d died; applying what it pushed, then freeing its slot",
                             self.config.job, pid)
-            self._log_admissions()
+                self.events.emit("learner_died", learner_pid=pid)
+            self._watch_slots()
 
     def _admit_spec(self) -> None:
         a = self.arena
@@ -264,24 +273,51 @@ class Server:
             a.set_state(_native.ARENA_INIT_WEIGHTS)
             log.info("job %r: model from pid %d: %d tensors, %d parameters, arena %.1f MiB", cfg.job,
                      h["offer_pid"], len(spec), h["n_params"], size / (1 << 20))
+            self.events.emit("model_admitted", learner_pid=h["offer_pid"], tensors=len(spec),
+                             parameters=h["n_params"], arena_bytes=size)
             return
         log.error("job %r: refused the model offered by pid %d: %s", cfg.job, h["offer_pid"], msg)
+        self.events.emit("model_refused", learner_pid=h["offer_pid"], reason=msg)
         a.set_state(_native.ARENA_WAITING_SPEC, msg)
 
-    def _log_admissions(self) -> None:
+    def _watch_slots(self) -> None:
+        """Log admissions and rejected gradients, which the native side only counts."""
         a = self.arena
         for i in range(a.header()["n_slots"]):
             info = a.slot_info(i)
             pid = info["pid"] if info["state"] == _native.SLOT_ACTIVE else 0
             if pid and self._owners.get(i) != pid:
                 log.info("job %r: learner pid %d attached (slot %d)", self.config.job, pid, i)
+                self.events.emit("learner_attached", learner_pid=pid, slot=i, rank=info["rank"])
+                self._rejected[i] = 0
             self._owners[i] = pid
+            new = info["rejected"] - self._rejected.get(i, 0)
+            if pid and new > 0:
+                log.warning("job %r: rejected %d gradient(s) from learner pid %d", self.config.job, new, pid)
+                self.events.emit("gradients_rejected", learner_pid=pid, slot=i, count=new)
+                self._rejected[i] = info["rejected"]
 
     def run(self, stop: threading.Event) -> None:
         """Supervise until ``stop`` is set."""
         while not stop.is_set():
             self.poll()
             stop.wait(self.config.poll_interval)
+
+    def _drain(self, a: _native.Arena, timeout: float = 5.0) -> None:
+        """Apply everything learners had pushed when the stop came (they may go on pushing)."""
+        n = a.header()["n_slots"]
+        targets = {}
+        for i in range(n):
+            s = a.slot_info(i)
+            if s["state"] != _native.SLOT_FREE:
+                targets[i] = (s["claims"], s["tail"])
+        deadline = time.monotonic() + timeout
+        while targets and time.monotonic() < deadline:
+            for i, (claims, tail) in list(targets.items()):
+                s = a.slot_info(i)
+                if s["claims"] != claims or s["state"] == _native.SLOT_FREE or s["head"] >= tail:
+                    del targets[i]
+            time.sleep(0.002)  # the loop is applying them; it signals nothing we could wait on
 
     def stop(self, remove: bool = True) -> None:
         """Stop the update loop, mark the arena stopped, and remove it.
@@ -293,12 +329,15 @@ class Server:
             return
         self._stopped = True
         a = self.arena
+        if remove and self._loop_running:
+            self._drain(a)
         a.stop_loop()
         c = a.counters()
         if not remove:
             a.close()
             log.info("job %r: server handing over; the arena stays for its successor (clock %d, %d pending)",
                      self.config.job, c["clock"], c["pending"])
+            self.events.emit("server_handover", **c)
             return
         a.set_state(_native.ARENA_STOPPED, "the server stopped")
         try:
@@ -308,3 +347,4 @@ class Server:
         a.close()
         log.info("job %r: stopped; %d gradients pushed, %d applied, %d rejected, %d pending; arena removed",
                  self.config.job, c["pushed"], c["applied"], c["rejected"], c["pending"])
+        self.events.emit("server_stopped", **c)

@@ -7,7 +7,7 @@ import torch
 
 from conftest import wait_until
 from psd import learner
-from psd.cli import _job_status
+from psd.status import job_status
 
 
 class Flat(torch.nn.Module):
@@ -38,10 +38,10 @@ def test_attach_detach_reattach(job, serve):
                 m.w.grad[1] += 1.0
                 ps.step()
         # Detaching frees the only slot, so the next round can claim it.
-        wait_until(lambda: not _job_status(job)["learners"], what="the slot to be freed")
+        wait_until(lambda: not job_status(job)["learners"], what="the slot to be freed")
         assert learner.pull_state_dict(job)["w"][1] == -10.0 * (round_ + 1)
         assert m.w.grad is None  # no tensor of ours points into the arena any more
-    st = _job_status(job)
+    st = job_status(job)
     assert st["pushed"] == st["applied"] == 30
 
 

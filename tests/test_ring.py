@@ -9,12 +9,12 @@ import sys
 import torch
 
 from conftest import finish, kill, read_line, spawn, wait_until
-from psd.cli import _job_status
 from psd.learner import pull_state_dict
+from psd.status import job_status
 
 
 def status(job: str) -> dict:
-    return _job_status(job)
+    return job_status(job)
 
 
 def test_every_gradient_applied_exactly_once_across_processes(job, serve):

@@ -13,7 +13,7 @@ import torch
 from conftest import Served, child_env, finish, read_line, spawn, wait_until
 from psd import _native, learner
 from psd.arena import open_job, shm_name, shm_path
-from psd.cli import _job_status
+from psd.status import job_status
 from psd.watchdog import checkpoint
 
 
@@ -39,7 +39,7 @@ def test_server_killed_mid_run_loses_nothing(job, serve):
         assert finish(p).strip().endswith(f"done {count}")
     h = header(job)
     assert h["generation"] == old["generation"] + 1 and h["server_pid"] != old["server_pid"]
-    st = _job_status(job)
+    st = job_status(job)
     # At most the one gradient being applied when the server died is applied twice (partly).
     assert st["pushed"] == 2 * count and st["pending"] == 0
     assert st["pushed"] <= st["applied"] <= st["pushed"] + 1

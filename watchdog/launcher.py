@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from psd import _native
 from psd.arena import open_job, shm_name, wait_for_job
 from psd.errors import Error
+from psd.events import EventLog
 from psd.watchdog.supervisor import WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
@@ -87,12 +88,14 @@ class Launcher:
     """Run a whole job: ``Launcher(watchdog_config, ["python", "train.py"], max_restarts=5).run()``."""
 
     def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 5,
-                 progress_every: float | None = None) -> None:
+                 progress_every: float | None = None, learner_threads: int = 0) -> None:
         self.config = config
         self.job = config.serve.job
         self.n = config.serve.learners
         self.command = command
         self.max_restarts = max_restarts
+        # N learners must not oversubscribe the cores: each gets its share of them, at least one.
+        self.learner_threads = learner_threads or max(1, len(os.sched_getaffinity(0)) // self.n)
         self.workers = [Worker(r) for r in range(self.n)]
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
@@ -103,6 +106,7 @@ class Launcher:
         self._arena: _native.Arena | None = None
         self._arena_id = None
         self._last = (time.monotonic(), 0)
+        self.events = EventLog(config.serve.event_log, self.job, "run")
 
     # -- processes ----------------------------------------------------------
 
@@ -120,6 +124,7 @@ class Launcher:
             argv += ["--resume", str(c.ckpt_dir)]
         elif s.resume:
             argv += ["--resume", s.resume]
+        argv += ["--event-log", s.event_log or ""]
         if logging.getLogger().level > logging.INFO:
             argv.append("--quiet")
         return argv
@@ -131,8 +136,8 @@ class Launcher:
 
     def _start_worker(self, w: Worker) -> None:
         env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
-                   PSD_RESTARTS=str(w.restarts), PYTHONUNBUFFERED="1")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.n)))
+                   PSD_RESTARTS=str(w.restarts), PSD_THREADS=str(self.learner_threads),
+                   OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1")
         w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
         w.state = WorkerState.RUNNING
         w.progress_at_start = self._rank_progress(w.rank)
@@ -155,6 +160,7 @@ class Launcher:
         self.watchdog_restarts += 1
         log.warning("job %r: watchdog pid %d died (%s); restarting it", self.job, self.watchdog.pid,
                     f"exit {code}" if code >= 0 else signal.Signals(-code).name)
+        self.events.emit("watchdog_restart", watchdog_pid=self.watchdog.pid)
         self._start_watchdog()
 
     def _supervise_workers(self) -> None:
@@ -169,6 +175,7 @@ class Launcher:
                 if code == 0:
                     w.state = WorkerState.SUCCEEDED
                     log.info("job %r: learner %d finished", self.job, w.rank)
+                    self.events.emit("learner_finished", rank=w.rank)
                     continue
                 how = f"exit {code}" if code > 0 else signal.Signals(-code).name
                 w.fruitless = 0 if self._rank_progress(w.rank) > w.progress_at_start else w.fruitless + 1
@@ -176,14 +183,17 @@ class Launcher:
                     w.state = WorkerState.FAILED
                     log.error("job %r: learner %d died (%s) %d times in a row without progress; giving up",
                               self.job, w.rank, how, w.fruitless)
+                    self.events.emit("learner_failed", rank=w.rank, exit=how)
                     continue
                 w.state = WorkerState.BACKOFF
                 w.restart_at = now + min(10.0, 0.1 * 2 ** w.fruitless)
                 died.append(f"{w.rank} ({how})")
+                self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=how)
             elif w.state == WorkerState.BACKOFF and now >= w.restart_at:
                 w.restarts += 1
                 self._start_worker(w)
                 log.warning("job %r: learner %d restarted (restart %d)", self.job, w.rank, w.restarts)
+                self.events.emit("learner_restart", rank=w.rank, restart=w.restarts, learner_pid=w.proc.pid)
         if died:
             if not any(w.state == WorkerState.RUNNING for w in self.workers) and \
                     all(w.state != WorkerState.SUCCEEDED for w in self.workers):

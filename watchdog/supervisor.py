@@ -31,6 +31,7 @@ from pathlib import Path
 from psd import _native
 from psd.arena import open_job, shm_name, shm_path
 from psd.errors import Error, JobNotFound
+from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
 
@@ -71,6 +72,8 @@ class WatchdogConfig:
     heartbeat_timeout: float = 2.0
     max_restarts: int = 10  # servers in a row that die before they run
     start_timeout: float = 30.0
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
     extra_env: dict = field(default_factory=dict)
 
     @property
@@ -122,6 +125,7 @@ class Watchdog:
         self._last_ckpt_clock = -1
         self.checkpoint_requested = threading.Event()
         self._resume_first = bool(config.serve.resume)
+        self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
 
     # -- the server process -------------------------------------------------
@@ -135,6 +139,7 @@ class Watchdog:
             argv += ["--init", s.init]
         if resume:
             argv += ["--resume", str(self.config.ckpt_dir)]
+        argv += ["--event-log", s.event_log or ""]
         return argv
 
     def _spawn(self, resume: bool) -> None:
@@ -199,6 +204,7 @@ class Watchdog:
             self._started_at = time.monotonic()
             self.state = ServerState.RUNNING
             log.info("job %r: adopted running server pid %d", self.config.serve.job, self.server_pid)
+            self.events.emit("server_adopted", server_pid=self.server_pid)
         else:
             self._spawn(resume=self._resume_first)
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
@@ -217,6 +223,7 @@ class Watchdog:
     def _restart(self, why: str) -> None:
         job = self.config.serve.job
         log.warning("job %r: server pid %d %s; restarting it", job, self.server_pid, why)
+        self.events.emit("server_restart", server_pid=self.server_pid, reason=why)
         if self._server_alive():
             terminate(self.proc if self.proc is not None and self.proc.pid == self.server_pid else self.server_pid,
                       deadline=1.0, sig=signal.SIGUSR2)
@@ -272,12 +279,15 @@ class Watchdog:
 
     # -- checkpoints --------------------------------------------------------
 
-    def checkpoint(self, force: bool = False) -> Path | None:
-        """Write a checkpoint now if the weights changed since the last one (or ``force``)."""
+    def checkpoint(self, force: bool = False, arena: _native.Arena | None = None) -> Path | None:
+        """Write a checkpoint now if the weights changed since the last one (or ``force``).
+
+        ``arena``: snapshot this mapping (at a stop: the server has removed the arena's name already).
+        """
         self.checkpoint_requested.clear()
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
-        a = self._open_arena()
-        if a is None or a.state != _native.ARENA_READY:
+        a = arena or self._open_arena()
+        if a is None or a.state not in (_native.ARENA_READY, _native.ARENA_STOPPED) or not a.header()["n_params"]:
             return None
         a.remap()
         if not force and a.clock() == self._last_ckpt_clock:
@@ -293,8 +303,9 @@ class Watchdog:
         self._last_ckpt_clock = snap.clock
         del snap
         a.note_checkpoint(self._last_ckpt_clock, time.time_ns())
-        log.info("job %r: checkpoint %s (clock %d, %.0f ms)", s.job, path, self._last_ckpt_clock,
-                 (time.monotonic() - t0) * 1000)
+        ms = (time.monotonic() - t0) * 1000
+        log.info("job %r: checkpoint %s (clock %d, %.0f ms)", s.job, path, self._last_ckpt_clock, ms)
+        self.events.emit("checkpoint", path=str(path), clock=self._last_ckpt_clock, ms=round(ms, 1))
         return path
 
     # -- life cycle ---------------------------------------------------------
@@ -306,19 +317,22 @@ class Watchdog:
             stop.wait(self.config.serve.poll_interval)
 
     def stop(self) -> None:
-        """Clean stop: a last checkpoint, then stop the server, which removes the arena."""
+        """Clean stop: stop the server (it applies what is pending and removes the arena's name), then
+        write the last checkpoint from our mapping, which outlives the name: nothing pushed before the
+        stop is missing from it."""
         if self.state == ServerState.STOPPED:
             return
         failed = self.state == ServerState.FAILED
+        a = self._open_arena() if not failed else None
         try:
-            if self.state == ServerState.RUNNING and self._server_alive():
-                self.checkpoint(force=True)
-        finally:
-            self._drop_arena()
             if self.proc is not None and self.proc.pid == self.server_pid:
                 terminate(self.proc, deadline=10.0)
             elif self._server_alive():
                 terminate(self.server_pid, deadline=10.0)
+            if a is not None:
+                self.checkpoint(force=True, arena=a)
+        finally:
+            self._drop_arena()
             self.state = ServerState.STOPPED
             # A server killed before it could clean up leaves its arena: nobody else would remove it.
             # After a failure, though, keep it: it holds what the learners pushed, for a later server.
@@ -350,10 +364,17 @@ def serve_forever(config: WatchdogConfig) -> int:
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGUSR1, lambda s, f: wd.checkpoint_requested.set())
     failed = False
+    metrics = None
     try:
+        if config.metrics_port:
+            from psd.metrics import serve_metrics
+
+            metrics = serve_metrics(config.serve.job, config.metrics_port, config.metrics_host)
         wd.start()
         wd.run(stop)
         failed = wd.state == ServerState.FAILED
     finally:
         wd.stop()
+        if metrics is not None:
+            metrics.shutdown()
     return wd.exit_code if failed else 0

@@ -16,7 +16,7 @@ import torch
 from conftest import kill, read_line, spawn, wait_until
 from psd import _native, learner
 from psd.arena import open_job
-from psd.cli import _job_status
+from psd.status import job_status
 
 
 def flat() -> torch.nn.Module:
@@ -39,7 +39,7 @@ def test_learner_killed_holding_its_ring_mutex(job, serve):
     assert read_line(victim) == "ready"
     kill(victim)
     # The server must take the dead owner's mutex to reclaim the slot; the only slot is then free again.
-    wait_until(lambda: _job_status(job)["reclaimed_slots"] == 1, what="the slot to be reclaimed")
+    wait_until(lambda: job_status(job)["reclaimed_slots"] == 1, what="the slot to be reclaimed")
     with learner.attach(flat(), job=job) as ps:
         ps.step()
         ps.flush()
@@ -80,8 +80,8 @@ def test_learner_killed_waiting_on_a_condition_variable(job, serve):
             other.model.w.grad.fill_(1.0)
             other.step()
         other.flush(timeout=10)
-        wait_until(lambda: _job_status(job)["reclaimed_slots"] == 1, what="the victim's slot to be reclaimed")
-        st = _job_status(job)
+        wait_until(lambda: job_status(job)["reclaimed_slots"] == 1, what="the victim's slot to be reclaimed")
+        st = job_status(job)
         assert st["pushed"] == st["applied"] == 24  # the victim's 4 fully pushed gradients included
         a.close()
 

@@ -1,0 +1,148 @@
+"""What a job is doing, read straight from its arena: for `psd status`, `psd top` and the metrics.
+
+Everything here reads the arena header and slots directly, never asks the
+server, so it works the same against a live, a hung or a dead server.
+"""
+
+from __future__ import annotations
+
+import time
+
+from psd import _native
+from psd.arena import list_jobs, open_job, shm_path
+from psd.errors import Error
+
+__all__ = ["STATES", "all_jobs", "format_job", "job_status", "stale_bucket_label"]
+
+STATES = {1: "waiting for a model", 2: "model offered", 3: "loading weights", 4: "ready", 5: "stopped"}
+
+
+def stale_bucket_label(i: int) -> str:
+    """The staleness values histogram bucket ``i`` counts."""
+    if i == 0:
+        return "0"
+    lo, hi = 1 << (i - 1), (1 << i) - 1
+    return str(lo) if lo == hi else (f"{lo}-{hi}" if i < 15 else f">={lo}")
+
+
+def _alive(pid: int, start: int) -> bool:
+    return pid > 0 and start != 0 and _native.proc_start_time(pid) == start
+
+
+def _snapshot(a: _native.Arena) -> tuple[dict, dict, list[dict]]:
+    if a.state == _native.ARENA_READY:
+        a.remap()
+    h = a.header()
+    slots = [a.slot_info(i) for i in range(h["n_slots"])] if a.state == _native.ARENA_READY else []
+    return h, a.counters(), slots
+
+
+def job_status(job: str, sample: float = 0.0) -> dict:
+    """The job's figures as a dict; with ``sample`` > 0, rates measured over that many seconds."""
+    a = open_job(job)
+    try:
+        h, c, slots = _snapshot(a)
+        rate = pull_rate = None
+        if sample > 0:
+            t0 = time.monotonic()
+            time.sleep(sample)  # a measurement window: the arena keeps counters, not rates
+            h2, c2, slots2 = _snapshot(a)
+            dt = time.monotonic() - t0
+            rate = (h2["applied"] - h["applied"]) / dt
+            pulls = sum(s["pulls"] for s in slots2) - sum(s["pulls"] for s in slots)
+            pull_rate = max(0.0, pulls / dt)
+            h, c, slots = h2, c2, slots2
+        now_ns = time.time_ns()
+        out = {
+            "job": job,
+            "arena": shm_path(job),
+            "psd_version": h["psd_version"],
+            "state": STATES.get(h["state"], str(h["state"])),
+            "server_pid": h["server_pid"],
+            "server_alive": a.server_alive(),
+            "server_uptime_s": round((now_ns - h["server_started_unix_ns"]) / 1e9, 1)
+            if h["server_started_unix_ns"] else None,
+            "heartbeat_age_s": round(h["heartbeat_age_s"], 3),
+            "watchdog_pid": h["watchdog_pid"],
+            "watchdog_alive": _alive(h["watchdog_pid"], h["watchdog_start_time"]),
+            "generation": h["generation"],
+            "server_restarts": h["server_restarts"],
+            "n_params": h["n_params"],
+            "lr": h["lr"],
+            "learner_slots": h["n_slots"],
+            "ring_entries": h["ring_k"],
+            "arena_bytes": h["total_size"],
+            **c,
+            "applied_per_s": None if rate is None else round(rate, 1),
+            # GaDei's measure of model traffic: gradients in plus weights out, 4 bytes a parameter.
+            "model_traffic_gbs": None if rate is None else round((rate + pull_rate) * h["n_params"] * 4 / 1e9, 3),
+            "staleness_mean": (h["staleness_sum"] / h["applied"]) if h["applied"] else 0.0,
+            "staleness_max": h["staleness_max"],
+            "staleness_hist": {stale_bucket_label(i): n for i, n in enumerate(h["staleness_hist"]) if n},
+            "reclaimed_slots": h["reclaimed"],
+            "lock_recoveries": h["lock_recoveries"],
+            "checkpoint_clock": h["checkpoint_clock"] if h["checkpoint_unix_ns"] else None,
+            "checkpoint_age_s": round((now_ns - h["checkpoint_unix_ns"]) / 1e9, 1) if h["checkpoint_unix_ns"] else None,
+            "learners": [],
+        }
+        for i, s in enumerate(slots):
+            if s["state"] == _native.SLOT_FREE:
+                continue
+            out["learners"].append({
+                "slot": i, "pid": s["pid"], "rank": s["rank"],
+                "alive": _alive(s["pid"], s["start_time"]),
+                "state": "active" if s["state"] == _native.SLOT_ACTIVE else "draining",
+                "pushed": s["tail"], "applied": s["applied"], "rejected": s["rejected"],
+                "queued": s["tail"] - s["head"], "clock": s["learner_clock"],
+                "pulls": s["pulls"], "pulls_skipped": s["pulls_skipped"],
+                "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else 0.0,
+                "staleness_max": s["staleness_max"], "last_loss": s["last_loss"],
+            })
+        return out
+    finally:
+        a.close()
+
+
+def all_jobs(sample: float = 0.0) -> list[dict]:
+    """Status of every job on the machine; a job that cannot be read says why."""
+    out = []
+    for job in list_jobs():
+        try:
+            out.append(job_status(job, sample))
+        except Error as e:
+            out.append({"job": job, "arena": shm_path(job), "error": str(e)})
+    return out
+
+
+def format_job(j: dict) -> str:
+    """The human-readable block `psd status` and `psd top` print for one job."""
+    if "error" in j:
+        return f"job {j['job']}: {j['error']}"
+    server = f"server pid {j['server_pid']} ({'alive' if j['server_alive'] else 'DEAD'}"
+    if j["server_alive"] and j["heartbeat_age_s"] > 0.5:  # it beats at least every 0.1 s
+        server += f", no heartbeat for {j['heartbeat_age_s']:.1f} s: HUNG?"
+    server += ")"
+    wd = f"watchdog pid {j['watchdog_pid']} ({'alive' if j['watchdog_alive'] else 'dead'})" \
+        if j["watchdog_pid"] else "no watchdog"
+    lines = [f"job {j['job']}: {j['state']}, {server}, {wd}, generation {j['generation']}, "
+             f"up {j['server_uptime_s'] or 0:.0f} s"]
+    rate = f"  {j['applied_per_s']:,.0f} grad/s  {j['model_traffic_gbs']:.3f} GB/s" if j["applied_per_s"] is not None \
+        else ""
+    lines.append(f"  {j['n_params']:,} parameters  lr {j['lr']:g}  clock {j['clock']}{rate}")
+    lines.append(f"  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']}  pending {j['pending']}"
+                 f"  staleness mean {j['staleness_mean']:.2f} max {j['staleness_max']}")
+    if j["staleness_hist"]:
+        lines.append("  staleness histogram: " + "  ".join(f"{k}:{v}" for k, v in j["staleness_hist"].items()))
+    ck = f"clock {j['checkpoint_clock']}, {j['checkpoint_age_s']:.0f} s ago" if j["checkpoint_clock"] is not None \
+        else "none yet"
+    lines.append(f"  last checkpoint: {ck}   slots reclaimed {j['reclaimed_slots']}  "
+                 f"server restarts {j['server_restarts']}")
+    if j["learners"]:
+        lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'pushed':>8} {'queued':>6} "
+                     f"{'rejected':>8} {'clock':>8} {'stale':>6} {'loss':>8}")
+        for s in j["learners"]:
+            state = s["state"] if s["alive"] else "dead"
+            lines.append(f"  {s['slot']:>4} {s['rank']:>4} {s['pid']:>7} {state:8} {s['pushed']:>8} "
+                         f"{s['queued']:>6} {s['rejected']:>8} {s['clock']:>8} {s['staleness_mean']:>6.2f} "
+                         f"{s['last_loss']:>8.4f}")
+    return "\n".join(lines)
