@@ -257,7 +257,7 @@ class Launcher:
         done = sum(w.state == WorkerState.SUCCEEDED for w in self.workers)
         restarts = sum(w.restarts for w in self.workers)
         line = (f"psd run {self.job}: clock {c['clock']}  {rate:,.0f} grad/s  "
-                f"loss {sum(losses) / len(losses) if losses else float('nan'):.4f}  "
+                f"loss {f'{sum(losses) / len(losses):.4f}' if losses else '-'}  "
                 f"staleness {h['staleness_sum'] / h['applied'] if h['applied'] else 0:.1f}  "
                 f"learners {alive} running, {done} done  restarts {restarts} (server {h['server_restarts']})")
         if self._tty and not final:
