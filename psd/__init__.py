@@ -9,37 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from psd.errors import (
-    ArenaBusy,
-    ArenaCorrupt,
-    Error,
-    InvalidJobName,
-    JobNotFound,
-    NoFreeSlot,
-    OutOfSharedMemory,
-    ServerGone,
-    SlotLost,
-    SpecError,
-    SpecMismatch,
-    StateError,
-    Timeout,
-    VersionMismatch,
-)
+from psd import errors
+from psd.errors import *  # noqa: F403  (the exception classes are psd's public API)
 
-__all__ = [
-    "ArenaBusy",
-    "ArenaCorrupt",
-    "Error",
-    "InvalidJobName",
-    "JobNotFound",
-    "NoFreeSlot",
-    "OutOfSharedMemory",
-    "ServerGone",
-    "SlotLost",
-    "SpecError",
-    "SpecMismatch",
-    "StateError",
-    "Timeout",
-    "VersionMismatch",
-    "__version__",
-]
+__all__ = [*errors.__all__, "__version__"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from psd.arena import shm_path, wait_for_job
+from psd.arena import open_job, shm_path, wait_for_job
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -106,6 +106,15 @@ def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
         err = proc.stderr.read() if proc.stderr else ""
         raise AssertionError(f"pid {proc.pid} closed stdout (exit {proc.wait()}):\n{err}")
     return line.strip()
+
+
+def arena_header(job: str) -> dict:
+    """The job's arena header, read the way `psd inspect` reads it."""
+    a = open_job(job)
+    try:
+        return a.header()
+    finally:
+        a.close()
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import Served, child_env, finish, read_line, spawn, wait_until
+from conftest import Served, arena_header, child_env, finish, read_line, spawn, wait_until
 from psd import _native
-from psd.arena import open_job, shm_path
+from psd.arena import shm_path
 from psd.watchdog import checkpoint
 
 
@@ -27,13 +27,6 @@ def psd(*args: str, check: bool = True) -> subprocess.CompletedProcess:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
 
-
-def header(job: str) -> dict:
-    a = open_job(job)
-    try:
-        return a.header()
-    finally:
-        a.close()
 
 
 def free_port() -> int:
@@ -85,10 +78,10 @@ def test_metrics_match_the_arena(busy_job, job):
 
 def test_status_and_stop_of_a_hung_job(busy_job, job):
     s, p, _ = busy_job
-    server = header(job)["server_pid"]
+    server = arena_header(job)["server_pid"]
     os.kill(server, signal.SIGSTOP)
     try:
-        wait_until(lambda: header(job)["heartbeat_age_s"] > 0.5, what="the heartbeat to go stale")
+        wait_until(lambda: arena_header(job)["heartbeat_age_s"] > 0.5, what="the heartbeat to go stale")
         assert "no heartbeat for" in psd("status", "--job", job, "--sample", "0").stdout
     finally:
         os.kill(server, signal.SIGCONT)
@@ -102,10 +95,10 @@ def test_status_and_stop_of_a_hung_job(busy_job, job):
 def test_events_are_logged(busy_job, job, tmp_path):
     s, p, _ = busy_job
     s.proc.send_signal(signal.SIGUSR1)
-    os.kill(header(job)["server_pid"], signal.SIGKILL)
+    os.kill(arena_header(job)["server_pid"], signal.SIGKILL)
     p.kill()
     p.wait()
-    wait_until(lambda: header(job)["reclaimed"] == 1, what="the learner's death to be handled")
+    wait_until(lambda: arena_header(job)["reclaimed"] == 1, what="the learner's death to be handled")
     s.stop()
     kinds = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     for kind in ("server_started", "model_admitted", "learner_attached", "server_restart", "learner_died",
@@ -155,7 +148,7 @@ def test_doctor(tmp_path):
 def test_psd_run_sets_learner_threads_and_progress_does_not_flood(job, tmp_path):
     script = tmp_path / "threads.py"
     script.write_text("import torch\nfrom psd import learner\nm = torch.nn.Linear(2, 2)\n"
-                      "with learner.attach(m) as ps:\n    ps.step()\n    print('threads', torch.get_num_threads())\n")
+                      "with learner.attach(m) as ps:\n    ps.step()\n    print(f'threads {torch.get_num_threads()}')\n")
     r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2",
                         "--learner-threads", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable,
                         str(script)], capture_output=True, text=True, env=child_env(), timeout=120)

@@ -10,19 +10,11 @@ import sys
 import pytest
 import torch
 
-from conftest import Served, child_env, finish, read_line, spawn, wait_until
+from conftest import Served, arena_header, child_env, finish, read_line, spawn, wait_until
 from psd import _native, learner
-from psd.arena import open_job, shm_name, shm_path
+from psd.arena import shm_name, shm_path
 from psd.status import job_status
 from psd.watchdog import checkpoint
-
-
-def header(job: str) -> dict:
-    a = open_job(job)
-    try:
-        return a.header()
-    finally:
-        a.close()
 
 
 def test_server_killed_mid_run_loses_nothing(job, serve):
@@ -33,11 +25,11 @@ def test_server_killed_mid_run_loses_nothing(job, serve):
              for r in range(2)]
     for p in procs:
         assert read_line(p) == "ready"
-    old = header(job)
+    old = arena_header(job)
     os.kill(old["server_pid"], signal.SIGKILL)
     for p in procs:
         assert finish(p).strip().endswith(f"done {count}")
-    h = header(job)
+    h = arena_header(job)
     assert h["generation"] == old["generation"] + 1 and h["server_pid"] != old["server_pid"]
     st = job_status(job)
     # At most the one gradient being applied when the server died is applied twice (partly).
@@ -51,7 +43,7 @@ def test_hung_server_is_killed_and_replaced(job, serve):
     serve(job, "--learners", "1", "--lr", "1", "--heartbeat-timeout", "0.5")
     p = spawn("pusher.py", job, "--count", "2000", "--ready-after", "200")
     assert read_line(p) == "ready"
-    hung = header(job)["server_pid"]
+    hung = arena_header(job)["server_pid"]
     os.kill(hung, signal.SIGSTOP)  # alive, but its heartbeat stops
     try:
         assert finish(p, timeout=60).strip().endswith("done 2000")
@@ -60,7 +52,7 @@ def test_hung_server_is_killed_and_replaced(job, serve):
             os.kill(hung, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert header(job)["server_pid"] != hung
+    assert arena_header(job)["server_pid"] != hung
     wait_until(lambda: _native.proc_start_time(hung) == 0, what="the hung server to be gone")
     assert learner.pull_state_dict(job)["w"][0] <= -2000
 
@@ -86,13 +78,13 @@ def test_learner_gives_a_clear_error_when_the_server_never_comes_back(job, serve
 
 def test_killed_watchdog_is_replaced_and_adopts_the_server(job, serve):
     first = serve(job, "--learners", "1")
-    server_pid = header(job)["server_pid"]
+    server_pid = arena_header(job)["server_pid"]
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
     assert _native.proc_start_time(server_pid) != 0, "the server outlives its watchdog"
     second = Served(job, "--learners", "1")
-    wait_until(lambda: header(job)["watchdog_pid"] == second.proc.pid, what="the new watchdog to adopt")
-    assert header(job)["server_pid"] == server_pid
+    wait_until(lambda: arena_header(job)["watchdog_pid"] == second.proc.pid, what="the new watchdog to adopt")
+    assert arena_header(job)["server_pid"] == server_pid
     with learner.attach(torch.nn.Linear(2, 2), job=job) as ps:
         ps.step()
     log = second.stop()
@@ -137,7 +129,7 @@ def test_resume_skips_torn_and_corrupt_checkpoints(job, tmp_path):
     with learner.attach(m, job=job, rank=1) as ps:
         assert torch.equal(m.w.detach(), torch.arange(8.0))
         assert ps.clock == 123 and ps.resume_step == 9
-    h = header(job)
+    h = arena_header(job)
     assert h["generation"] == 5
     log = s.stop()
     assert "checksum mismatch" in log and "unreadable" in log and "resuming from" in log
@@ -149,13 +141,13 @@ def test_lost_arena_restarts_from_the_last_checkpoint(job, serve, tmp_path):
     finish(p)
     s.proc.send_signal(signal.SIGUSR1)
     wait_until(lambda: checkpoint.list_checkpoints(tmp_path), what="the checkpoint")
-    server = header(job)["server_pid"]
+    server = arena_header(job)["server_pid"]
     _native.unlink(shm_name(job))  # the arena is lost (e.g. someone cleaned /dev/shm) ...
     os.kill(server, signal.SIGKILL)  # ... and so is the server
-    wait_until(lambda: os.path.exists(shm_path(job)) and header(job)["state"] == _native.ARENA_READY,
+    wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["state"] == _native.ARENA_READY,
                what="the server to come back from the checkpoint")
     assert learner.pull_state_dict(job)["w"][0] == -100.0
-    assert header(job)["clock"] == 100
+    assert arena_header(job)["clock"] == 100
 
 
 def test_psd_run_restarts_one_learner_and_finishes(job, tmp_path):

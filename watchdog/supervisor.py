@@ -94,16 +94,25 @@ def terminate(proc_or_pid, deadline: float = 5.0, sig: int = signal.SIGTERM) -> 
             p.kill()
             p.wait()
         return
-    import psutil
-
+    # Not our child: we cannot wait() for it, and once it exits it may stay a zombie until its
+    # parent reaps it, so "gone" means its pid no longer names the process we signalled.
+    pid = proc_or_pid
+    start = _native.proc_start_time(pid)
+    if start == 0:
+        return
     try:
-        p = psutil.Process(proc_or_pid)
-        p.send_signal(sig)
-        p.wait(deadline)
-    except psutil.TimeoutExpired:
-        p.kill()
-    except psutil.NoSuchProcess:
-        pass
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return
+    end = time.monotonic() + deadline
+    while _native.proc_start_time(pid) == start:
+        if time.monotonic() > end:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+        time.sleep(0.01)
 
 
 class Watchdog:

@@ -13,7 +13,7 @@ import signal
 
 import torch
 
-from conftest import kill, read_line, spawn, wait_until
+from conftest import arena_header, kill, read_line, spawn, wait_until
 from psd import _native, learner
 from psd.arena import open_job
 from psd.status import job_status
@@ -24,13 +24,6 @@ def flat() -> torch.nn.Module:
     m.w = torch.nn.Parameter(torch.zeros(64))
     return m
 
-
-def header(job: str) -> dict:
-    a = open_job(job)
-    try:
-        return a.header()
-    finally:
-        a.close()
 
 
 def test_learner_killed_holding_its_ring_mutex(job, serve):
@@ -43,7 +36,7 @@ def test_learner_killed_holding_its_ring_mutex(job, serve):
     with learner.attach(flat(), job=job) as ps:
         ps.step()
         ps.flush()
-    assert header(job)["lock_recoveries"] >= 1
+    assert arena_header(job)["lock_recoveries"] >= 1
 
 
 def test_learner_killed_holding_the_admission_mutex(job, serve):
@@ -53,7 +46,7 @@ def test_learner_killed_holding_the_admission_mutex(job, serve):
     kill(victim)
     with learner.attach(flat(), job=job, timeout=20) as ps:  # claiming takes the admission mutex
         ps.step()
-    assert header(job)["lock_recoveries"] == 1
+    assert arena_header(job)["lock_recoveries"] == 1
 
 
 def test_learner_killed_waiting_on_a_condition_variable(job, serve):
@@ -90,12 +83,12 @@ def test_server_killed_while_sleeping_on_the_doorbell(job, serve):
     """An idle server sleeps on a condition variable; learners that ring it after it died must not hang."""
     serve(job, "--learners", "1", "--lr", "1")
     with learner.attach(flat(), job=job) as ps:
-        wait_until(lambda: header(job)["sleeping"] == 1, what="the server to go to sleep")
-        old = header(job)
+        wait_until(lambda: arena_header(job)["sleeping"] == 1, what="the server to go to sleep")
+        old = arena_header(job)
         os.kill(old["server_pid"], signal.SIGKILL)
         for _ in range(10):  # each push sees `sleeping` left set by the dead server, and rings
             ps.model.w.grad.fill_(1.0)
             ps.step()
         ps.flush(timeout=30)  # the watchdog's new server applies them
-    assert header(job)["generation"] == old["generation"] + 1
+    assert arena_header(job)["generation"] == old["generation"] + 1
     assert learner.pull_state_dict(job)["w"][0] == -10.0
