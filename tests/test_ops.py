@@ -156,3 +156,22 @@ def test_psd_run_sets_learner_threads_and_progress_does_not_flood(job, tmp_path)
     assert r.stdout.count("threads 1") == 2
     progress = [line for line in r.stderr.splitlines() if line.startswith(f"psd run {job}:")]
     assert 1 <= len(progress) <= 3  # not a terminal: a line every 10 s, and the last one
+
+
+def test_every_command_on_a_dead_job(job, tmp_path):
+    """The server died and nothing restarted it: the arena still tells everything, and the weights are saved."""
+    s = Served(job, "--learners", "1", "--lr", "1", "--no-watchdog")
+    finish(spawn("pusher.py", job, "--count", "40", "--index", "5"))
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait()
+    st = json.loads(psd("status", "--job", job, "--json", "--sample", "0").stdout)
+    assert not st["server_alive"] and st["applied"] == 40
+    assert "(DEAD)" in psd("status", "--job", job, "--sample", "0").stdout
+    assert "(DEAD)" in psd("top", "--job", job, "--iterations", "1").stdout
+    assert json.loads(psd("inspect", "--job", job, "--json").stdout)["header"]["clock"] == 40
+    psd("export", "--job", job, "--out", str(tmp_path / "salvaged.pt"))
+    assert torch.load(tmp_path / "salvaged.pt")["w"][5] == -40.0
+    assert "no live watchdog; wrote" in psd("checkpoint", "--job", job, "--checkpoint-dir", str(tmp_path)).stdout
+    assert checkpoint.load(checkpoint.list_checkpoints(tmp_path)[0]).clock == 40
+    assert "was already dead; removed" in psd("stop", "--job", job).stdout
+    assert not os.path.exists(shm_path(job))
