@@ -103,6 +103,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("clean", help="remove arenas whose server is dead")
     c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
 
+    b = sub.add_parser("bench", help="measure psd on this machine, beside Hogwild and DDP over gloo",
+                       description="The update kernel's limit, the update loop, round trips with null learners, "
+                       "and training, with torch.multiprocessing Hogwild and DDP's all_reduce over gloo in the same "
+                       "run; ratios are psd/peer.")
+    b.add_argument("--quick", action="store_true", help="a smoke test: small sizes, short runs")
+    b.add_argument("--json", action="store_true", help="print the results as JSON (progress goes to stderr)")
+    b.add_argument("--sizes", type=int, nargs="+", help="model sizes in parameters (default: 1e4 .. 1e7)")
+    b.add_argument("--learners", type=int, nargs="+", help="learner counts (default: 1 2 4 8)")
+    b.add_argument("--batches", type=int, nargs="+", help="mini-batch sizes for training (default: 1 2 4 8)")
+    b.add_argument("--duration", type=float, help="seconds per round-trip measurement (default: 2)")
+    b.add_argument("--no-peers", action="store_true", help="psd alone")
+    b.add_argument("--no-training", action="store_true", help="skip the training workload")
+
     d = sub.add_parser("doctor", help="check this machine for psd, and say what to change")
     d.add_argument("--learners", type=int, default=None, help="learners the job will run")
     d.add_argument("--threads", type=int, default=None, help="update-loop threads the job will use")
@@ -351,6 +364,22 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from psd.bench import BenchConfig, run
+
+    cfg = BenchConfig.quick() if args.quick else BenchConfig()
+    changes = {k: tuple(v) if isinstance(v, list) else v for k, v in
+               {"sizes": args.sizes, "learners": args.learners, "batches": args.batches,
+                "duration": args.duration}.items() if v is not None}
+    cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training)
+    results = run(cfg, log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from psd.doctor import as_dicts, run_checks
 
@@ -398,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"serve": _serve, "run": _run, "status": _status, "top": _top, "stop": _stop,
                 "checkpoint": _checkpoint, "export": _export, "inspect": _inspect, "clean": _clean,
-                "doctor": _doctor}[args.command](args)
+                "doctor": _doctor, "bench": _bench}[args.command](args)
     except Error as e:
         print(f"psd {args.command}: {e}", file=sys.stderr)
         return 1
