@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 
 import torch
@@ -27,6 +26,9 @@ from psd.errors import ArenaBusy, Error, NoFreeSlot, OutOfSharedMemory, ServerGo
 __all__ = ["Learner", "attach", "pull_state_dict"]
 
 log = logging.getLogger("psd.learner")
+
+# Models up to this size pull between steps, in the training thread; larger ones in a native thread.
+INLINE_PULL_BYTES = 256 * 1024
 
 
 def _spec_of(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.nn.Parameter]]:
@@ -115,16 +117,14 @@ class Learner:
         spec, params = _spec_of(model)
         self._spec, self._params = spec, params
         self.n_params = n = sum(p.numel for p in spec)
-        # Two private weight buffers: the model trains on `front`; the pull thread fills `back`.
-        self._front = torch.empty(n, dtype=torch.float32)
-        self._back = torch.empty(n, dtype=torch.float32)
-        self._front_views = _views(self._front, spec)
-        self._back_views = _views(self._back, spec)
+        # Two private weight buffers: the model trains on the front one; the pull thread fills the other.
+        self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
+        self._buf_views = [_views(b, spec) for b in self._bufs]
+        self._front = 0
         self.pushed = 0
         self.reconnects = 0
         self._closing = False
-        self._cv = threading.Condition()
-        self._puller: threading.Thread | None = None
+        self._puller = None
         self._connect(slot_timeout)
 
     # -- connecting ---------------------------------------------------------
@@ -145,7 +145,6 @@ class Learner:
             arena.close()
             raise
         self._identity = arena.identity()
-        self._generation = arena.generation()
         self.resume_step = self._rank_progress()
         self._map_buffers()
 
@@ -207,29 +206,23 @@ class Learner:
         ]
         self._entry_views = [_views(e, spec) for e in self._entries]
         self.clock = a.clock()
-        self._front.copy_(self._weights)
-        with torch.no_grad():
-            for p, v in zip(self._params, self._front_views, strict=True):
-                p.data = v
+        self._bufs[self._front].copy_(self._weights)
+        self._point(self._front)
         self._tail = a.tail(self.slot)
         self._arm_entry()
-        # Pull thread hand-off (a queue of one): `_want` asks for a pull; `_fresh`
-        # says `back` holds newer weights that step() has not swapped in yet.
-        self._want = False
-        self._fresh = False
-        self._stop_pull = False
-        self._back_clock = self.clock
-        self._pull_error: BaseException | None = None
-        self._puller = threading.Thread(target=self._pull_loop, name=f"psd-pull-{self.job}", daemon=True)
-        self._puller.start()
+        # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
+        # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
+        # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
+        self._puller = None
+        if n * 4 > INLINE_PULL_BYTES:
+            self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
+                                          self._bufs[1 - self._front].numpy(), self.clock)
 
     def _unmap(self) -> None:
         """Drop every tensor over the arena, stop the pull thread, unmap."""
-        with self._cv:
-            self._stop_pull = True
-            self._cv.notify()
         if self._puller is not None:
-            self._puller.join()
+            self._puller.stop()
+            self._puller = None
         for p in self._params:
             p.grad = None
         self._weights = self._entries = self._entry_views = None
@@ -315,8 +308,6 @@ class Learner:
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
-        if self._pull_error is not None:
-            raise self._pull_error
         self._collect()
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         a = self._arena
@@ -328,58 +319,36 @@ class Learner:
             if self._arena is not a:
                 return  # reattached to a new arena: buffers are armed and weights pulled
         self._arm_entry()
-        gen = a.generation()
-        with self._cv:
-            if gen != self._generation:  # a new server took over: its weights are what counts
-                self._generation = gen
-                self._fresh = False
-            if self._fresh:
-                self._swap_in()
-            self._want = True
-            self._cv.notify()
+        if self._puller is None:
+            self.clock = a.pull_into(self.slot, self._front_array, self.clock)
+            return
+        taken = self._puller.take()
+        if taken is not None:
+            self._point(taken[0])
+            self.clock = taken[1]
+        self._puller.request()
 
     # -- weights ------------------------------------------------------------
 
-    def _swap_in(self) -> None:
-        self._front, self._back = self._back, self._front
-        self._front_views, self._back_views = self._back_views, self._front_views
+    def _point(self, index: int) -> None:
+        """Make buffer ``index`` the front: the model's parameters become views of it."""
+        self._front = index
+        self._front_array = self._bufs[index].numpy()
         with torch.no_grad():
-            for p, v in zip(self._params, self._front_views, strict=True):
+            for p, v in zip(self._params, self._buf_views[index], strict=True):
                 p.data = v
-        self.clock = self._back_clock
-        self._fresh = False
-
-    def _pull_loop(self) -> None:
-        a, slot, weights = self._arena, self.slot, self._weights
-        try:
-            while True:
-                with self._cv:
-                    while not self._stop_pull and not (self._want and not self._fresh):
-                        self._cv.wait()
-                    if self._stop_pull:
-                        return
-                    self._want = False
-                    current = self.clock
-                    back = self._back
-                clock = a.clock()
-                if clock == current:
-                    a.note_pull(slot, clock, True)
-                    continue
-                back.copy_(weights)  # releases the GIL
-                a.note_pull(slot, clock, False)
-                with self._cv:
-                    self._back_clock = clock
-                    self._fresh = True
-        except BaseException as e:  # surfaced by the next step()
-            self._pull_error = e
 
     def pull(self) -> int:
         """Copy the current shared weights into the model now; returns their clock."""
-        with self._cv:
-            self._fresh = False
-            clock = self._arena.clock()
-            self._front.copy_(self._weights)
-            self.clock = clock
+        if self._puller is not None:
+            taken = self._puller.take()  # so that the pull thread is not writing our front buffer
+            if taken is not None:
+                self._point(taken[0])
+        clock = self._arena.clock()
+        self._bufs[self._front].copy_(self._weights)
+        self.clock = clock
+        if self._puller is not None:
+            self._puller.set_front_clock(clock)
         self._arena.note_pull(self.slot, clock, False)
         return clock
 

@@ -698,6 +698,36 @@ static PyObject *arena_generation(Arena *a, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong(atomic_load(&psd_hdr(&a->map)->generation));
 }
 
+static PyObject *arena_pull_into(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long known;
+    Py_buffer dst;
+    if (!PyArg_ParseTuple(args, "Iw*K", &slot, &dst, &known))
+        return NULL;
+    if (check_slot(a, slot)) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    struct psd_header *h = psd_hdr(&a->map);
+    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    if ((uint64_t)dst.len != h->n_params * sizeof(float)) {
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "pull_into: the buffer must hold n_params float32");
+        return NULL;
+    }
+    /* Pairs with the store-release of clock in the update loop. */
+    uint64_t clock = PSD_LOAD_ACQ(&h->clock);
+    if (clock == known) {
+        PSD_ADD_RLX(&s->pulls_skipped, 1);
+    } else {
+        Py_BEGIN_ALLOW_THREADS memcpy(dst.buf, psd_weights(&a->map), (size_t)dst.len);
+        Py_END_ALLOW_THREADS PSD_ADD_RLX(&s->pulls, 1);
+        PSD_STORE_RLX(&s->learner_clock, clock);
+    }
+    PyBuffer_Release(&dst);
+    return PyLong_FromUnsignedLongLong(clock);
+}
+
 static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     unsigned int slot, skipped;
     unsigned long long clock;
@@ -886,6 +916,122 @@ static PyObject *arena_get_exports(Arena *a, void *closure) {
     return PyLong_FromSsize_t(a->exports);
 }
 
+/* ---- Puller: a learner's native pull thread ------------------------------ */
+
+typedef struct {
+    PyObject_HEAD struct psd_puller *p;
+    PyObject *arena; /* keeps the mapping alive while the thread reads it */
+    Py_buffer front, back;
+} Puller;
+
+static PyTypeObject PullerType;
+
+static void puller_stop_now(Puller *P) {
+    if (P->p) {
+        Py_BEGIN_ALLOW_THREADS psd_puller_stop(P->p);
+        Py_END_ALLOW_THREADS P->p = NULL;
+        ((Arena *)P->arena)->exports--; /* the mapping may be closed again */
+        PyBuffer_Release(&P->front);
+        PyBuffer_Release(&P->back);
+        Py_CLEAR(P->arena);
+    }
+}
+
+static void puller_dealloc(Puller *P) {
+    puller_stop_now(P);
+    PyObject_Free(P);
+}
+
+static PyObject *puller_request(Puller *P, PyObject *noargs) {
+    (void)noargs;
+    if (P->p)
+        psd_puller_request(P->p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *puller_take(Puller *P, PyObject *noargs) {
+    (void)noargs;
+    uint64_t clock = 0;
+    int idx = P->p ? psd_puller_take(P->p, &clock) : -1;
+    if (idx < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iK)", idx, (unsigned long long)clock);
+}
+
+static PyObject *puller_set_front_clock(Puller *P, PyObject *args) {
+    unsigned long long clock;
+    if (!PyArg_ParseTuple(args, "K", &clock))
+        return NULL;
+    if (P->p)
+        psd_puller_set_front_clock(P->p, clock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *puller_stop(Puller *P, PyObject *noargs) {
+    (void)noargs;
+    puller_stop_now(P);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef puller_methods[] = {
+    {"request", (PyCFunction)puller_request, METH_NOARGS, "Ask for a pull (a queue of one)."},
+    {"take", (PyCFunction)puller_take, METH_NOARGS,
+     "If fresher weights are ready: (index of the new front buffer, their clock); else None."},
+    {"set_front_clock", (PyCFunction)puller_set_front_clock, METH_VARARGS, "The front buffer now holds this clock."},
+    {"stop", (PyCFunction)puller_stop, METH_NOARGS, "Stop and join the thread."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PullerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "psd._native.Puller",
+    .tp_basicsize = sizeof(Puller),
+    .tp_dealloc = (destructor)puller_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A learner's native pull thread; made by Arena.start_puller().",
+    .tp_methods = puller_methods,
+};
+
+static PyObject *arena_start_puller(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long clock;
+    PyObject *fo, *bo;
+    if (!PyArg_ParseTuple(args, "IOOK", &slot, &fo, &bo, &clock) || check_slot(a, slot))
+        return NULL;
+    Puller *P = PyObject_New(Puller, &PullerType);
+    if (!P)
+        return NULL;
+    P->p = NULL;
+    P->arena = NULL;
+    if (PyObject_GetBuffer(fo, &P->front, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) {
+        PyObject_Free(P);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(bo, &P->back, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) {
+        PyBuffer_Release(&P->front);
+        PyObject_Free(P);
+        return NULL;
+    }
+    uint64_t n = psd_hdr(&a->map)->n_params;
+    if ((uint64_t)P->front.len != n * sizeof(float) || (uint64_t)P->back.len != n * sizeof(float)) {
+        PyBuffer_Release(&P->front);
+        PyBuffer_Release(&P->back);
+        PyObject_Free(P);
+        PyErr_SetString(PyExc_ValueError, "start_puller: buffers must hold n_params float32 each");
+        return NULL;
+    }
+    int rc = psd_puller_start(&a->map, slot, P->front.buf, P->back.buf, n, clock, &P->p);
+    if (rc) {
+        PyBuffer_Release(&P->front);
+        PyBuffer_Release(&P->back);
+        PyObject_Free(P);
+        return raise_code(rc, "start pull thread", a->name);
+    }
+    Py_INCREF(a);
+    P->arena = (PyObject *)a;
+    a->exports++; /* a running puller reads the mapping: it must not be closed under it */
+    return (PyObject *)P;
+}
+
 static PyMethodDef arena_methods[] = {
     {"header", (PyCFunction)arena_header, METH_NOARGS, "All header fields, as a dict."},
     {"slot_info", (PyCFunction)arena_slot_info, METH_VARARGS, "One learner slot's fields, as a dict."},
@@ -928,8 +1074,13 @@ static PyMethodDef arena_methods[] = {
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
     {"hold_mutex", (PyCFunction)arena_hold_mutex, METH_VARARGS,
-     "hold_mutex('admission'|'slot', slot=0) -> bool: fault injection; True if a dead owner's lock was recovered"},
+     "hold_mutex('admission'|'slot', slot=0) -> bool: fault injection; True if a dead owner's lock was recovered. "
+     "Keep the arena mapped while holding it: the kernel frees a dead owner's lock only through a live mapping"},
     {"release_mutex", (PyCFunction)arena_release_mutex, METH_VARARGS, "release_mutex('admission'|'slot', slot=0)"},
+    {"pull_into", (PyCFunction)arena_pull_into, METH_VARARGS,
+     "pull_into(slot, buffer, known_clock) -> clock: copy the weights into buffer unless still at known_clock"},
+    {"start_puller", (PyCFunction)arena_start_puller, METH_VARARGS,
+     "start_puller(slot, front, back, clock) -> Puller: a native thread that pulls into back"},
     {"close", (PyCFunction)arena_close, METH_NOARGS, "Unmap; fails while buffers are exported."},
     {NULL, NULL, 0, NULL},
 };
@@ -973,7 +1124,7 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&ArenaType) < 0)
+    if (PyType_Ready(&ArenaType) < 0 || PyType_Ready(&PullerType) < 0)
         return NULL;
     errors_module = PyImport_ImportModule("psd.errors");
     if (!errors_module)

@@ -132,6 +132,15 @@ void psd_resume(struct psd_map *m);
 bool psd_loop_should_pause(struct psd_map *m);
 void psd_loop_pause(struct psd_map *m, _Atomic int *stop);
 
+/* pull.c: a learner's pull thread */
+struct psd_puller;
+int psd_puller_start(struct psd_map *m, uint32_t slot, float *front, float *back, uint64_t n, uint64_t clock,
+                     struct psd_puller **out);
+void psd_puller_request(struct psd_puller *P);
+int psd_puller_take(struct psd_puller *P, uint64_t *clock);
+void psd_puller_set_front_clock(struct psd_puller *P, uint64_t clock);
+void psd_puller_stop(struct psd_puller *P);
+
 /* update.c: the server's update loop */
 struct psd_loop;
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct psd_loop **out);

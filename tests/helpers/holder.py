@@ -6,6 +6,7 @@
 """
 
 import argparse
+import signal
 import sys
 
 import torch
@@ -25,7 +26,7 @@ def main() -> int:
     if a.hold:
         ps._arena.hold_mutex(a.hold, ps.slot)
         print("ready", flush=True)
-        sys.stdin.read()  # killed here, holding the mutex
+        signal.pause()  # until the test kills us (SIGKILL): never returns on its own
         return 1
     print("ready", flush=True)
     while True:  # blocks in step() once the ring is full: the test kills us there

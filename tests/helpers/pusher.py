@@ -9,6 +9,7 @@ after R pushes (0: right after attaching) and "done N" when finished.
 """
 
 import argparse
+import signal
 import sys
 
 import torch
@@ -40,7 +41,7 @@ def main() -> int:
         if a.half_write:
             model.w.grad[: a.n // 2] = 1.0
             print("ready", flush=True)
-            sys.stdin.read()  # blocks until the test kills us
+            signal.pause()  # until the test kills us (SIGKILL): never returns on its own
             return 1
         i = 0
         while a.forever or i < a.count:
