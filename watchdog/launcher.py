@@ -303,27 +303,40 @@ class Launcher:
         return 0
 
     def _shutdown(self) -> None:
-        """Stop learners, then the watchdog (it writes a last checkpoint and removes the arena)."""
+        """Stop learners, then the watchdog (it applies what is pending, writes a last checkpoint and
+        removes the arena). If the watchdog is dead or dies meanwhile, do its part here."""
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)
         for w in self.workers:
             if w.proc is not None:
                 terminate(w.proc, deadline=10.0)
-        self._close_arena()
+        a = self._arena_or_none()  # our mapping outlives the arena's name
+        self._arena = None
+        clean = False
         if self.watchdog is not None:
             terminate(self.watchdog, deadline=60.0)
+            clean = self.watchdog.returncode == 0
         self._reap_orphans()
-        # A watchdog that could not finish (killed at the wrong moment) may leave the server running:
-        try:
-            a = open_job(self.job)
-        except (Error, OSError):
+        if a is None:
             return
-        h = a.header()
-        a.close()
-        if h["server_pid"] and _native.proc_start_time(h["server_pid"]) == h["server_start_time"] != 0:
-            terminate(h["server_pid"], deadline=10.0)
         try:
-            _native.unlink(shm_name(self.job))
+            h = a.header()
+            if h["server_pid"] and _native.proc_start_time(h["server_pid"]) == h["server_start_time"] != 0:
+                terminate(h["server_pid"], deadline=10.0)  # it applies what is pending, then stops
+            if not clean and h["n_params"] and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
+                from psd.watchdog import checkpoint
+
+                snap = checkpoint.snapshot(a, self.job, {"learners": self.n})
+                path = checkpoint.write(snap, self.config.ckpt_dir, self.config.keep)
+                del snap
+                log.warning("job %r: the watchdog died during the stop; wrote the last checkpoint %s", self.job, path)
+            ident = a.identity()
+        finally:
+            a.close()
+        try:
+            st = os.stat("/dev/shm" + shm_name(self.job))
+            if (st.st_dev, st.st_ino) == ident:
+                _native.unlink(shm_name(self.job))
         except FileNotFoundError:
             pass
