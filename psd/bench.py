@@ -189,6 +189,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _timed(targets: list[tuple]) -> tuple[list[dict], float]:
+    """One process per (function, args), each called with (*args, barrier, queue); the clock runs from
+    the barrier (all set up) to the last result."""
+    ctx = _ctx()
+    barrier = ctx.Barrier(len(targets) + 1)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=t, args=(*args, barrier, q)) for t, args in targets]
+    for p in procs:
+        p.start()
+    barrier.wait(timeout=300)
+    t0 = time.perf_counter()
+    results = [q.get(timeout=600) for _ in procs]
+    elapsed = time.perf_counter() - t0
+    for p in procs:
+        p.join(60)
+    return results, elapsed
+
+
 def _run_procs(targets: list[tuple], timeout: float = 600) -> list[dict]:
     ctx = _ctx()
     q = ctx.Queue()
@@ -209,18 +227,7 @@ def _psd_round_trip(n: int, learners: int, duration: float) -> dict:
     server.start()
     stop = _server_thread(server)
     try:
-        ctx = _ctx()
-        barrier = ctx.Barrier(learners + 1)
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_psd_null_learner, args=(job, n, duration, barrier, q)) for _ in range(learners)]
-        for p in procs:
-            p.start()
-        barrier.wait(timeout=300)
-        t0 = time.perf_counter()
-        results = [q.get(timeout=300) for _ in procs]
-        elapsed = time.perf_counter() - t0
-        for p in procs:
-            p.join(60)
+        results, elapsed = _timed([(_psd_null_learner, (job, n, duration))] * learners)
     finally:
         stop()
     updates = sum(r["updates"] for r in results)
@@ -248,18 +255,7 @@ def _hogwild_round_trip(n: int, learners: int, duration: float, snapshot: bool) 
     import torch
 
     w = torch.zeros(n).share_memory_()
-    ctx = _ctx()
-    barrier = ctx.Barrier(learners + 1)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_hogwild_null, args=(w, n, duration, snapshot, barrier, q)) for _ in range(learners)]
-    for p in procs:
-        p.start()
-    barrier.wait(timeout=300)
-    t0 = time.perf_counter()
-    results = [q.get(timeout=300) for _ in procs]
-    elapsed = time.perf_counter() - t0
-    for p in procs:
-        p.join(60)
+    results, elapsed = _timed([(_hogwild_null, (w, n, duration, snapshot))] * learners)
     rate = sum(r["updates"] for r in results) / elapsed
     return {"updates_per_s": rate, "model_gbs": rate * n * 4 * (2 if snapshot else 1) / 1e9}
 
@@ -353,20 +349,9 @@ def _hogwild_train(model, rank: int, world: int, batch: int, epochs: int, lr: fl
 TRAIN_LR = {1: 0.01, 2: 0.02, 4: 0.03, 8: 0.05}
 
 
-def _timed(targets, world: int) -> float:
-    ctx = _ctx()
-    barrier = ctx.Barrier(world + 1)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=t, args=(*args, barrier, q)) for t, args in targets]
-    for p in procs:
-        p.start()
-    barrier.wait(timeout=300)
-    t0 = time.perf_counter()
-    samples = sum(q.get(timeout=600)["samples"] for _ in procs)
-    elapsed = time.perf_counter() - t0
-    for p in procs:
-        p.join(60)
-    return samples / elapsed
+def _samples_per_s(targets: list[tuple]) -> float:
+    results, elapsed = _timed(targets)
+    return sum(r["samples"] for r in results) / elapsed
 
 
 def training(cfg: BenchConfig, log=print) -> list[dict]:
@@ -385,7 +370,7 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
             server.start()
             stop = _server_thread(server)
             try:
-                rate = _timed([(_psd_train_learner, (job, r, k, b, cfg.epochs)) for r in range(k)], k)
+                rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, cfg.epochs)) for r in range(k)])
                 model = make_mlp(data.dim, data.classes)
                 model.load_state_dict(pull_state_dict(job))
             finally:
@@ -394,7 +379,7 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
             if cfg.peers:
                 shared = make_mlp(data.dim, data.classes)
                 shared.share_memory()
-                hrate = _timed([(_hogwild_train, (shared, r, k, b, cfg.epochs, lr)) for r in range(k)], k)
+                hrate = _samples_per_s([(_hogwild_train, (shared, r, k, b, cfg.epochs, lr)) for r in range(k)])
                 row["hogwild"] = {"samples_per_s": hrate, "accuracy": evaluate(shared, data)}
                 row["psd_over_hogwild"] = rate / hrate
             log(f"training    mini-batch {b}  {k} learners  psd {rate:>8,.0f} samples/s "
