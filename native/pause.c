@@ -49,8 +49,11 @@ int psd_pause(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t timeou
     uint64_t deadline = psd_now_ns() + timeout_ns;
     for (;;) {
         uint32_t seen = psd_cond_prepare(&h->pause_cond);
-        /* Paused, or nobody is running the loop: either way nothing writes the weights. */
-        if (atomic_load(&h->paused) || PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY || !psd_server_alive(m, 0)) {
+        /* Paused, or nobody is running the loop (no server, or one whose loop stopped beating:
+         * hung), so nothing writes the weights; a hung loop may at most be stuck inside one
+         * gradient, and a snapshot of that is still the best there is. */
+        if (atomic_load(&h->paused) || PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY ||
+            !psd_server_alive(m, PSD_HUNG_NS)) {
             psd_cond_done(&h->pause_cond);
             return 0;
         }

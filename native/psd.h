@@ -43,6 +43,7 @@ const char *psd_strerror(int code);
 #define PSD_HEARTBEAT_NS (20ull * 1000 * 1000)
 #define PSD_WAIT_SLICE_NS (50ull * 1000 * 1000) /* longest single futex sleep */
 #define PSD_LOCK_TIMEOUT_S 5                    /* longest wait for a robust mutex */
+#define PSD_HUNG_NS (1000ull * 1000 * 1000)     /* a loop that has not beaten for this long is hung */
 
 /* A mapping of an arena in this process. */
 struct psd_map {

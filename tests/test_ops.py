@@ -175,3 +175,19 @@ def test_every_command_on_a_dead_job(job, tmp_path):
     assert checkpoint.load(checkpoint.list_checkpoints(tmp_path)[0]).clock == 40
     assert "was already dead; removed" in psd("stop", "--job", job).stdout
     assert not os.path.exists(shm_path(job))
+
+
+def test_checkpoint_of_a_hung_job(busy_job, job, tmp_path):
+    """A hung server cannot pause for a snapshot; the checkpoint is taken all the same."""
+    _, p, _ = busy_job
+    p.kill()
+    p.wait()
+    server = arena_header(job)["server_pid"]
+    os.kill(server, signal.SIGSTOP)
+    try:
+        assert "written by its watchdog" in psd("checkpoint", "--job", job).stdout
+    finally:
+        os.kill(server, signal.SIGCONT)
+    c = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "ck")[0])
+    # Consistent up to the one gradient the hung loop may be stuck inside.
+    assert -c.clock - 1 <= c.weights["w"][3] <= -c.clock
