@@ -6,7 +6,9 @@
  * 2. a process dies while waiting on a psd_cond: broadcasting afterwards
  *    returns (glibc's pthread_cond_t can hang here);
  * 3. producer threads push through their rings while the update loop applies
- *    them: every gradient applied exactly once, all slots taken means ENOSLOT.
+ *    them: every gradient applied exactly once, all slots taken means ENOSLOT;
+ *    meanwhile a pauser takes snapshots (weights consistent with the clock)
+ *    and a learner's pull thread hands over weights (clocks never go back).
  * Prints one line per check and "N passed, M failed" at the end.
  */
 #define _GNU_SOURCE
@@ -146,6 +148,32 @@ static void test_rings(void) {
     CHECK(rc == PSD_ENOSLOT, "claim beyond the slots gave %d", rc);
     for (int i = 0; i < SLOTS; i++)
         pthread_create(&prods[i].thread, NULL, produce, &prods[i]);
+    /* While they push: consistent snapshots (w[N-1] counts every applied gradient), and a pull thread. */
+    static float front[N], back[N];
+    struct psd_puller *puller;
+    rc = psd_puller_start(&map, prods[0].slot, front, back, N, 0, &puller);
+    CHECK(rc == 0, "puller start: %s", psd_strerror(rc));
+    uint64_t last_clock = 0;
+    int snapshots = 0, swaps = 0;
+    while (atomic_load(&psd_hdr(&map)->applied) < (uint64_t)SLOTS * PUSHES / 2) {
+        rc = psd_pause(&map, getpid(), psd_proc_start_time(getpid()), 5ull * 1000 * 1000 * 1000);
+        CHECK(rc == 0, "pause: %s", psd_strerror(rc));
+        uint64_t clock = atomic_load(&psd_hdr(&map)->clock);
+        float total = psd_weights(&map)[N - 1];
+        psd_resume(&map);
+        CHECK(total == -(float)clock, "snapshot torn: w[N-1] = %g at clock %llu", total, (unsigned long long)clock);
+        snapshots++;
+        uint64_t c;
+        if (psd_puller_take(puller, &c) >= 0) {
+            CHECK(c >= last_clock, "pulled clock went back from %llu to %llu", (unsigned long long)last_clock,
+                  (unsigned long long)c);
+            last_clock = c;
+            swaps++;
+        }
+        psd_puller_request(puller);
+    }
+    psd_puller_stop(puller);
+    CHECK(snapshots > 0 && swaps > 0, "no snapshot (%d) or no pull (%d) happened", snapshots, swaps);
     for (int i = 0; i < SLOTS; i++) {
         pthread_join(prods[i].thread, NULL);
         CHECK(prods[i].rc == 0, "producer %d: %s", i, psd_strerror(prods[i].rc));
