@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "psd.h"
 
@@ -20,6 +21,7 @@ struct psd_loop {
     pthread_t thread;
     _Atomic int stop; /* set by psd_loop_stop, read each round */
     uint32_t threads;
+    uint32_t cpus;
     uint64_t spin_ns;
 };
 
@@ -96,17 +98,20 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
     psd_cond_broadcast_if_waiters(&s->not_full); /* a detaching learner waits for this */
 }
 
-/* One round over all rings; returns how many gradients it applied. */
-static uint32_t round_robin(struct psd_loop *L) {
+/* One round over all rings; returns how many gradients it applied, and in
+ * *busy how many learner slots are in use. */
+static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint32_t applied = 0;
+    *busy = 0;
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         /* Pairs with the store-release of state in claim / release / reap. */
         uint32_t st = PSD_LOAD_ACQ(&s->state);
         if (st == PSD_SLOT_FREE)
             continue;
+        ++*busy;
         uint64_t head = PSD_LOAD_RLX(&s->head); /* only this thread writes it */
         /* Pairs with the store of tail in psd_push: the entry is whole. */
         if (head != PSD_LOAD_ACQ(&s->tail)) {
@@ -131,26 +136,42 @@ static bool any_pending(struct psd_map *m) {
     return false;
 }
 
+/* Adaptive spinning: after a gradient, keep spinning for about twice the
+ * recent gap between gradients (so a steady learner never finds the loop
+ * asleep and pays for waking it), but only while the learners and this loop
+ * fit on the cores; otherwise the spin would steal a learner's core. */
+#define PSD_SPIN_MAX_NS (2ull * 1000 * 1000)
+
+static uint64_t spin_budget(const struct psd_loop *L, uint64_t gap_ewma, uint32_t busy) {
+    uint64_t spin = L->spin_ns;
+    if (busy + L->threads <= L->cpus && 2 * gap_ewma > spin)
+        spin = 2 * gap_ewma < PSD_SPIN_MAX_NS ? 2 * gap_ewma : PSD_SPIN_MAX_NS;
+    return spin;
+}
+
 static void *loop_main(void *arg) {
     struct psd_loop *L = arg;
     struct psd_header *h = psd_hdr(L->m);
-    uint64_t now = psd_now_ns(), last_work = now, last_beat = 0;
+    uint64_t now = psd_now_ns(), last_work = now, last_beat = 0, gap_ewma = 0;
+    uint32_t busy = 0;
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
         if (psd_loop_should_pause(L->m)) {
             psd_loop_pause(L->m, &L->stop);
             continue;
         }
-        uint32_t applied = round_robin(L);
+        uint32_t applied = round_robin(L, &busy);
         now = psd_now_ns();
         if (now - last_beat >= PSD_HEARTBEAT_NS) {
             PSD_STORE_RLX(&h->heartbeat_ns, now);
             last_beat = now;
         }
         if (applied) {
+            uint64_t gap = now - last_work;
+            gap_ewma = gap_ewma ? (7 * gap_ewma + gap) / 8 : gap;
             last_work = now;
             continue;
         }
-        if (now - last_work < L->spin_ns) {
+        if (now - last_work < spin_budget(L, gap_ewma, busy)) {
             __builtin_ia32_pause();
             continue;
         }
@@ -172,6 +193,8 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct
     L->m = m;
     L->threads = threads ? threads : 1;
     L->spin_ns = (uint64_t)spin_us * 1000;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    L->cpus = cpus > 0 ? (uint32_t)cpus : 1;
     atomic_init(&L->stop, 0);
     PSD_STORE_RLX(&psd_hdr(m)->heartbeat_ns, psd_now_ns());
     int rc = pthread_create(&L->thread, NULL, loop_main, L);
