@@ -193,7 +193,8 @@ class Learner:
                 raise Timeout(f"job {self.job!r}: another learner with rank {self.rank} is still attached; "
                               f"give each learner its own rank (PSD_RANK)")
             a.wait_state(_native.ARENA_READY, 0.02)  # a slot frees without a signal of its own
-        return a.ranks()[self.rank] if self.rank < len(a.ranks()) else 0
+        ranks = a.ranks()
+        return ranks[self.rank] if self.rank < len(ranks) else 0
 
     def _map_buffers(self) -> None:
         a, n, spec = self._arena, self.n_params, self._spec

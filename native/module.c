@@ -202,6 +202,15 @@ static PyObject *mod_proc_start_time(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(psd_proc_start_time(pid));
 }
 
+static PyObject *mod_owner_alive(PyObject *self, PyObject *args) {
+    (void)self;
+    int pid;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "iK", &pid, &start))
+        return NULL;
+    return PyBool_FromLong(psd_owner_alive(pid, start));
+}
+
 static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     (void)self;
     unsigned int n_slots, ring_k;
@@ -1110,6 +1119,8 @@ static PyMethodDef module_methods[] = {
     {"open", mod_open, METH_VARARGS, "open(shm_name) -> Arena"},
     {"unlink", mod_unlink, METH_VARARGS, "unlink(shm_name): remove the shared-memory object"},
     {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
+    {"owner_alive", mod_owner_alive, METH_VARARGS,
+     "owner_alive(pid, start_time) -> bool: that pid still names the process that started then"},
     {"arena_size", mod_arena_size, METH_VARARGS,
      "arena_size(n_slots, ring_k, spec_cap, n_params) -> bytes the arena will take"},
     {"omp_info", mod_omp_info, METH_NOARGS, "OpenMP's view of this machine: max_threads, num_procs"},

@@ -266,10 +266,6 @@ def _top(args: argparse.Namespace) -> int:
         time.sleep(max(0.0, args.interval - sample))  # the display's refresh period
 
 
-def _alive(pid: int, start: int) -> bool:
-    return pid > 0 and start != 0 and _native.proc_start_time(pid) == start
-
-
 def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
     from psd.watchdog.supervisor import terminate
@@ -277,9 +273,9 @@ def _stop(args: argparse.Namespace) -> int:
     a = open_job(args.job)
     h = a.header()
     a.close()
-    if _alive(h["watchdog_pid"], h["watchdog_start_time"]):
+    if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
         who, pid = "watchdog", h["watchdog_pid"]
-    elif _alive(h["server_pid"], h["server_start_time"]):
+    elif _native.owner_alive(h["server_pid"], h["server_start_time"]):
         who, pid = "server", h["server_pid"]
     else:
         _native.unlink(shm_name(args.job))
@@ -304,7 +300,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     a = open_job(args.job)
     try:
         h = a.header()
-        if _alive(h["watchdog_pid"], h["watchdog_start_time"]):
+        if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
             before = h["checkpoint_unix_ns"]
             os.kill(h["watchdog_pid"], signal.SIGUSR1)
             deadline = time.monotonic() + args.timeout

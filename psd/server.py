@@ -235,7 +235,7 @@ class Server:
             self._admit_spec()
         elif st == _native.ARENA_INIT_WEIGHTS:
             h = a.header()
-            if _native.proc_start_time(h["offer_pid"]) != h["offer_start_time"]:
+            if not _native.owner_alive(h["offer_pid"], h["offer_start_time"]):
                 a.set_state(_native.ARENA_WAITING_SPEC,
                             f"learner pid {h['offer_pid']} died before writing its initial weights")
                 log.warning("job %r: learner pid %d died before writing its initial weights; waiting for "

@@ -25,10 +25,6 @@ def stale_bucket_label(i: int) -> str:
     return str(lo) if lo == hi else (f"{lo}-{hi}" if i < 15 else f">={lo}")
 
 
-def _alive(pid: int, start: int) -> bool:
-    return pid > 0 and start != 0 and _native.proc_start_time(pid) == start
-
-
 def _snapshot(a: _native.Arena) -> tuple[dict, dict, list[dict]]:
     if a.state == _native.ARENA_READY:
         a.remap()
@@ -64,7 +60,7 @@ def job_status(job: str, sample: float = 0.0) -> dict:
             if h["server_started_unix_ns"] else None,
             "heartbeat_age_s": round(h["heartbeat_age_s"], 3),
             "watchdog_pid": h["watchdog_pid"],
-            "watchdog_alive": _alive(h["watchdog_pid"], h["watchdog_start_time"]),
+            "watchdog_alive": _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]),
             "generation": h["generation"],
             "server_restarts": h["server_restarts"],
             "n_params": h["n_params"],
@@ -90,7 +86,7 @@ def job_status(job: str, sample: float = 0.0) -> dict:
                 continue
             out["learners"].append({
                 "slot": i, "pid": s["pid"], "rank": s["rank"],
-                "alive": _alive(s["pid"], s["start_time"]),
+                "alive": _native.owner_alive(s["pid"], s["start_time"]),
                 "state": "active" if s["state"] == _native.SLOT_ACTIVE else "draining",
                 "pushed": s["tail"], "applied": s["applied"], "rejected": s["rejected"],
                 "queued": s["tail"] - s["head"], "clock": s["learner_clock"],

@@ -322,7 +322,7 @@ class Launcher:
             return
         try:
             h = a.header()
-            if h["server_pid"] and _native.proc_start_time(h["server_pid"]) == h["server_start_time"] != 0:
+            if _native.owner_alive(h["server_pid"], h["server_start_time"]):
                 terminate(h["server_pid"], deadline=10.0)  # it applies what is pending, then stops
             if not clean and h["n_params"] and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
                 from psd.watchdog import checkpoint

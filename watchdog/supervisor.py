@@ -105,7 +105,7 @@ def terminate(proc_or_pid, deadline: float = 5.0, sig: int = signal.SIGTERM) -> 
     except ProcessLookupError:
         return
     end = time.monotonic() + deadline
-    while _native.proc_start_time(pid) == start:
+    while _native.owner_alive(pid, start):
         if time.monotonic() > end:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -196,14 +196,14 @@ class Watchdog:
     def _server_alive(self) -> bool:
         if self.proc is not None and self.proc.pid == self.server_pid:
             return self.proc.poll() is None
-        return _native.proc_start_time(self.server_pid) == self._server_start != 0
+        return _native.owner_alive(self.server_pid, self._server_start)
 
     def start(self) -> None:
         """Adopt the job's live server, or start one."""
         a = self._open_arena(announce=False)
         if a is not None and a.server_alive():
             h = a.header()
-            if _native.proc_start_time(h["watchdog_pid"]) == h["watchdog_start_time"] != 0:
+            if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
                 self._drop_arena()
                 raise Error(f"job {self.config.serve.job!r} already has a running server (pid {h['server_pid']}, "
                             f"watchdog pid {h['watchdog_pid']}); stop it first, or choose another --job")

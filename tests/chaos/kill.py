@@ -39,9 +39,9 @@ def pids_of(job: str) -> dict[str, list[int]] | None:
             a.remap()
             for i in range(h["n_slots"]):
                 s = a.slot_info(i)
-                if s["state"] == _native.SLOT_ACTIVE and _native.proc_start_time(s["pid"]) == s["start_time"]:
+                if s["state"] == _native.SLOT_ACTIVE and _native.owner_alive(s["pid"], s["start_time"]):
                     learners.append(s["pid"])
-        alive = lambda pid, start: [pid] if pid and _native.proc_start_time(pid) == start != 0 else []  # noqa: E731
+        alive = lambda pid, start: [pid] if _native.owner_alive(pid, start) else []  # noqa: E731
         return {
             "clock": [a.clock()],
             "learner": learners,
