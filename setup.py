@@ -18,6 +18,7 @@ native = Extension(
     include_dirs=["native"],
     extra_compile_args=["-std=c11", "-O3", "-fopenmp", "-pthread", "-Wall", "-Wextra", *extra],
     extra_link_args=["-fopenmp", "-pthread"],
+    libraries=["m"],
 )
 
 setup(

@@ -12,6 +12,7 @@ under it. Both hand-offs are queues of one, as in GaDei.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -29,6 +30,8 @@ log = logging.getLogger("psd.learner")
 
 # Models up to this size pull between steps, in the training thread; larger ones in a native thread.
 INLINE_PULL_BYTES = 256 * 1024
+# Weight prediction extrapolates by the median staleness of this many recent gradients.
+STALENESS_WINDOW = 64
 
 
 def _spec_of(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.nn.Parameter]]:
@@ -125,6 +128,8 @@ class Learner:
         self.reconnects = 0
         self._closing = False
         self._puller = None
+        self.predicted_staleness = 0.0
+        self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
         self._connect(slot_timeout)
 
     # -- connecting ---------------------------------------------------------
@@ -146,6 +151,14 @@ class Learner:
             raise
         self._identity = arena.identity()
         self.resume_step = self._rank_progress()
+        h = arena.header()
+        self.sync = arena.training()["sync"]
+        self._sync_param = h["sync_param"]
+        self.push_every = h["push_every"]
+        self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
+        self._wave = 0
+        self._wave_loss = 0.0
+        self._wave_batch = 0
         self._map_buffers()
 
     def _claim(self, slot_timeout: float) -> None:
@@ -306,13 +319,31 @@ class Learner:
         Gradients are zeroed for the next mini-batch (as ``zero_grad(set_to_none=False)``), so do
         not call ``zero_grad()`` yourself. ``loss`` and ``batch_size`` are recorded with the gradient.
         If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
+
+        The job's sync mode decides what else happens: with ``--push-every W`` only every W-th call
+        pushes (the mean of the W gradients, all computed on the same weights); under ``ssp:S`` a
+        learner S pushes ahead of the slowest live one waits here; under ``bsp`` it waits for the
+        round (one gradient from every learner) to be applied. Non-finite gradients are pushed
+        flagged, and the server rejects them (``rejected`` in ``psd status``).
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
         self._collect()
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self._wave += 1
+        if self.push_every > 1:
+            self._wave_loss += lv
+            self._wave_batch += int(batch_size)
+            if self._wave < self.push_every:
+                return  # the next mini-batch's gradient adds into the same ring entry
+            lv, batch_size = self._wave_loss / self._wave, self._wave_batch
+            self._wave_loss, self._wave_batch = 0.0, 0
+        wave, self._wave = self._wave, 0
         a = self._arena
-        a.push(self.slot, self.clock, int(batch_size), lv)
+        if self.predict and self._tail >= self._k:
+            self._sample_staleness(self._tail - self._k)
+        rounds = a.rounds() if self.sync == "bsp" else 0
+        a.push(self.slot, self.clock, int(batch_size), lv, 1.0 / wave)
         self._tail += 1
         self.pushed += 1
         if not a.has_space(self.slot):
@@ -320,14 +351,68 @@ class Learner:
             if self._arena is not a:
                 return  # reattached to a new arena: buffers are armed and weights pulled
         self._arm_entry()
-        if self._puller is None:
-            self.clock = a.pull_into(self.slot, self._front_array, self.clock)
+        if self.sync == "bsp":
+            self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
+        elif self.sync == "ssp":
+            self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
+        if self._arena is not a:
             return
-        taken = self._puller.take()
-        if taken is not None:
-            self._point(taken[0])
-            self.clock = taken[1]
-        self._puller.request()
+        before = self.clock
+        if self._puller is None or self.sync == "bsp":
+            if self._puller is not None:  # bsp trains on the round's result: pull it now, in this thread
+                taken = self._puller.take()
+                if taken is not None:
+                    self._point(taken[0])
+            self.clock = a.pull_into(self.slot, self._front_array, self.clock)
+            if self._puller is not None:
+                self._puller.set_front_clock(self.clock)
+        else:
+            taken = self._puller.take()
+            if taken is not None:
+                self._point(taken[0])
+                self.clock = taken[1]
+            self._puller.request()
+        if self.predict and self.clock != before:
+            self._predict()
+
+    def _sample_staleness(self, seq: int) -> None:
+        """Note the exact staleness of gradient ``seq`` (its ring entry is about to be reused)."""
+        meta = self._arena.entry_meta(self.slot, seq)
+        if meta is not None and meta["outcome"] == _native.OUTCOME_APPLIED:
+            self._staleness.append(meta["applied_clock"] - meta["clock"])
+
+    def _predict(self) -> None:
+        """Extrapolate the fresh front weights by this learner's staleness (PipeOptim).
+
+        The staleness used is the median over this learner's last gradients, not their mean: on a
+        busy machine staleness is bursty (mostly small, sometimes large), and a mean then moves
+        the weights further than most gradients travel; the median minimises the expected distance,
+        so prediction is never worse than none.
+        """
+        if self._staleness:
+            self.predicted_staleness = float(sorted(self._staleness)[len(self._staleness) // 2])
+            if self.predicted_staleness > 0:
+                self._arena.predict_into(self._front_array, self.predicted_staleness)
+
+    def wait_for_peers(self, n: int, timeout: float | None = None) -> None:
+        """Wait until ``n`` learners (this one included) are attached, or training has started.
+
+        A start line for learners launched together: under ``bsp`` call it before the first step,
+        so that the first round already waits for everyone (``attach`` does it for you when
+        ``psd run`` set PSD_WORLD). Once any learner pushed a gradient it returns at once, so a
+        learner that joins or restarts later never waits for peers that finished.
+        """
+        a = self._arena
+        deadline = _Deadline(self.timeout if timeout is None else timeout)
+        while True:
+            c = a.counters()
+            active = c["active_learners"]
+            if active >= n or c["pushed"] > 0:
+                return
+            if deadline.expired():
+                raise Timeout(f"job {self.job!r}: {active} of {n} learners attached after "
+                              f"{self.timeout if timeout is None else timeout:g} s; are the others running?")
+            a.wait_state(_native.ARENA_READY, min(deadline.left(), 0.05))  # claims signal nothing
 
     # -- weights ------------------------------------------------------------
 
@@ -409,8 +494,16 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     steps wait up to ``reconnect_timeout`` seconds for the watchdog's new one.
     Use as a context manager, and call ``step()`` where ``optimizer.step()`` was.
     """
-    return Learner(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
-                   reconnect_timeout=reconnect_timeout)
+    learner = Learner(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
+                      reconnect_timeout=reconnect_timeout)
+    world = os.environ.get("PSD_WORLD", "")
+    if learner.sync == "bsp" and world.isdigit():
+        try:
+            learner.wait_for_peers(int(world))
+        except BaseException:
+            learner.close(flush=False)
+            raise
+    return learner
 
 
 def pull_state_dict(job: str | None = None) -> dict[str, torch.Tensor]:

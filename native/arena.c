@@ -28,16 +28,17 @@ size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap) {
 }
 
 int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
-                 uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
+                 uint32_t state_vectors, uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
                  uint64_t *slot_stride, uint64_t *entry_stride) {
-    if (n_slots == 0 || n_slots > PSD_MAX_SLOTS || ring_k == 0 || ring_k > PSD_MAX_RING ||
+    if (state_vectors > 3 || n_slots == 0 || n_slots > PSD_MAX_SLOTS || ring_k == 0 || ring_k > PSD_MAX_RING ||
         (ring_k & (ring_k - 1)) != 0 || n_params == 0 || n_params > (UINT64_C(1) << 40))
         return EINVAL;
     uint64_t grad_bytes = round_up(n_params * sizeof(float), PSD_CACHELINE);
     *entry_stride = sizeof(struct psd_entry) + grad_bytes;
     *weights_off = psd_header_span(n_slots, spec_cap);
     uint64_t weights_bytes = round_up(n_params * sizeof(float), PSD_PAGE);
-    *slots_off = *weights_off + weights_bytes; /* optimizer state: none for sgd */
+    /* optimizer state: state_vectors vectors the size of the weights */
+    *slots_off = *weights_off + weights_bytes * (1 + (uint64_t)state_vectors);
     *slot_stride = round_up(sizeof(struct psd_slot) + (uint64_t)ring_k * *entry_stride, PSD_PAGE);
     *total_size = *slots_off + (uint64_t)n_slots * *slot_stride;
     return 0;
@@ -54,7 +55,7 @@ static int reserve(int fd, uint64_t size) {
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version) {
     uint64_t t, w, so, ss, es;
-    int rc = psd_geometry(n_slots, ring_k, spec_cap, 1, &t, &w, &so, &ss, &es);
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, 1, 0, &t, &w, &so, &ss, &es);
     if (rc)
         return rc;
     size_t size = psd_header_span(n_slots, spec_cap);
@@ -99,6 +100,9 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     }
     psd_cond_init(&h->state_cond);
     psd_cond_init(&h->doorbell);
+    psd_cond_init(&h->sync_cond);
+    h->push_every = 1;
+    h->max_staleness = UINT64_MAX;
     atomic_init(&h->state, PSD_ARENA_WAITING_SPEC);
     /* Publish: pairs with the load-acquire of magic in psd_arena_open. */
     PSD_STORE_REL(&h->magic, PSD_MAGIC);
@@ -197,7 +201,8 @@ int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64
 int psd_arena_grow(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
     uint64_t total, woff, soff, sstride, estride;
-    int rc = psd_geometry(h->n_slots, h->ring_k, h->spec_cap, h->n_params, &total, &woff, &soff,
+    uint32_t vectors = psd_state_vectors(h->optimizer, h->sync_mode);
+    int rc = psd_geometry(h->n_slots, h->ring_k, h->spec_cap, h->n_params, vectors, &total, &woff, &soff,
                           &sstride, &estride);
     if (rc)
         return rc;
@@ -215,8 +220,8 @@ int psd_arena_grow(struct psd_map *m) {
         memset(m->base + woff, 0, (size_t)(total - woff));
     h->weights_off = woff;
     h->weights_bytes = h->n_params * sizeof(float);
-    h->optstate_off = soff;
-    h->optstate_bytes = 0;
+    h->optstate_off = woff + round_up(h->weights_bytes, PSD_PAGE);
+    h->optstate_bytes = soff - h->optstate_off;
     h->slots_off = soff;
     h->slot_stride = sstride;
     h->entry_stride = estride;

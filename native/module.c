@@ -213,14 +213,14 @@ static PyObject *mod_owner_alive(PyObject *self, PyObject *args) {
 
 static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned int n_slots, ring_k;
+    unsigned int n_slots, ring_k, vectors = 0;
     unsigned long long spec_cap, n_params;
-    if (!PyArg_ParseTuple(args, "IIKK", &n_slots, &ring_k, &spec_cap, &n_params))
+    if (!PyArg_ParseTuple(args, "IIKK|I", &n_slots, &ring_k, &spec_cap, &n_params, &vectors))
         return NULL;
     if (n_params == 0)
         return PyLong_FromSize_t(psd_header_span(n_slots, spec_cap));
     uint64_t t, w, so, ss, es;
-    int rc = psd_geometry(n_slots, ring_k, spec_cap, n_params, &t, &w, &so, &ss, &es);
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, n_params, vectors, &t, &w, &so, &ss, &es);
     if (rc) {
         PyErr_Format(PyExc_ValueError,
                      "bad arena geometry: learners must be 1..%d, slots a power of two 1..%d, "
@@ -351,6 +351,34 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     }
     Py_DECREF(hist);
     U64(d, "sleeping", atomic_load(&h->sleeping));
+    U64(d, "sync_param", h->sync_param);
+    U64(d, "push_every", h->push_every);
+    U64(d, "schedule", h->schedule);
+    U64(d, "cfg_flags", h->cfg_flags);
+    U64(d, "step_size", h->step_size);
+    U64(d, "t_max", h->t_max);
+    U64(d, "warmup", h->warmup);
+    U64(d, "max_staleness", h->max_staleness);
+    U64(d, "opt_steps", atomic_load(&h->opt_steps));
+    U64(d, "rounds", atomic_load(&h->rounds));
+    U64(d, "acc_count", atomic_load(&h->acc_count));
+    U64(d, "acc_members", atomic_load(&h->acc_members));
+    U64(d, "acc_staleness", atomic_load(&h->acc_staleness));
+    U64(d, "dropped", atomic_load(&h->dropped));
+    U64(d, "state_vectors", psd_state_vectors(h->optimizer, h->sync_mode));
+    uint64_t lr_bits = atomic_load(&h->lr_bits);
+    double lr_now;
+    memcpy(&lr_now, &lr_bits, sizeof lr_now);
+    o = Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d}", "momentum", h->momentum, "dampening",
+                      h->dampening, "beta1", h->beta1, "beta2", h->beta2, "eps", h->eps, "weight_decay",
+                      h->weight_decay, "lr_decay", h->lr_decay, "gamma", h->gamma, "eta_min", h->eta_min,
+                      "lr_now", lr_now);
+    if (!o || PyDict_Update(d, o)) {
+        Py_XDECREF(o);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(o);
     return d;
 }
 
@@ -394,6 +422,9 @@ static PyObject *arena_slot_info(Arena *a, PyObject *args) {
     U64(d, "rejected", atomic_load(&s->rejected));
     U64(d, "staleness_sum", atomic_load(&s->staleness_sum));
     U64(d, "staleness_max", atomic_load(&s->staleness_max));
+    U64(d, "dropped", atomic_load(&s->dropped));
+    U64(d, "ssp_base", atomic_load(&s->ssp_base));
+    U64(d, "round_joined", atomic_load(&s->round_joined));
     return d;
 }
 
@@ -519,9 +550,16 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     unsigned int slot, batch;
     unsigned long long clock;
     double loss;
-    if (!PyArg_ParseTuple(args, "IKId", &slot, &clock, &batch, &loss) || check_slot(a, slot))
+    float scale = 1.0f;
+    if (!PyArg_ParseTuple(args, "IKId|f", &slot, &clock, &batch, &loss, &scale) || check_slot(a, slot))
         return NULL;
-    int rc = psd_push(&a->map, slot, clock, batch, loss);
+    int rc;
+    if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
+        rc = psd_push(&a->map, slot, clock, batch, loss, scale);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = psd_push(&a->map, slot, clock, batch, loss, scale);
+        Py_END_ALLOW_THREADS
+    }
     if (rc)
         return raise_code(rc, "push gradient", a->name);
     Py_RETURN_NONE;
@@ -612,6 +650,155 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     return PyLong_FromUnsignedLongLong(gen);
 }
 
+static const char *const optimizer_names[] = {"sgd", "momentum", "nesterov", "adam", "adamw", "adagrad"};
+static const char *const sync_names[] = {"asp", "ssp", "bsp", "kasync"};
+static const char *const schedule_names[] = {"constant", "step", "cosine"};
+
+static int name_index(const char *what, const char *name, const char *const *names, int n) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(name, names[i]) == 0)
+            return i;
+    PyErr_Format(PyExc_ValueError, "unknown %s '%s'", what, name);
+    return -1;
+}
+
+/* Server: the training configuration (before the arena is grown: the
+ * optimizer and sync mode size the optimizer state). */
+static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"optimizer", "sync", "sync_param", "push_every", "schedule", "staleness_lr",
+                             "predict", "momentum", "dampening", "beta1", "beta2", "eps", "weight_decay",
+                             "lr_decay", "gamma", "eta_min", "step_size", "t_max", "warmup", "max_staleness",
+                             NULL};
+    const char *opt = "sgd", *sync = "asp", *sched = "constant";
+    unsigned int sync_param = 0, push_every = 1;
+    int staleness_lr = 0, predict = 0;
+    double momentum = 0, dampening = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0, lr_decay = 0,
+           gamma = 0.1, eta_min = 0;
+    unsigned long long step_size = 0, t_max = 0, warmup = 0, max_staleness = UINT64_MAX;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKK", kwlist, &opt, &sync, &sync_param,
+                                     &push_every, &sched, &staleness_lr, &predict, &momentum, &dampening,
+                                     &beta1, &beta2, &eps, &wd, &lr_decay, &gamma, &eta_min, &step_size,
+                                     &t_max, &warmup, &max_staleness) ||
+        check_open(a))
+        return NULL;
+    int o = name_index("optimizer", opt, optimizer_names, 6), y = name_index("sync mode", sync, sync_names, 4),
+        c = name_index("schedule", sched, schedule_names, 3);
+    if (o < 0 || y < 0 || c < 0)
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    h->optimizer = (uint32_t)o;
+    h->sync_mode = (uint32_t)y;
+    h->sync_param = sync_param;
+    h->push_every = push_every ? push_every : 1;
+    h->schedule = (uint32_t)c;
+    h->cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0);
+    h->momentum = momentum;
+    h->dampening = dampening;
+    h->beta1 = beta1;
+    h->beta2 = beta2;
+    h->eps = eps;
+    h->weight_decay = wd;
+    h->lr_decay = lr_decay;
+    h->gamma = gamma;
+    h->eta_min = eta_min;
+    h->step_size = step_size;
+    h->t_max = t_max;
+    h->warmup = warmup;
+    h->max_staleness = max_staleness;
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_training(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    return Py_BuildValue("{s:s,s:s,s:s}", "optimizer", h->optimizer < 6 ? optimizer_names[h->optimizer] : "?",
+                         "sync", h->sync_mode < 4 ? sync_names[h->sync_mode] : "?", "schedule",
+                         h->schedule < 3 ? schedule_names[h->schedule] : "?");
+}
+
+static PyObject *arena_rounds(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    /* Pairs with the store of rounds in finish_round (update.c). */
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->rounds));
+}
+
+static PyObject *arena_wait_round(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long claim, rounds;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "IKKd", &slot, &claim, &rounds, &timeout) || check_slot(a, slot))
+        return NULL;
+    int rc;
+    BLOCKING(rc, psd_wait_round(&a->map, slot, claim, rounds, seconds_to_ns(timeout)));
+    if (rc)
+        return raise_code(rc, "wait for the bsp round", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_wait_ssp(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long claim;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "IKd", &slot, &claim, &timeout) || check_slot(a, slot))
+        return NULL;
+    int rc;
+    BLOCKING(rc, psd_wait_ssp(&a->map, slot, claim, seconds_to_ns(timeout)));
+    if (rc)
+        return raise_code(rc, "wait for the slowest learner (ssp)", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_ssp_clocks(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    uint64_t mine, slowest;
+    psd_ssp_clocks(&a->map, slot, true, &mine, &slowest);
+    if (slowest == UINT64_MAX)
+        return Py_BuildValue("(KO)", (unsigned long long)mine, Py_None);
+    return Py_BuildValue("(KK)", (unsigned long long)mine, (unsigned long long)slowest);
+}
+
+static PyObject *arena_predict_into(Arena *a, PyObject *args) {
+    Py_buffer dst;
+    double staleness;
+    if (!PyArg_ParseTuple(args, "w*d", &dst, &staleness))
+        return NULL;
+    if (check_open(a)) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_predict(&a->map, dst.buf, (uint64_t)dst.len / sizeof(float), staleness);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&dst);
+    if (rc == EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "predict_into: the buffer must hold exactly the model's float32 weights");
+        return NULL;
+    }
+    if (rc)
+        return raise_code(rc, "predict weights (the optimizer publishes no update direction)", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long seq;
+    if (!PyArg_ParseTuple(args, "IK", &slot, &seq) || check_slot(a, slot))
+        return NULL;
+    struct psd_entry *e = psd_entry_at(&a->map, slot, seq);
+    /* Pairs with the store-release of head in take_entry (update.c). */
+    uint64_t head = PSD_LOAD_ACQ(&psd_slot_at(&a->map, slot)->head);
+    if (e->seq != seq || head <= seq)
+        Py_RETURN_NONE; /* overwritten, or not consumed yet */
+    return Py_BuildValue("{s:K,s:K,s:K,s:I,s:I}", "seq", (unsigned long long)e->seq, "clock",
+                         (unsigned long long)e->clock, "applied_clock", (unsigned long long)e->applied_clock,
+                         "outcome", e->outcome, "flags", e->flags);
+}
+
 static PyObject *arena_set_lr(Arena *a, PyObject *args) {
     double lr;
     if (!PyArg_ParseTuple(args, "d", &lr) || check_open(a))
@@ -664,9 +851,10 @@ static PyObject *arena_counters(Arena *a, PyObject *noargs) {
             active += atomic_load(&s->state) == PSD_SLOT_ACTIVE;
         }
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
                          "applied", (unsigned long long)atomic_load(&h->applied), "rejected",
-                         (unsigned long long)atomic_load(&h->rejected), "pending",
+                         (unsigned long long)atomic_load(&h->rejected), "dropped",
+                         (unsigned long long)atomic_load(&h->dropped), "pending",
                          (unsigned long long)pending, "clock", (unsigned long long)atomic_load(&h->clock),
                          "active_learners", active);
 }
@@ -807,10 +995,15 @@ static PyObject *arena_ranks(Arena *a, PyObject *noargs) {
     return list;
 }
 
-static PyObject *arena_restore(Arena *a, PyObject *args) {
-    unsigned long long clock, generation;
+static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"clock", "generation", "ranks", "opt_steps", "rounds", "acc_count", "acc_staleness",
+                             "lr_now", NULL};
+    unsigned long long clock, generation, opt_steps = 0, rounds = 0, acc_count = 0, acc_staleness = 0;
+    double lr_now = 0;
     PyObject *ranks;
-    if (!PyArg_ParseTuple(args, "KKO", &clock, &generation, &ranks) || check_open(a))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKO|KKKKd", kwlist, &clock, &generation, &ranks, &opt_steps,
+                                     &rounds, &acc_count, &acc_staleness, &lr_now) ||
+        check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY)
@@ -829,6 +1022,14 @@ static PyObject *arena_restore(Arena *a, PyObject *args) {
     }
     Py_DECREF(seq);
     PSD_STORE_RLX(&h->clock, clock);
+    PSD_STORE_RLX(&h->opt_steps, opt_steps);
+    PSD_STORE_RLX(&h->rounds, rounds);
+    PSD_STORE_RLX(&h->acc_count, acc_count);
+    PSD_STORE_RLX(&h->acc_staleness, acc_staleness);
+    PSD_STORE_RLX(&h->acc_members, 0);
+    uint64_t lr_bits;
+    memcpy(&lr_bits, &lr_now, sizeof lr_bits);
+    PSD_STORE_RLX(&h->lr_bits, lr_bits);
     atomic_store(&h->generation, generation);
     Py_RETURN_NONE;
 }
@@ -1064,6 +1265,20 @@ static PyMethodDef arena_methods[] = {
     {"become_server", (PyCFunction)arena_become_server, METH_VARARGS,
      "become_server(pid, start_time, lr, threads, spin_us) -> generation"},
     {"set_lr", (PyCFunction)arena_set_lr, METH_VARARGS, "set_lr(lr)"},
+    {"configure", (PyCFunction)(void (*)(void))arena_configure, METH_VARARGS | METH_KEYWORDS,
+     "Server: the training configuration (optimizer, sync mode, schedule, staleness control)."},
+    {"training", (PyCFunction)arena_training, METH_NOARGS, "optimizer, sync mode and schedule, by name."},
+    {"rounds", (PyCFunction)arena_rounds, METH_NOARGS, "bsp / kasync rounds completed."},
+    {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
+     "wait_round(slot, claim, rounds, timeout): bsp, until more than `rounds` rounds are complete"},
+    {"wait_ssp", (PyCFunction)arena_wait_ssp, METH_VARARGS,
+     "wait_ssp(slot, claim, timeout): ssp, until this learner is at most S pushes ahead of the slowest"},
+    {"ssp_clocks", (PyCFunction)arena_ssp_clocks, METH_VARARGS,
+     "ssp_clocks(slot) -> (this learner's clock, the slowest other live learner's or None)"},
+    {"predict_into", (PyCFunction)arena_predict_into, METH_VARARGS,
+     "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
+    {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
+     "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
     {"start_loop", (PyCFunction)arena_start_loop, METH_NOARGS, "Server: start the native update loop."},
     {"stop_loop", (PyCFunction)arena_stop_loop, METH_NOARGS, "Server: stop the update loop and join it."},
     {"counters", (PyCFunction)arena_counters, METH_NOARGS, "pushed, applied, rejected, pending, clock."},
@@ -1078,7 +1293,7 @@ static PyMethodDef arena_methods[] = {
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"identity", (PyCFunction)arena_identity, METH_NOARGS, "(device, inode) of the mapped object"},
     {"ranks", (PyCFunction)arena_ranks, METH_NOARGS, "Gradients applied per learner rank."},
-    {"restore", (PyCFunction)arena_restore, METH_VARARGS,
+    {"restore", (PyCFunction)(void (*)(void))arena_restore, METH_VARARGS | METH_KEYWORDS,
      "restore(clock, generation, ranks): server, before READY: continue from a checkpoint"},
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
@@ -1158,5 +1373,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "SLOT_FREE", PSD_SLOT_FREE);
     PyModule_AddIntConstant(m, "SLOT_ACTIVE", PSD_SLOT_ACTIVE);
     PyModule_AddIntConstant(m, "SLOT_DRAINING", PSD_SLOT_DRAINING);
+    PyModule_AddIntConstant(m, "OUTCOME_PENDING", PSD_OUTCOME_PENDING);
+    PyModule_AddIntConstant(m, "OUTCOME_APPLIED", PSD_OUTCOME_APPLIED);
+    PyModule_AddIntConstant(m, "OUTCOME_REJECTED", PSD_OUTCOME_REJECTED);
+    PyModule_AddIntConstant(m, "OUTCOME_DROPPED", PSD_OUTCOME_DROPPED);
+    PyModule_AddIntConstant(m, "CFG_STALENESS_LR", PSD_CFG_STALENESS_LR);
+    PyModule_AddIntConstant(m, "CFG_PREDICT", PSD_CFG_PREDICT);
     return m;
 }

@@ -70,6 +70,13 @@ static inline float *psd_entry_grad(struct psd_entry *e) {
 static inline float *psd_weights(const struct psd_map *m) {
     return (float *)(m->base + psd_hdr(m)->weights_off);
 }
+/* Optimizer-state vector i (see psd_state_vectors); the bsp / kasync
+ * accumulator is the last one. */
+static inline float *psd_state(const struct psd_map *m, uint32_t i) {
+    const struct psd_header *h = psd_hdr(m);
+    uint64_t stride = (h->weights_bytes + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
+    return (float *)(m->base + h->optstate_off + i * stride);
+}
 
 /* time.c / proc */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
@@ -99,7 +106,7 @@ void psd_cond_broadcast_if_waiters(struct psd_cond *c);
 /* arena.c */
 size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap);
 int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
-                 uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
+                 uint32_t state_vectors, uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
                  uint64_t *slot_stride, uint64_t *entry_stride);
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version);
@@ -116,7 +123,19 @@ int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
                    uint64_t *claim);
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
-int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss);
+/* Publish the entry at the tail. The gradient is first multiplied by `scale`
+ * (unless 1) and checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and
+ * the update loop rejects it. */
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale);
+/* bsp: wait until more than `rounds` rounds are complete. */
+int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t rounds, uint64_t timeout_ns);
+/* ssp: wait until this learner (after a push) is at most sync_param pushes
+ * ahead of the slowest live learner, so it may compute its next gradient. */
+int psd_wait_ssp(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
+/* ssp: this learner's clock (pushes + base) and the slowest other live
+ * learner's (UINT64_MAX: none). Unless strict, a dead learner may be counted
+ * where it does not hold this one back. */
+void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *mine, uint64_t *slowest);
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
@@ -147,5 +166,14 @@ struct psd_loop;
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);
+
+/* optim.c: optimizers, schedules, weight prediction */
+double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
+/* One update of the configured optimizer with gradient g * gscale; t is the
+ * 1-based step (Adam's bias correction, the momentum buffer's first step). */
+void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
+                        uint64_t n, double lr, uint64_t t, int threads);
+/* dst (weights) -= lr * staleness * the optimizer's update direction. */
+int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness);
 
 #endif

@@ -12,7 +12,10 @@
  *   [ranks_off, +n_slots lines)      struct psd_rank per learner rank (progress)
  *   [spec_off, +spec_cap)            parameter spec, JSON text (names, shapes, dtypes)
  *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned
- *   [optstate_off, +optstate_bytes)  optimizer state (empty for plain SGD)
+ *   [optstate_off, +optstate_bytes)  optimizer state: psd_state_vectors() vectors of
+ *                                     n_params floats, each PSD_PAGE aligned (momentum
+ *                                     buffer; Adam's m, v; Adagrad's sum; then the
+ *                                     gradient accumulator of bsp / kasync)
  *   [slots_off + i*slot_stride, ...) learner slot i: struct psd_slot, then its
  *                                     ring of ring_k entries, each a
  *                                     struct psd_entry followed by the gradient
@@ -38,7 +41,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 1
+#define PSD_LAYOUT_VERSION 2
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -120,12 +123,33 @@ struct psd_header {
     uint64_t offer_start_time; /* /proc/<pid>/stat starttime of offer_pid */
 
     /* -- configuration: written by the server before it starts the update
-     *    loop; read by anyone. */
-    alignas(PSD_CACHELINE) double lr;
-    uint32_t optimizer; /* 0 = sgd */
-    uint32_t sync_mode; /* 0 = asp */
+     *    loop (and before it grows the arena: optimizer and sync_mode size
+     *    the optimizer state); read by anyone. */
+    alignas(PSD_CACHELINE) double lr;   /* base learning rate, before the schedule */
+    uint32_t optimizer;                 /* enum psd_optimizer */
+    uint32_t sync_mode;                 /* enum psd_sync */
     uint32_t threads;
     uint32_t spin_us;
+    uint32_t sync_param;                /* S of ssp:S, K of kasync:K */
+    uint32_t push_every;                /* W: mini-batches a learner sums into one push (>= 1) */
+    uint32_t schedule;                  /* enum psd_schedule */
+    uint32_t cfg_flags;                 /* PSD_CFG_* */
+    double momentum, dampening, beta1, beta2, eps, weight_decay, lr_decay;
+    double gamma, eta_min;              /* step: lr *= gamma every step_size; cosine: floor */
+    uint64_t step_size, t_max, warmup;  /* in optimizer steps */
+    uint64_t max_staleness;             /* drop gradients staler than this; UINT64_MAX: never */
+
+    /* -- optimizer progress, written only by the update loop (or by a server
+     *    restoring a checkpoint before READY); in checkpoints. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t opt_steps; /* updates applied to the weights (Adam's t) */
+    _Atomic uint64_t lr_bits;       /* double: scheduled lr of the last update (weight prediction reads it) */
+    _Atomic uint64_t rounds;        /* bsp / kasync: rounds completed (signalled on sync_cond) */
+    _Atomic uint64_t acc_count;     /* gradients summed into the accumulator this round */
+    _Atomic uint64_t acc_members;   /* bsp: learners that contributed this round (incl. rejected) */
+    _Atomic uint64_t acc_staleness; /* staleness summed over acc_count */
+    /* signalled by the loop when a round completes, and by ssp learners when
+     * they push, each only when a waiter announced itself. */
+    struct psd_cond sync_cond;
 
     /* -- life cycle: `state` is store-released by whoever makes a transition
      *    (see enum psd_arena_state), load-acquired by everyone. */
@@ -150,13 +174,14 @@ struct psd_header {
     alignas(PSD_CACHELINE) _Atomic uint64_t clock;
 
     /* -- global counters, written only by the update loop. Invariant once all
-     *    rings are empty: pushed == applied + rejected, where pushed is
+     *    rings are empty: pushed == applied + rejected + dropped, where pushed is
      *    retired_pushed + the tails of the slots in use. */
     alignas(PSD_CACHELINE) _Atomic uint64_t applied;
     _Atomic uint64_t rejected;
     _Atomic uint64_t retired_pushed; /* tails of slots that were freed */
     _Atomic uint64_t staleness_sum;
     _Atomic uint64_t staleness_max;
+    _Atomic uint64_t dropped;        /* older than --max-staleness, not applied */
     _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
     _Atomic uint64_t lock_recoveries; /* mutexes taken over from a dead owner (any process) */
 
@@ -219,6 +244,8 @@ struct psd_slot {
     _Atomic uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
     _Atomic uint64_t claims;     /* grows at every claim: tells reattached learners apart */
     _Atomic int32_t rank;        /* the learner's rank, or -1 */
+    _Atomic uint64_t ssp_base;   /* ssp: the learner's clock is ssp_base + tail (set at claim to
+                                  * the slowest live learner's, so a newcomer holds nobody back) */
 
     /* -- robust, process-shared; protects ownership changes and pairs with
      *    `not_full`. Initialised by the server only. */
@@ -245,10 +272,12 @@ struct psd_slot {
 
     /* -- server-side figures for this slot, written only by the update loop. */
     alignas(PSD_CACHELINE) _Atomic uint64_t applied;
-    _Atomic uint64_t rejected;
+    _Atomic uint64_t rejected;       /* non-finite gradients */
+    _Atomic uint64_t dropped;        /* older than --max-staleness */
     _Atomic uint64_t staleness_sum;
     _Atomic uint64_t staleness_max;
     _Atomic uint64_t last_loss_bits; /* double, bit pattern */
+    _Atomic uint64_t round_joined;   /* bsp: rounds + 1 of the round it last contributed to */
 };
 
 /* Header of one ring entry; the gradient follows at offset PSD_CACHELINE.
@@ -258,9 +287,61 @@ struct psd_entry {
     alignas(PSD_CACHELINE) uint64_t seq; /* the tail value this entry was published with */
     uint64_t clock;      /* weights clock the gradient was computed from */
     uint32_t batch_size;
-    uint32_t flags;
+    uint32_t flags;      /* PSD_ENTRY_* */
     double loss;
+    /* Written by the update loop when it consumes the entry, before the
+     * store-release of head; the learner reads it after load-acquiring head:
+     * the weights clock the gradient met (so its exact staleness is
+     * applied_clock - clock). */
+    uint64_t applied_clock;
+    uint32_t outcome;    /* enum psd_outcome */
+    uint32_t pad;
 };
+
+/* psd_entry.flags, set by the learner. */
+#define PSD_ENTRY_NONFINITE 1u /* the gradient holds a NaN or an infinity: never applied */
+
+/* psd_entry.outcome, set by the update loop. */
+enum psd_outcome {
+    PSD_OUTCOME_PENDING = 0,
+    PSD_OUTCOME_APPLIED = 1,  /* applied (asp, ssp) or summed into the round's average */
+    PSD_OUTCOME_REJECTED = 2, /* non-finite */
+    PSD_OUTCOME_DROPPED = 3,  /* staler than --max-staleness */
+};
+
+enum psd_optimizer {
+    PSD_OPT_SGD = 0,
+    PSD_OPT_MOMENTUM = 1,
+    PSD_OPT_NESTEROV = 2,
+    PSD_OPT_ADAM = 3,
+    PSD_OPT_ADAMW = 4,
+    PSD_OPT_ADAGRAD = 5,
+};
+
+enum psd_sync {
+    PSD_SYNC_ASP = 0,    /* every gradient applied as it comes */
+    PSD_SYNC_SSP = 1,    /* as asp; a learner computes only while at most sync_param pushes
+                          * ahead of the slowest live learner */
+    PSD_SYNC_BSP = 2,    /* one gradient per live learner, averaged, applied once */
+    PSD_SYNC_KASYNC = 3, /* the average of every sync_param gradients */
+};
+
+enum psd_schedule {
+    PSD_SCHED_CONSTANT = 0,
+    PSD_SCHED_STEP = 1,   /* lr * gamma^(t / step_size) */
+    PSD_SCHED_COSINE = 2, /* eta_min + (lr - eta_min) (1 + cos(pi min(t, t_max) / t_max)) / 2 */
+};
+
+#define PSD_CFG_STALENESS_LR 1u /* divide the lr by max(1, staleness) */
+#define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */
+
+/* Optimizer state vectors (n_params floats each) an arena holds. */
+static inline uint32_t psd_state_vectors(uint32_t optimizer, uint32_t sync_mode) {
+    uint32_t v = optimizer == PSD_OPT_MOMENTUM || optimizer == PSD_OPT_NESTEROV || optimizer == PSD_OPT_ADAGRAD ? 1
+                 : optimizer == PSD_OPT_ADAM || optimizer == PSD_OPT_ADAMW                                   ? 2
+                                                                                                            : 0;
+    return v + (sync_mode == PSD_SYNC_BSP || sync_mode == PSD_SYNC_KASYNC ? 1 : 0);
+}
 
 _Static_assert(sizeof(struct psd_header) <= PSD_HEADER_SIZE, "header must fit its page");
 _Static_assert(offsetof(struct psd_header, magic) == 0, "identity line is fixed");

@@ -46,6 +46,12 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
         PSD_STORE_RLX(&s->rejected, 0);
         PSD_STORE_RLX(&s->staleness_sum, 0);
         PSD_STORE_RLX(&s->staleness_max, 0);
+        PSD_STORE_RLX(&s->dropped, 0);
+        PSD_STORE_RLX(&s->round_joined, 0);
+        uint64_t mine, slowest;
+        PSD_STORE_RLX(&s->ssp_base, 0);
+        psd_ssp_clocks(m, i, true, &mine, &slowest); /* ssp: join at the slowest learner's clock */
+        PSD_STORE_RLX(&s->ssp_base, slowest == UINT64_MAX ? 0 : slowest - PSD_LOAD_RLX(&s->tail));
         /* Pairs with the load-acquire of state in the update loop and reaper. */
         PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
         *slot = i;
@@ -78,11 +84,24 @@ int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim) {
         struct psd_header *h = psd_hdr(m);
         if (atomic_load(&h->sleeping))
             psd_cond_broadcast(&h->doorbell);
+        psd_cond_broadcast_if_waiters(&h->sync_cond); /* ssp: the slowest may have left */
     }
     return rc;
 }
 
-int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss) {
+/* Scale the gradient in place (unless scale is 1); whether it is all finite. */
+static bool scale_and_check(float *g, uint64_t n, float scale) {
+    uint32_t bad = 0;
+    if (scale != 1.0f)
+        for (uint64_t i = 0; i < n; i++)
+            g[i] *= scale;
+    const uint32_t *bits = (const uint32_t *)g;
+    for (uint64_t i = 0; i < n; i++)
+        bad |= (bits[i] & 0x7f800000u) == 0x7f800000u; /* exponent all ones: inf or nan */
+    return !bad;
+}
+
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale) {
     struct psd_header *h = psd_hdr(m);
     struct psd_slot *s = psd_slot_at(m, slot);
     if (PSD_LOAD_RLX(&s->state) != PSD_SLOT_ACTIVE)
@@ -96,14 +115,18 @@ int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, d
     e->seq = tail;
     e->clock = clock;
     e->batch_size = batch;
-    e->flags = 0;
+    e->flags = scale_and_check(psd_entry_grad(e), h->n_params, scale) ? 0 : PSD_ENTRY_NONFINITE;
     e->loss = loss;
+    e->applied_clock = 0;
+    e->outcome = PSD_OUTCOME_PENDING;
     /* seq_cst store (a release, pairs with the load-acquire of tail in the
      * update loop) so that the load of `sleeping` below cannot move before it:
      * with the loop's store of `sleeping` and load of tails, a Dekker pair. */
     atomic_store(&s->tail, tail + 1);
     if (atomic_load(&h->sleeping))
         psd_cond_broadcast(&h->doorbell);
+    if (h->sync_mode == PSD_SYNC_SSP)
+        psd_cond_broadcast_if_waiters(&h->sync_cond); /* a learner waiting for us may go on */
     return 0;
 }
 
@@ -173,6 +196,85 @@ int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ti
     return wait_slot(m, slot, claim, timeout_ns, is_freed);
 }
 
+void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *mine, uint64_t *slowest) {
+    struct psd_header *h = psd_hdr(m);
+    struct psd_slot *me = psd_slot_at(m, slot);
+    *mine = PSD_LOAD_RLX(&me->ssp_base) + PSD_LOAD_RLX(&me->tail);
+    *slowest = UINT64_MAX;
+    for (uint32_t i = 0; i < h->n_slots; i++) {
+        if (i == slot)
+            continue;
+        struct psd_slot *s = psd_slot_at(m, i);
+        /* Pairs with the store-release of state in claim: base is set. */
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE)
+            continue;
+        uint64_t c = PSD_LOAD_RLX(&s->ssp_base) + PSD_LOAD_ACQ(&s->tail);
+        /* A dead learner leaves the minimum at once, without waiting for the reaper.
+         * Unless strict, only one that holds us back costs the liveness check (a /proc read). */
+        if (c < *slowest && ((!strict && c + h->sync_param >= *mine) || psd_slot_owner_alive(s)))
+            *slowest = c;
+    }
+}
+
+/* The learner that pushed `mine` gradients may compute its next one once the
+ * slowest live learner pushed at least mine - S: so while computing it is at
+ * most S pushes ahead, and at most S + 1 right after its push. */
+static bool ssp_may_go_on(struct psd_map *m, uint32_t slot) {
+    uint64_t mine, slowest;
+    psd_ssp_clocks(m, slot, false, &mine, &slowest);
+    return slowest == UINT64_MAX || mine <= slowest + psd_hdr(m)->sync_param;
+}
+
+/* Wait on the header's sync_cond until `ready(m, slot, arg)`. */
+static int wait_sync(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns,
+                     bool (*ready)(struct psd_map *, uint32_t, uint64_t), uint64_t arg) {
+    struct psd_header *h = psd_hdr(m);
+    struct psd_slot *s = psd_slot_at(m, slot);
+    uint64_t deadline = psd_now_ns() + timeout_ns;
+    for (;;) {
+        uint32_t seen = psd_cond_prepare(&h->sync_cond);
+        if (ready(m, slot, arg)) {
+            psd_cond_done(&h->sync_cond);
+            return 0;
+        }
+        int rc = PSD_LOAD_RLX(&s->claims) == claim ? server_check(m) : PSD_ESLOT;
+        uint64_t now = psd_now_ns();
+        if (rc == 0 && now >= deadline)
+            rc = PSD_ETIMEOUT;
+        if (rc) {
+            psd_cond_done(&h->sync_cond);
+            return rc;
+        }
+        /* Short slices: a peer that dies signals nothing, so liveness is rechecked often. */
+        uint64_t left = deadline - now, slice = PSD_WAIT_SLICE_NS / 5;
+        rc = psd_cond_wait(&h->sync_cond, seen, left < slice ? left : slice);
+        psd_cond_done(&h->sync_cond);
+        if (rc == EINTR)
+            return EINTR;
+    }
+}
+
+static bool ssp_ready(struct psd_map *m, uint32_t slot, uint64_t arg) {
+    (void)arg;
+    return ssp_may_go_on(m, slot);
+}
+
+static bool round_done(struct psd_map *m, uint32_t slot, uint64_t rounds) {
+    (void)slot;
+    /* Pairs with the store of rounds in finish_round (update.c). */
+    return PSD_LOAD_ACQ(&psd_hdr(m)->rounds) > rounds;
+}
+
+int psd_wait_ssp(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
+    if (ssp_may_go_on(m, slot))
+        return 0;
+    return wait_sync(m, slot, claim, timeout_ns, ssp_ready, 0);
+}
+
+int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t rounds, uint64_t timeout_ns) {
+    return wait_sync(m, slot, claim, timeout_ns, round_done, rounds);
+}
+
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
     struct psd_header *h = psd_hdr(m);
     *n = 0;
@@ -193,8 +295,11 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
         }
         psd_mutex_unlock(&s->mutex);
     }
-    if (*n && atomic_load(&h->sleeping))
-        psd_cond_broadcast(&h->doorbell);
+    if (*n) {
+        if (atomic_load(&h->sleeping))
+            psd_cond_broadcast(&h->doorbell);
+        psd_cond_broadcast_if_waiters(&h->sync_cond);
+    }
     return 0;
 }
 

@@ -2,9 +2,13 @@
  * update.c -- the server's update loop, the consumer side of every ring.
  *
  * One native thread, never holding the GIL, visits the rings round-robin and
- * applies one gradient per ring per round (so a fast learner cannot starve a
- * slow one), in place, Hogwild style: w -= lr * g with OpenMP across the
- * vector. It spins for a short while after the last gradient it found, then
+ * takes one gradient per ring per round (so a fast learner cannot starve a
+ * slow one). In asp and ssp each gradient is one update of the configured
+ * optimizer, applied in place, Hogwild style, with OpenMP across the vector;
+ * in bsp and kasync gradients are summed into the accumulator and their
+ * average is applied once per round (one per live learner, or every K).
+ * Non-finite gradients (flagged by the learner's push) and gradients staler
+ * than --max-staleness are counted and never applied. It spins for a short while after the last gradient it found, then
  * sleeps on the doorbell, so an idle server costs (almost) no CPU and a busy
  * one reacts in microseconds.
  */
@@ -44,13 +48,9 @@ static void atomic_max(_Atomic uint64_t *p, uint64_t v) {
     }
 }
 
-static void apply_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head) {
-    struct psd_map *m = L->m;
+/* Staleness bookkeeping for one consumed gradient (the update loop alone writes these). */
+static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entry *e, uint64_t staleness) {
     struct psd_header *h = psd_hdr(m);
-    struct psd_entry *e = psd_entry_at(m, i, head);
-    uint64_t clock = PSD_LOAD_RLX(&h->clock); /* only this thread writes it */
-    psd_apply_sgd(psd_weights(m), psd_entry_grad(e), h->n_params, (float)h->lr, (int)L->threads);
-    uint64_t staleness = clock > e->clock ? clock - e->clock : 0;
     double loss = e->loss;
     uint64_t loss_bits;
     memcpy(&loss_bits, &loss, sizeof loss_bits);
@@ -66,12 +66,107 @@ static void apply_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint
     atomic_max(&h->staleness_max, staleness);
     uint32_t bucket = staleness == 0 ? 0 : 64 - (uint32_t)__builtin_clzll(staleness);
     PSD_ADD_RLX(&h->staleness_hist[bucket < PSD_HIST_BUCKETS ? bucket : PSD_HIST_BUCKETS - 1], 1);
+}
+
+/* One optimizer update of the weights with g * gscale, at the scheduled lr
+ * (divided by the staleness with --staleness-lr); advances the clock. */
+static void update_weights(struct psd_loop *L, const float *g, float gscale, double staleness) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    uint64_t t = PSD_LOAD_RLX(&h->opt_steps) + 1; /* only this thread writes it */
+    double lr = psd_scheduled_lr(h, t - 1);
+    uint64_t lr_bits;
+    memcpy(&lr_bits, &lr, sizeof lr_bits);
+    if ((h->cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
+        lr /= staleness;
+    psd_optimizer_step(h, psd_weights(m), g, gscale, psd_state(m, 0), psd_state(m, 1), h->n_params, lr, t,
+                       (int)L->threads);
+    PSD_STORE_RLX(&h->lr_bits, lr_bits);
+    /* Pairs with the load-acquire of opt_steps in psd_predict. */
+    PSD_STORE_REL(&h->opt_steps, t);
     /* Pairs with the load-acquire of clock before a learner's pull. */
-    PSD_STORE_REL(&h->clock, clock + 1);
+    PSD_STORE_REL(&h->clock, PSD_LOAD_RLX(&h->clock) + 1);
+}
+
+/* bsp / kasync: apply the average of the round's gradients, start the next round. */
+static void finish_round(struct psd_loop *L) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    uint64_t count = PSD_LOAD_RLX(&h->acc_count);
+    if (count) {
+        float *acc = psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
+        double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
+        update_weights(L, acc, 1.0f / (float)count, staleness);
+    }
+    PSD_STORE_RLX(&h->acc_count, 0);
+    PSD_STORE_RLX(&h->acc_members, 0);
+    PSD_STORE_RLX(&h->acc_staleness, 0);
+    /* Pairs with the load-acquire of rounds in psd_wait_round. */
+    atomic_store(&h->rounds, PSD_LOAD_RLX(&h->rounds) + 1);
+    psd_cond_broadcast_if_waiters(&h->sync_cond);
+}
+
+/* Consume the entry at `head` of slot i: reject, drop, apply, or (bsp,
+ * kasync) add it to the round's sum; then hand the entry back. */
+static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    struct psd_entry *e = psd_entry_at(m, i, head);
+    uint64_t clock = PSD_LOAD_RLX(&h->clock); /* only this thread writes it */
+    uint64_t staleness = clock > e->clock ? clock - e->clock : 0;
+    bool accumulate = h->sync_mode == PSD_SYNC_BSP || h->sync_mode == PSD_SYNC_KASYNC;
+    uint32_t outcome = PSD_OUTCOME_APPLIED;
+    if (e->flags & PSD_ENTRY_NONFINITE) {
+        outcome = PSD_OUTCOME_REJECTED;
+        PSD_ADD_RLX(&s->rejected, 1);
+        PSD_ADD_RLX(&h->rejected, 1);
+    } else if (staleness > h->max_staleness) {
+        outcome = PSD_OUTCOME_DROPPED;
+        PSD_ADD_RLX(&s->dropped, 1);
+        PSD_ADD_RLX(&h->dropped, 1);
+    } else if (!accumulate) {
+        update_weights(L, psd_entry_grad(e), 1.0f, (double)staleness);
+    } else {
+        float *acc = psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
+        const float *g = psd_entry_grad(e);
+        uint64_t n = h->n_params;
+        if (PSD_LOAD_RLX(&h->acc_count) == 0)
+            memcpy(acc, g, n * sizeof(float));
+        else
+            psd_apply_sgd(acc, g, n, -1.0f, (int)L->threads); /* acc += g */
+        PSD_ADD_RLX(&h->acc_staleness, staleness);
+        PSD_ADD_RLX(&h->acc_count, 1);
+    }
+    if (outcome == PSD_OUTCOME_APPLIED)
+        count_applied(m, s, e, staleness);
+    if (h->sync_mode == PSD_SYNC_BSP) {
+        PSD_STORE_RLX(&s->round_joined, PSD_LOAD_RLX(&h->rounds) + 1);
+        PSD_ADD_RLX(&h->acc_members, 1);
+    }
+    /* kasync: the K-th gradient completes the round before its entry is handed
+     * back, so a learner whose ring drained sees the update. */
+    if (h->sync_mode == PSD_SYNC_KASYNC && PSD_LOAD_RLX(&h->acc_count) >= h->sync_param)
+        finish_round(L);
+    e->applied_clock = clock;
+    e->outcome = outcome;
     /* The entry is free again: pairs with the load-acquire of head in
      * psd_push / has_space. seq_cst so the load of waiters below stays after it. */
     atomic_store(&s->head, head + 1);
     psd_cond_broadcast_if_waiters(&s->not_full);
+}
+
+/* bsp: the round is complete once every active learner contributed. */
+static bool round_complete(struct psd_map *m) {
+    struct psd_header *h = psd_hdr(m);
+    if (PSD_LOAD_RLX(&h->acc_members) == 0)
+        return false;
+    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
+    for (uint32_t i = 0; i < h->n_slots; i++) {
+        struct psd_slot *s = psd_slot_at(m, i);
+        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && PSD_LOAD_RLX(&s->round_joined) != mark)
+            return false;
+    }
+    return true;
 }
 
 /* A draining slot whose ring is empty: account for it and hand it back. */
@@ -104,6 +199,7 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint32_t applied = 0;
+    bool bsp = h->sync_mode == PSD_SYNC_BSP;
     *busy = 0;
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
@@ -115,11 +211,18 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
         uint64_t head = PSD_LOAD_RLX(&s->head); /* only this thread writes it */
         /* Pairs with the store of tail in psd_push: the entry is whole. */
         if (head != PSD_LOAD_ACQ(&s->tail)) {
-            apply_entry(L, i, s, head);
+            /* bsp: one gradient per learner per round; the rest wait for the next. */
+            if (bsp && PSD_LOAD_RLX(&s->round_joined) == PSD_LOAD_RLX(&h->rounds) + 1)
+                continue;
+            take_entry(L, i, s, head);
             applied++;
         } else if (st == PSD_SLOT_DRAINING) {
             free_slot(m, s);
         }
+    }
+    if (bsp && round_complete(m)) {
+        finish_round(L);
+        applied++;
     }
     return applied;
 }
@@ -129,9 +232,18 @@ static bool any_pending(struct psd_map *m) {
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         uint32_t st = atomic_load(&s->state);
+        if (st == PSD_SLOT_FREE)
+            continue;
         /* seq_cst load: the other half of the Dekker pair in psd_push. */
-        if (st == PSD_SLOT_DRAINING || (st == PSD_SLOT_ACTIVE && atomic_load(&s->tail) != atomic_load(&s->head)))
-            return true;
+        if (atomic_load(&s->tail) == atomic_load(&s->head)) {
+            if (st == PSD_SLOT_DRAINING)
+                return true; /* to be freed */
+            continue;
+        }
+        /* bsp: a learner that already gave this round its gradient waits for the others. */
+        if (h->sync_mode == PSD_SYNC_BSP && PSD_LOAD_RLX(&s->round_joined) == PSD_LOAD_RLX(&h->rounds) + 1)
+            continue;
+        return true;
     }
     return false;
 }

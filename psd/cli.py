@@ -20,7 +20,7 @@ from pathlib import Path
 from psd import __version__, _native, events
 from psd.arena import default_job, list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
-from psd.server import ServeConfig, Server
+from psd.server import OPTIMIZERS, SCHEDULES, ServeConfig, Server
 from psd.status import all_jobs, format_job, job_status
 
 __all__ = ["get_args_parser", "main"]
@@ -35,6 +35,19 @@ def _env(flag: str, default, kind=str):
         return kind(raw)
     except ValueError:
         raise SystemExit(f"psd: PSD_{flag.upper().replace('-', '_')}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _flag(raw: str) -> bool:
+    """A PSD_<FLAG> value for an on/off flag."""
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_flag.__name__ = "on/off value (1, 0, true, false)"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -137,6 +150,46 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
                    help="update-loop threads; 0 = a quarter of the cores, 1..8 (default: %(default)s)")
     s.add_argument("--spin-us", type=int, default=_env("spin-us", 50, int),
                    help="how long the update loop spins for more work before sleeping (default: %(default)s)")
+    t = s.add_argument_group("training semantics (see the README's \"Training semantics\")")
+    t.add_argument("--sync", default=_env("sync", "asp"), metavar="MODE",
+                   help="asp (fully asynchronous), ssp:S (at most S pushes ahead of the slowest learner), bsp "
+                        "(average one gradient per learner, then update), kasync:K (average every K gradients) "
+                        "(default: %(default)s)")
+    t.add_argument("--push-every", type=int, default=_env("push-every", 1, int), metavar="W",
+                   help="learners sum W mini-batches into one push, a wave (default: %(default)s)")
+    t.add_argument("--optimizer", default=_env("optimizer", "sgd"), choices=OPTIMIZERS,
+                   help="server-side optimizer; its state lives in the arena (default: %(default)s)")
+    t.add_argument("--momentum", type=float, default=_env("momentum", None, float),
+                   help="momentum / nesterov factor (default: 0.9)")
+    t.add_argument("--dampening", type=float, default=_env("dampening", 0.0, float),
+                   help="momentum dampening (default: %(default)s)")
+    t.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
+                   help="adam / adamw moment decay rates (default: 0.9 0.999)")
+    t.add_argument("--eps", type=float, default=_env("eps", None, float),
+                   help="adam / adagrad epsilon (default: 1e-8; adagrad 1e-10)")
+    t.add_argument("--weight-decay", type=float, default=_env("weight-decay", None, float),
+                   help="L2 penalty (adamw: decoupled) (default: 0; adamw 0.01)")
+    t.add_argument("--lr-decay", type=float, default=_env("lr-decay", 0.0, float),
+                   help="adagrad learning-rate decay (default: %(default)s)")
+    t.add_argument("--schedule", default=_env("schedule", "constant"), choices=SCHEDULES,
+                   help="learning-rate schedule over optimizer steps (default: %(default)s)")
+    t.add_argument("--step-size", type=int, default=_env("step-size", 0, int),
+                   help="step schedule: multiply the lr by --gamma every N steps")
+    t.add_argument("--gamma", type=float, default=_env("gamma", 0.1, float),
+                   help="step schedule factor (default: %(default)s)")
+    t.add_argument("--t-max", type=int, default=_env("t-max", 0, int),
+                   help="cosine schedule: steps to anneal to --eta-min, then hold")
+    t.add_argument("--eta-min", type=float, default=_env("eta-min", 0.0, float),
+                   help="cosine schedule floor (default: %(default)s)")
+    t.add_argument("--warmup", type=int, default=_env("warmup", 0, int),
+                   help="linear warm-up over the first N optimizer steps (default: %(default)s)")
+    t.add_argument("--staleness-lr", action="store_true", default=_env("staleness-lr", False, _flag),
+                   help="divide the lr by each gradient's staleness (Zhang et al., IJCAI 2016)")
+    t.add_argument("--max-staleness", type=int, default=_env("max-staleness", None, int), metavar="D",
+                   help="drop (and count) gradients computed on weights more than D updates old")
+    t.add_argument("--predict", action="store_true", default=_env("predict", False, _flag),
+                   help="learners train on weights extrapolated by their staleness along the optimizer's "
+                        "update direction (PipeOptim); needs momentum, nesterov, adam or adamw")
     s.add_argument("--init", default=_env("init", None),
                    help="start from these weights (.safetensors) instead of the first learner's")
     s.add_argument("--resume", nargs="?", const="", default=_env("resume", None), metavar="DIR",
@@ -165,6 +218,12 @@ def _watchdog_config(args: argparse.Namespace):
     serve = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, slots=args.slots,
                         threads=args.threads, spin_us=args.spin_us, init=args.init,
                         resume=None if args.resume is None else (ckpt_dir or ""),
+                        sync=args.sync, push_every=args.push_every, optimizer=args.optimizer,
+                        momentum=args.momentum, dampening=args.dampening, betas=tuple(args.betas), eps=args.eps,
+                        weight_decay=args.weight_decay, lr_decay=args.lr_decay, schedule=args.schedule,
+                        step_size=args.step_size, gamma=args.gamma, t_max=args.t_max, eta_min=args.eta_min,
+                        warmup=args.warmup, staleness_lr=args.staleness_lr, max_staleness=args.max_staleness,
+                        predict=args.predict,
                         event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
     try:
         serve.validate()

@@ -48,10 +48,12 @@ class JobCollector:
             c.add_metric(j, value)
             return c
 
-        yield gauge("psd_weights_clock", "gradients applied to the weights so far", s["clock"])
+        yield gauge("psd_weights_clock", "updates applied to the weights so far", s["clock"])
         yield counter("psd_gradients_pushed", "gradients fully pushed by learners", s["pushed"])
         yield counter("psd_gradients_applied", "gradients applied by the update loop", s["applied"])
-        yield counter("psd_gradients_rejected", "gradients rejected (never applied)", s["rejected"])
+        yield counter("psd_gradients_rejected", "non-finite gradients rejected (never applied)", s["rejected"])
+        yield counter("psd_gradients_dropped", "gradients dropped as staler than --max-staleness", s["dropped"])
+        yield gauge("psd_learning_rate", "learning rate of the last update (after the schedule)", s["lr_now"])
         yield gauge("psd_gradients_pending", "gradients pushed and not yet applied", s["pending"])
         yield gauge("psd_learners_active", "learners attached", s["active_learners"])
         yield gauge("psd_server_generation", "servers started on this arena", s["generation"])

@@ -37,11 +37,13 @@ from psd.arena import (
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
 
-__all__ = ["ServeConfig", "Server", "auto_threads"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server", "auto_threads"]
 
 log = logging.getLogger("psd.server")
 
 SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
+SCHEDULES = ("constant", "step", "cosine")
 
 
 def auto_threads() -> int:
@@ -67,10 +69,103 @@ class ServeConfig:
     resume: str | None = None
     event_log: str | None = None
     poll_interval: float = 0.1
+    # -- training semantics (see the README's "Training semantics")
+    sync: str = "asp"
+    push_every: int = 1
+    optimizer: str = "sgd"
+    momentum: float | None = None
+    dampening: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float | None = None
+    weight_decay: float | None = None
+    lr_decay: float = 0.0
+    schedule: str = "constant"
+    step_size: int = 0
+    gamma: float = 0.1
+    t_max: int = 0
+    eta_min: float = 0.0
+    warmup: int = 0
+    staleness_lr: bool = False
+    max_staleness: int | None = None
+    predict: bool = False
+
+    def sync_mode(self) -> tuple[str, int]:
+        """``--sync`` parsed: ('asp', 0), ('ssp', S), ('bsp', 0) or ('kasync', K)."""
+        mode, _, arg = self.sync.partition(":")
+        if mode in ("asp", "bsp") and not arg:
+            return mode, 0
+        if mode in ("ssp", "kasync") and arg.isdigit():
+            n = int(arg)
+            if mode == "kasync" and n < 1:
+                raise ValueError("--sync kasync:K needs K >= 1 (gradients averaged per update)")
+            return mode, n
+        raise ValueError(f"--sync must be asp, ssp:S, bsp or kasync:K (e.g. ssp:3, kasync:4), not {self.sync!r}")
+
+    def training(self) -> dict:
+        """The keyword arguments of ``Arena.configure``: optimizer defaults filled in as PyTorch's."""
+        mode, param = self.sync_mode()
+        opt = self.optimizer
+        momentum = self.momentum if self.momentum is not None else (0.9 if opt in ("momentum", "nesterov") else 0.0)
+        eps = self.eps if self.eps is not None else (1e-10 if opt == "adagrad" else 1e-8)
+        wd = self.weight_decay if self.weight_decay is not None else (0.01 if opt == "adamw" else 0.0)
+        return dict(optimizer=opt, sync=mode, sync_param=param, push_every=self.push_every,
+                    schedule=self.schedule, staleness_lr=self.staleness_lr, predict=self.predict,
+                    momentum=momentum, dampening=self.dampening, beta1=self.betas[0], beta2=self.betas[1],
+                    eps=eps, weight_decay=wd, lr_decay=self.lr_decay, gamma=self.gamma, eta_min=self.eta_min,
+                    step_size=self.step_size, t_max=self.t_max, warmup=self.warmup,
+                    max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness)
+
+    def state_vectors(self) -> int:
+        """Vectors the size of the weights that the optimizer state and accumulator take."""
+        opt = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adam": 2, "adamw": 2}[self.optimizer]
+        return opt + (self.sync_mode()[0] in ("bsp", "kasync"))
+
+    def argv(self) -> list[str]:
+        """These settings as ``psd serve`` flags (for the processes the watchdog and launcher start)."""
+        out = ["--job", self.job, "--learners", str(self.learners), "--lr", repr(self.lr), "--slots",
+               str(self.slots), "--threads", str(self.threads), "--spin-us", str(self.spin_us),
+               "--sync", self.sync, "--push-every", str(self.push_every), "--optimizer", self.optimizer,
+               "--dampening", repr(self.dampening), "--betas", repr(self.betas[0]), repr(self.betas[1]),
+               "--lr-decay", repr(self.lr_decay), "--schedule", self.schedule, "--step-size", str(self.step_size),
+               "--gamma", repr(self.gamma), "--t-max", str(self.t_max), "--eta-min", repr(self.eta_min),
+               "--warmup", str(self.warmup)]
+        for flag, value in (("--momentum", self.momentum), ("--eps", self.eps),
+                            ("--weight-decay", self.weight_decay), ("--max-staleness", self.max_staleness)):
+            if value is not None:
+                out += [flag, repr(value)]
+        out += ["--staleness-lr"] * self.staleness_lr + ["--predict"] * self.predict
+        return out
 
     def validate(self) -> None:
         """Raise ValueError with a fix for each bad value."""
         shm_name(self.job)
+        mode, _ = self.sync_mode()
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}")
+        if self.schedule == "step" and self.step_size < 1:
+            raise ValueError("--schedule step needs --step-size N (optimizer steps between lr drops)")
+        if self.schedule == "cosine" and self.t_max < 1:
+            raise ValueError("--schedule cosine needs --t-max N (optimizer steps to reach --eta-min)")
+        if self.push_every < 1:
+            raise ValueError(f"--push-every must be 1 or more, not {self.push_every}")
+        if self.predict and self.optimizer not in ("momentum", "nesterov", "adam", "adamw"):
+            raise ValueError(f"--predict needs an optimizer with an update direction to extrapolate: momentum, "
+                             f"nesterov, adam or adamw (not {self.optimizer})")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be 0 or more, not {self.max_staleness}")
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"--betas must both be in [0, 1), not {b1} {b2}")
+        for name, v in (("--momentum", self.momentum), ("--weight-decay", self.weight_decay),
+                        ("--dampening", self.dampening), ("--lr-decay", self.lr_decay), ("--warmup", self.warmup),
+                        ("--eta-min", self.eta_min), ("--gamma", self.gamma)):
+            if v is not None and not (0 <= v < float("inf")):
+                raise ValueError(f"{name} must be 0 or more, not {v}")
+        if self.eps is not None and not self.eps > 0:
+            raise ValueError(f"--eps must be positive, not {self.eps}")
+        del mode
         if not 1 <= self.learners <= _native.MAX_SLOTS:
             raise ValueError(f"--learners must be 1..{_native.MAX_SLOTS}, not {self.learners}")
         k = self.slots
@@ -110,6 +205,7 @@ class Server:
         self._loop_running = False
         self._owners: dict[int, int] = {}  # slot -> pid last seen
         self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
+        self._dropped: dict[int, int] = {}  # slot -> dropped count last seen
         self._stopped = False
         self.events = EventLog(config.event_log, config.job, "server")
 
@@ -144,9 +240,11 @@ class Server:
         self.generation = self.arena.become_server(
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
+        self.arena.configure(**cfg.training())
         log.info(
-            "job %r: arena %s, %d learner slots x %d ring entries, lr %g, %d update thread(s), generation %d",
-            cfg.job, shm_path(cfg.job), cfg.learners, cfg.slots, cfg.lr, self.threads, self.generation,
+            "job %r: arena %s, %d learner slots x %d ring entries, %s lr %g, sync %s, %d update thread(s), "
+            "generation %d", cfg.job, shm_path(cfg.job), cfg.learners, cfg.slots, cfg.optimizer, cfg.lr, cfg.sync,
+            self.threads, self.generation,
         )
         self.events.emit("server_started", generation=self.generation, took_over=took_over,
                          resumed_from=str(ckpt.path) if ckpt is not None else None)
@@ -160,7 +258,8 @@ class Server:
         check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, 0), f"job {cfg.job!r}")
         if spec is not None:
             n = sum(p.numel for p in spec)
-            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n), f"job {cfg.job!r}")
+            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n, cfg.state_vectors()),
+                        f"job {cfg.job!r}")
         try:
             self.arena = _native.create(shm_name(cfg.job), 0o600, cfg.learners, cfg.slots, SPEC_CAPACITY,
                                         __version__)
@@ -191,6 +290,12 @@ class Server:
                 raise Error(f"job {cfg.job!r} has an arena left by a dead server (pid {h['server_pid']}) made for "
                             f"--learners {h['n_slots']} --slots {h['ring_k']}; start with those to recover it, or "
                             f"remove it with `psd clean`")
+            made = a.training()
+            if h["state"] >= _native.ARENA_INIT_WEIGHTS and h["n_params"] and \
+                    (made["optimizer"], h["state_vectors"]) != (cfg.optimizer, cfg.state_vectors()):
+                raise Error(f"job {cfg.job!r} has an arena left by a dead server that trained with --optimizer "
+                            f"{made['optimizer']} --sync {made['sync']}; start with those to recover it (its "
+                            f"optimizer state is in the arena), or remove it with `psd clean`")
             if spec is not None and h["state"] >= _native.ARENA_INIT_WEIGHTS and \
                     encode_spec(spec)[1] != h["spec_hash"]:
                 raise Error(f"job {cfg.job!r} has an arena left by a dead server with another model than "
@@ -221,8 +326,20 @@ class Server:
             off += p.numel
         del w
         if ckpt is not None:
+            from psd.watchdog.checkpoint import restore_optimizer_state
+
             self.generation = max(ckpt.generation + 1, self.generation)
-            self.arena.restore(ckpt.clock, self.generation, ckpt.ranks)
+            if restore_optimizer_state(self.arena, ckpt):
+                o = ckpt.optim
+                self.arena.restore(ckpt.clock, self.generation, ckpt.ranks, opt_steps=o["opt_steps"],
+                                   rounds=o["rounds"], acc_count=o["acc_count"], acc_staleness=o["acc_staleness"],
+                                   lr_now=o["lr_now"])
+            else:
+                self.arena.restore(ckpt.clock, self.generation, ckpt.ranks)
+                if self.config.state_vectors() or ckpt.optim.get("opt_steps"):
+                    log.warning("job %r: %s was written with --optimizer %s --sync %s; the optimizer state "
+                                "starts afresh", self.config.job, ckpt.path, ckpt.optim.get("optimizer", "sgd"),
+                                ckpt.optim.get("sync", "asp"))
         self.arena.set_state(_native.ARENA_READY)
         log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, n, len(spec),
                  ckpt.path if ckpt is not None else self.config.init)
@@ -262,7 +379,7 @@ class Server:
             spec = decode_spec(a.spec())
             if sum(p.numel for p in spec) != h["n_params"] or not spec:
                 raise SpecError("the offered spec is inconsistent (its sizes do not add up)")
-            size = _native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, h["n_params"])
+            size = _native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, h["n_params"], cfg.state_vectors())
             check_space(size - h["mapped_size"], f"job {cfg.job!r} with {h['n_params']:,} parameters")
             a.grow()
         except (Error, ValueError) as e:
@@ -290,12 +407,20 @@ class Server:
                 log.info("job %r: learner pid %d attached (slot %d)", self.config.job, pid, i)
                 self.events.emit("learner_attached", learner_pid=pid, slot=i, rank=info["rank"])
                 self._rejected[i] = 0
+                self._dropped[i] = 0
             self._owners[i] = pid
             new = info["rejected"] - self._rejected.get(i, 0)
             if pid and new > 0:
-                log.warning("job %r: rejected %d gradient(s) from learner pid %d", self.config.job, new, pid)
-                self.events.emit("gradients_rejected", learner_pid=pid, slot=i, count=new)
+                log.warning("job %r: rejected %d non-finite gradient(s) (NaN or Inf) from learner pid %d",
+                            self.config.job, new, pid)
+                self.events.emit("gradients_rejected", learner_pid=pid, slot=i, count=new, reason="non-finite")
                 self._rejected[i] = info["rejected"]
+            new = info["dropped"] - self._dropped.get(i, 0)
+            if pid and new > 0:
+                log.info("job %r: dropped %d gradient(s) staler than --max-staleness %d from learner pid %d",
+                         self.config.job, new, self.config.max_staleness, pid)
+                self.events.emit("gradients_dropped", learner_pid=pid, slot=i, count=new, reason="stale")
+                self._dropped[i] = info["dropped"]
 
     def run(self, stop: threading.Event) -> None:
         """Supervise until ``stop`` is set."""
@@ -345,6 +470,7 @@ class Server:
         except FileNotFoundError:
             pass
         a.close()
-        log.info("job %r: stopped; %d gradients pushed, %d applied, %d rejected, %d pending; arena removed",
-                 self.config.job, c["pushed"], c["applied"], c["rejected"], c["pending"])
+        log.info("job %r: stopped; %d gradients pushed, %d applied, %d rejected (non-finite), %d dropped "
+                 "(stale), %d pending; arena removed", self.config.job, c["pushed"], c["applied"], c["rejected"],
+                 c["dropped"], c["pending"])
         self.events.emit("server_stopped", **c)

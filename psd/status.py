@@ -65,6 +65,15 @@ def job_status(job: str, sample: float = 0.0) -> dict:
             "server_restarts": h["server_restarts"],
             "n_params": h["n_params"],
             "lr": h["lr"],
+            "lr_now": h["lr_now"],
+            **(a.training() if h["state"] >= _native.ARENA_READY else {}),
+            "sync_param": h["sync_param"],
+            "push_every": h["push_every"],
+            "staleness_lr": bool(h["cfg_flags"] & _native.CFG_STALENESS_LR),
+            "predict": bool(h["cfg_flags"] & _native.CFG_PREDICT),
+            "max_staleness": None if h["max_staleness"] >= (1 << 63) else h["max_staleness"],
+            "opt_steps": h["opt_steps"],
+            "rounds": h["rounds"],
             "learner_slots": h["n_slots"],
             "ring_entries": h["ring_k"],
             "arena_bytes": h["total_size"],
@@ -88,7 +97,7 @@ def job_status(job: str, sample: float = 0.0) -> dict:
                 "slot": i, "pid": s["pid"], "rank": s["rank"],
                 "alive": _native.owner_alive(s["pid"], s["start_time"]),
                 "state": "active" if s["state"] == _native.SLOT_ACTIVE else "draining",
-                "pushed": s["tail"], "applied": s["applied"], "rejected": s["rejected"],
+                "pushed": s["tail"], "applied": s["applied"], "rejected": s["rejected"], "dropped": s["dropped"],
                 "queued": s["tail"] - s["head"], "clock": s["learner_clock"],
                 "pulls": s["pulls"], "pulls_skipped": s["pulls_skipped"],
                 "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else 0.0,
@@ -125,8 +134,15 @@ def format_job(j: dict) -> str:
     rate = f"  {j['applied_per_s']:,.0f} grad/s  {j['model_traffic_gbs']:.3f} GB/s" if j["applied_per_s"] is not None \
         else ""
     lines.append(f"  {j['n_params']:,} parameters  lr {j['lr']:g}  clock {j['clock']}{rate}")
-    lines.append(f"  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']}  pending {j['pending']}"
-                 f"  staleness mean {j['staleness_mean']:.2f} max {j['staleness_max']}")
+    if "optimizer" in j:
+        sync = j["sync"] + (f":{j['sync_param']}" if j["sync"] in ("ssp", "kasync") else "")
+        extras = [f"push-every {j['push_every']}"] * (j["push_every"] > 1) + ["staleness-lr"] * j["staleness_lr"] \
+            + [f"max-staleness {j['max_staleness']}"] * (j["max_staleness"] is not None) + ["predict"] * j["predict"]
+        lines.append(f"  {j['optimizer']} ({j['schedule']} schedule, lr now {j['lr_now']:g}, {j['opt_steps']} "
+                     f"updates)  sync {sync}" + "".join(f"  {e}" for e in extras))
+    lines.append(f"  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']} (non-finite)  dropped "
+                 f"{j['dropped']} (stale)  pending {j['pending']}  staleness mean {j['staleness_mean']:.2f} "
+                 f"max {j['staleness_max']}")
     if j["staleness_hist"]:
         lines.append("  staleness histogram: " + "  ".join(f"{k}:{v}" for k, v in j["staleness_hist"].items()))
     ck = f"clock {j['checkpoint_clock']}, {j['checkpoint_age_s']:.0f} s ago" if j["checkpoint_clock"] is not None \
@@ -135,10 +151,11 @@ def format_job(j: dict) -> str:
                  f"server restarts {j['server_restarts']}")
     if j["learners"]:
         lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'pushed':>8} {'queued':>6} "
-                     f"{'rejected':>8} {'clock':>8} {'stale':>6} {'loss':>8}")
+                     f"{'rejected':>8} {'dropped':>7} {'clock':>8} {'stale':>6} {'loss':>8}")
         for s in j["learners"]:
             state = s["state"] if s["alive"] else "dead"
             lines.append(f"  {s['slot']:>4} {s['rank']:>4} {s['pid']:>7} {state:8} {s['pushed']:>8} "
-                         f"{s['queued']:>6} {s['rejected']:>8} {s['clock']:>8} {s['staleness_mean']:>6.2f} "
+                         f"{s['queued']:>6} {s['rejected']:>8} {s['dropped']:>7} {s['clock']:>8} "
+                         f"{s['staleness_mean']:>6.2f} "
                          f"{s['last_loss']:>8.4f}")
     return "\n".join(lines)

@@ -68,10 +68,11 @@ def shard(data: Dataset, rank: int, world: int) -> tuple[torch.Tensor, torch.Ten
     return data.x_train[rank::world], data.y_train[rank::world]
 
 
-def train_single(data: Dataset, epochs: int, batch_size: int, lr: float, seed: int = 0) -> torch.nn.Module:
-    """The baseline psd is compared with: one process, plain SGD, same data and model."""
+def train_single(data: Dataset, epochs: int, batch_size: int, lr: float, seed: int = 0,
+                 momentum: float = 0.0) -> torch.nn.Module:
+    """The baseline psd is compared with: one process, SGD (with ``momentum``), same data and model."""
     model = make_mlp(data.dim, data.classes, seed=seed)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     g = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(len(data.x_train), generator=g)

@@ -22,7 +22,7 @@ def test_native_stress_under_sanitizer(sanitizer, tmp_path):
         ["gcc", "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer",
          "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas",
          f"-I{ROOT / 'native'}", *map(str, SOURCES), str(ROOT / "tests" / "native" / "stress.c"),
-         "-o", str(exe), "-lpthread"],
+         "-o", str(exe), "-lpthread", "-lm"],
         capture_output=True, text=True,
     )
     if build.returncode != 0 and "cannot find" in build.stderr and "san" in build.stderr:

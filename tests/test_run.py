@@ -57,3 +57,29 @@ def test_learner_that_keeps_failing_fails_the_job(job, tmp_path):
     assert "without progress; giving up" in err
     assert not os.path.exists(shm_path(job))
     assert not leftovers(job)
+
+
+def test_training_flags_reach_the_server_through_psd_run(job, tmp_path):
+    """`psd run` passes --sync, --optimizer, --push-every through the watchdog to the server it starts."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom psd import learner\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "with learner.attach(m) as ps:\n"  # bsp under psd run: attach waits for PSD_WORLD learners
+        "    assert (ps.sync, ps.push_every) == ('bsp', 2), (ps.sync, ps.push_every)\n"
+        "    assert ps._arena.training()['optimizer'] == 'adam'\n"
+        "    for _ in range(20):\n"
+        "        m(torch.randn(2, 4)).sum().backward()\n"
+        "        ps.step()\n"
+        "    ps.flush()\n"
+        "    ps.pull()\n"
+        "    print(f'ok clock {ps.clock}', flush=True)\n"
+    )
+    run = psd_run(job, tmp_path / "ck", sys.executable, str(script),
+                  extra=("--sync", "bsp", "--optimizer", "adam", "--push-every", "2", "--lr", "0.01"))
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    # 2 learners x 20 mini-batches, 2 per push, one update per bsp round of 2 pushes.
+    assert out.count("ok clock 10") == 2, out + err
+    assert not os.path.exists(shm_path(job))

@@ -42,6 +42,7 @@ __all__ = [
 
 FORMAT = "psd-checkpoint/1"
 SUFFIX = ".safetensors"
+OPTSTATE = "__psd_optstate__"  # the tensor holding the optimizer state vectors
 log = logging.getLogger("psd.watchdog")
 
 
@@ -69,6 +70,10 @@ class Checkpoint:
     job: str = ""
     created_unix_ns: int = 0
     path: Path | None = None
+    # Optimizer progress (optimizer, sync, opt_steps, rounds, acc_count, acc_staleness, lr_now) and its
+    # state: the arena's state vectors (momentum; Adam's m, v; the bsp/kasync accumulator), each n_params long.
+    optim: dict = field(default_factory=dict)
+    optstate: torch.Tensor | None = None
 
     @property
     def spec_hash(self) -> int:
@@ -108,6 +113,7 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
         clock = arena.clock()
         ranks = arena.ranks()
         counters = arena.counters()
+        optim, optstate = _optimizer_state(arena)
     finally:
         arena.resume()
     weights, off = {}, 0
@@ -115,7 +121,44 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
         weights[p.name] = flat[off:off + p.numel].view(p.shape)
         off += p.numel
     return Checkpoint(weights, spec, clock, h["generation"], ranks, dict(config or {}, lr=h["lr"]),
-                      counters, job, time.time_ns())
+                      counters, job, time.time_ns(), optim=optim, optstate=optstate)
+
+
+def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
+    """The optimizer's progress and state vectors, copied (call with the update loop paused)."""
+    import torch
+
+    h = arena.header()
+    optim = dict(arena.training(), **{k: h[k] for k in ("opt_steps", "rounds", "acc_count", "acc_staleness",
+                                                         "lr_now")})
+    k, n = h["state_vectors"], h["n_params"]
+    if not k:
+        return optim, None
+    stride = h["optstate_bytes"] // k
+    return optim, torch.stack([torch.frombuffer(arena, dtype=torch.float32, count=n,
+                                                offset=h["optstate_off"] + i * stride).clone() for i in range(k)])
+
+
+def restore_optimizer_state(arena: _native.Arena, ckpt: Checkpoint) -> bool:
+    """Put a checkpoint's optimizer state into a (not yet READY) arena if it was made for the same
+    optimizer and sync mode; returns whether it did."""
+    import torch
+
+    h = arena.header()
+    made = arena.training()
+    optim = ckpt.optim
+    same = optim and (optim.get("optimizer"), optim.get("sync")) == (made["optimizer"], made["sync"])
+    k = h["state_vectors"]
+    if not same or (k and (ckpt.optstate is None or tuple(ckpt.optstate.shape) != (k, h["n_params"]))):
+        return False
+    if k:
+        stride = h["optstate_bytes"] // k
+        for i in range(k):
+            dst = torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"],
+                                   offset=h["optstate_off"] + i * stride)
+            dst.copy_(ckpt.optstate[i])
+            del dst
+    return True
 
 
 def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path:
@@ -139,10 +182,15 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
         "counters": json.dumps(ckpt.counters, sort_keys=True),
         "created_unix_ns": str(ckpt.created_unix_ns),
         "sha256": _digest(ckpt.weights, ckpt.spec),
+        "optim": json.dumps(ckpt.optim, sort_keys=True),
     }
+    tensors = {k: v.contiguous() for k, v in ckpt.weights.items()}
+    if ckpt.optstate is not None:
+        tensors[OPTSTATE] = ckpt.optstate.contiguous()
+        meta["optstate_sha256"] = hashlib.sha256(ckpt.optstate.contiguous().numpy().tobytes()).hexdigest()
     tmp = d / f".{name}.tmp-{os.getpid()}"
     try:
-        save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(tmp), metadata=meta)
+        save_file(tensors, str(tmp), metadata=meta)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -181,6 +229,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
                 raise CorruptCheckpoint(f"{path}: not a psd checkpoint (format {meta.get('format')!r})")
             spec = decode_spec(meta["spec"].encode())
             weights = {p.name: f.get_tensor(p.name) for p in spec}
+            optstate = f.get_tensor(OPTSTATE) if OPTSTATE in f.keys() else None
     except CorruptCheckpoint:
         raise
     except Exception as e:  # safetensors raises its own error types for torn files
@@ -190,9 +239,13 @@ def load(path: str | os.PathLike) -> Checkpoint:
             raise CorruptCheckpoint(f"{path}: tensor {p.name!r} does not match the spec")
     if _digest(weights, spec) != meta.get("sha256"):
         raise CorruptCheckpoint(f"{path}: checksum mismatch (the file is damaged)")
+    if optstate is not None and \
+            hashlib.sha256(optstate.contiguous().numpy().tobytes()).hexdigest() != meta.get("optstate_sha256"):
+        raise CorruptCheckpoint(f"{path}: optimizer-state checksum mismatch (the file is damaged)")
     return Checkpoint(weights, spec, int(meta["clock"]), int(meta["generation"]), json.loads(meta["ranks"]),
                       json.loads(meta["config"]), json.loads(meta["counters"]), meta.get("job", ""),
-                      int(meta["created_unix_ns"]), path)
+                      int(meta["created_unix_ns"]), path, optim=json.loads(meta.get("optim", "{}")),
+                      optstate=optstate)
 
 
 def latest(directory: str | os.PathLike) -> Checkpoint | None:

@@ -112,9 +112,8 @@ class Launcher:
 
     def _watchdog_argv(self) -> list[str]:
         c, s = self.config, self.config.serve
-        argv = [sys.executable, "-m", "psd.cli", "serve", "--job", s.job, "--learners", str(s.learners),
-                "--lr", repr(s.lr), "--slots", str(s.slots), "--threads", str(s.threads), "--spin-us",
-                str(s.spin_us), "--checkpoint-dir", str(c.ckpt_dir), "--checkpoint-every",
+        argv = [sys.executable, "-m", "psd.cli", "serve", *s.argv(), "--checkpoint-dir", str(c.ckpt_dir),
+                "--checkpoint-every",
                 str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout)]
         if s.init and self.watchdog_restarts == 0:
             argv += ["--init", s.init]

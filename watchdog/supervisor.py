@@ -141,9 +141,7 @@ class Watchdog:
 
     def _server_argv(self, resume: bool) -> list[str]:
         s = self.config.serve
-        argv = [sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", "--job", s.job,
-                "--learners", str(s.learners), "--lr", repr(s.lr), "--slots", str(s.slots),
-                "--threads", str(s.threads), "--spin-us", str(s.spin_us)]
+        argv = [sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", *s.argv()]
         if s.init and self.restarts == 0:
             argv += ["--init", s.init]
         if resume:

@@ -122,7 +122,7 @@ static void *produce(void *arg) {
         memset(g, 0, N * sizeof(float));
         g[p->slot] = 1.0f;
         g[N - 1] = 1.0f;
-        if ((rc = psd_push(&map, p->slot, i, 1, 0.0))) {
+        if ((rc = psd_push(&map, p->slot, i, 1, 0.0, 1.0f))) {
             p->rc = rc;
             return NULL;
         }

@@ -1,0 +1,175 @@
+"""Convergence study: does asynchronous training through psd reach single-learner accuracy?
+
+    python benchmarks/convergence.py            # the whole study (about 10 minutes on 2 cores)
+    python benchmarks/convergence.py --quick    # a smoke run: fewer settings
+
+Part 1 (grid): 1, 2, 4, 8 learners x mini-batch 1, 2, 4, 8, plain SGD in `asp`,
+each learner on its shard, 3 epochs, against one process running SGD on the
+same data, model, initial weights and mini-batch for the same epochs.
+
+Part 2 (stress): a setting where plain `asp` loses accuracy (8 learners,
+momentum SGD at a large learning rate: the stale momentum overshoots), run
+again with each staleness control: --staleness-lr, ssp, --predict, bsp.
+
+The data ship with psd (psd.workloads: generated from a seed). Results go to
+benchmarks/results/convergence.{json,md,png}; every figure is a test accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from psd import learner
+from psd.arena import wait_for_job
+from psd.workloads import evaluate, make_classification, make_mlp, train_single
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results"
+EPOCHS = 3
+LR = {1: 0.005, 2: 0.01, 4: 0.015, 8: 0.025}  # as tests/test_convergence.py: stable final iterates
+STRESS = {"learners": 8, "batch": 1, "lr": 0.01, "momentum": 0.9}
+STRESS_RUNS = [
+    ("asp", []),
+    ("asp --staleness-lr", ["--staleness-lr"]),
+    ("ssp:1", ["--sync", "ssp:1"]),
+    ("asp --predict", ["--predict"]),
+    ("ssp:1 --predict", ["--sync", "ssp:1", "--predict"]),
+    ("bsp", ["--sync", "bsp"]),
+]
+
+
+def train_psd(job: str, learners: int, batch: int, lr: float, flags: list[str], epochs: int = EPOCHS) -> dict:
+    """One run: a server, `learners` processes of examples/train_mlp.py; the final weights' accuracy."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", "--quiet", "--job", job,
+                               "--learners", str(learners), "--lr", repr(lr), *flags], env=env)
+    try:
+        wait_for_job(job, timeout=30, server_pid=server.pid)
+        t0 = time.monotonic()
+        procs = [subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_mlp.py"), "--job", job, "--rank",
+                                   str(r), "--world", str(learners), "--epochs", str(epochs), "--batch-size",
+                                   str(batch)], stdout=subprocess.PIPE, text=True, env=env)
+                 for r in range(learners)]
+        for p in procs:
+            out, _ = p.communicate(timeout=1800)
+            if p.returncode != 0:
+                raise SystemExit(f"a learner failed (exit {p.returncode}):\n{out}")
+        seconds = time.monotonic() - t0
+        data = make_classification(0)
+        model = make_mlp(data.dim, data.classes)
+        model.load_state_dict(learner.pull_state_dict(job))
+        from psd.status import job_status
+
+        st = job_status(job)
+        return {"accuracy": evaluate(model, data), "seconds": round(seconds, 2),
+                "staleness_mean": round(st["staleness_mean"], 2), "staleness_max": st["staleness_max"],
+                "updates": st["clock"]}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="learners 1 and 4, mini-batch 1 and 4, one stress run each")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    learners_set, batches = ([1, 4], [1, 4]) if args.quick else ([1, 2, 4, 8], [1, 2, 4, 8])
+    data = make_classification(0)
+    job = f"convergence-{os.getpid()}"
+    result = {"epochs": EPOCHS, "cpus": os.cpu_count(), "grid": [], "stress": {"setting": STRESS, "runs": []}}
+
+    for b in batches:
+        single = evaluate(train_single(data, EPOCHS, b, LR[b]), data)
+        for n in learners_set:
+            r = train_psd(job, n, b, LR[b], [])
+            row = {"learners": n, "batch": b, "lr": LR[b], "single": round(single, 4),
+                   "psd": round(r["accuracy"], 4), "gap": round(r["accuracy"] - single, 4), **r}
+            result["grid"].append(row)
+            print(json.dumps(row), flush=True)
+
+    s = STRESS
+    single = evaluate(train_single(data, EPOCHS, s["batch"], s["lr"], momentum=s["momentum"]), data)
+    result["stress"]["single"] = round(single, 4)
+    print(json.dumps({"stress single": single}), flush=True)
+    for name, flags in STRESS_RUNS[:2] if args.quick else STRESS_RUNS:
+        r = train_psd(job, s["learners"], s["batch"], s["lr"],
+                      ["--optimizer", "momentum", "--momentum", str(s["momentum"]), *flags])
+        row = {"mode": name, "gap": round(r["accuracy"] - single, 4), **r}
+        result["stress"]["runs"].append(row)
+        print(json.dumps(row), flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "convergence.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "convergence.md").write_text(tables(result))
+    plot(result, args.out / "convergence.png")
+    print(tables(result))
+    return 0
+
+
+def tables(r: dict) -> str:
+    lines = [f"# Convergence: test accuracy after {r['epochs']} epochs ({r['cpus']} CPUs)", "",
+             "## asp (plain SGD) against one process at the same mini-batch and learning rate", "",
+             "| mini-batch | lr | one process | " + " | ".join(
+                 f"{n} learner{'s' * (n > 1)}" for n in sorted({g['learners'] for g in r["grid"]})) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in {g["learners"] for g in r["grid"]}) + " |"]
+    for b in sorted({g["batch"] for g in r["grid"]}):
+        rows = sorted((g for g in r["grid"] if g["batch"] == b), key=lambda g: g["learners"])
+        lines.append(f"| {b} | {rows[0]['lr']} | {rows[0]['single']:.4f} | " + " | ".join(
+            f"{g['psd']:.4f} ({g['gap']:+.4f}, staleness {g['staleness_mean']:.1f})" for g in rows) + " |")
+    s = r["stress"]
+    st = s["setting"]
+    lines += ["", f"## Stress: {st['learners']} learners, mini-batch {st['batch']}, momentum {st['momentum']}, "
+                  f"lr {st['lr']}", "", f"One process (momentum SGD): {s['single']:.4f}", "",
+              "| mode | accuracy | vs one process | staleness mean / max | seconds |",
+              "| --- | --- | --- | --- | --- |"]
+    for x in s["runs"]:
+        lines.append(f"| {x['mode']} | {x['accuracy']:.4f} | {x['gap']:+.4f} | {x['staleness_mean']:.1f} / "
+                     f"{x['staleness_max']} | {x['seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for batch in sorted({g["batch"] for g in r["grid"]}):
+        rows = sorted((g for g in r["grid"] if g["batch"] == batch), key=lambda g: g["learners"])
+        a.plot([g["learners"] for g in rows], [g["gap"] * 100 for g in rows], marker="o", label=f"mini-batch {batch}")
+    a.axhline(0, color="grey", lw=0.8)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("learners (asp)")
+    a.set_ylabel("accuracy - one process (points)")
+    a.set_title(f"asp vs one process, {r['epochs']} epochs")
+    a.legend()
+    s = r["stress"]
+    names = [x["mode"] for x in s["runs"]]
+    b.bar(range(len(names)), [x["accuracy"] * 100 for x in s["runs"]], color="tab:blue")
+    b.axhline(s["single"] * 100, color="tab:red", lw=1.2, label="one process")
+    b.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    lo = min([x["accuracy"] for x in s["runs"]] + [s["single"]]) * 100
+    b.set_ylim(max(0, lo - 5), 100)
+    b.set_ylabel("test accuracy (%)")
+    b.set_title(f"stress: {s['setting']['learners']} learners, momentum, lr {s['setting']['lr']}")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+/*
+ * optim.c -- the server-side optimizers, learning-rate schedules and weight
+ * prediction.
+ *
+ * Each optimizer follows the arithmetic of PyTorch's single-tensor
+ * implementation (torch/optim/{sgd,adam,adagrad}.py, foreach=False) operation
+ * by operation in float32, with the scalars computed in double as Python does,
+ * so that a single learner in bsp mode matches torch.optim to float rounding.
+ * The state (momentum buffer; Adam's m and v; Adagrad's sum) lives in the
+ * arena's optimizer-state region, so a restarted server and a checkpoint
+ * carry it; no learner keeps optimizer state.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+
+#include "psd.h"
+
+/* The scalars of one update, computed once per step. */
+struct step_scalars {
+    float lr, neg_lr, wd, mom, one_minus_damp, b1_weight, b2, one_minus_b2, eps;
+    float neg_step_size, bc2_sqrt, decay_mul, neg_clr;
+    float gscale;
+    int first; /* the momentum buffer starts as the first gradient */
+};
+
+double psd_scheduled_lr(const struct psd_header *h, uint64_t t) {
+    double lr = h->lr;
+    switch (h->schedule) {
+    case PSD_SCHED_STEP:
+        if (h->step_size)
+            lr *= pow(h->gamma, (double)(t / h->step_size));
+        break;
+    case PSD_SCHED_COSINE: {
+        uint64_t tt = h->t_max && t > h->t_max ? h->t_max : t;
+        if (h->t_max)
+            lr = h->eta_min + (lr - h->eta_min) * (1.0 + cos(M_PI * (double)tt / (double)h->t_max)) / 2.0;
+        break;
+    }
+    default:
+        break;
+    }
+    if (h->warmup && t < h->warmup)
+        lr *= (double)(t + 1) / (double)h->warmup;
+    return lr;
+}
+
+/* torch.lerp's float formula: exact at both ends. */
+static inline float lerp(float a, float b, float w) {
+    return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+static void sgd_range(const struct step_scalars *k, float *restrict w, const float *restrict g, uint64_t lo,
+                      uint64_t hi) {
+    for (uint64_t i = lo; i < hi; i++) {
+        float d = g[i] * k->gscale;
+        if (k->wd != 0.0f)
+            d = d + k->wd * w[i];
+        w[i] = w[i] + k->neg_lr * d;
+    }
+}
+
+static void momentum_range(const struct step_scalars *k, int nesterov, float *restrict w, const float *restrict g,
+                           float *restrict buf, uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; i++) {
+        float d = g[i] * k->gscale;
+        if (k->wd != 0.0f)
+            d = d + k->wd * w[i];
+        float b = k->first ? d : buf[i] * k->mom + k->one_minus_damp * d;
+        buf[i] = b;
+        float u = nesterov ? d + k->mom * b : b;
+        w[i] = w[i] + k->neg_lr * u;
+    }
+}
+
+static void adam_range(const struct step_scalars *k, int decoupled, float *restrict w, const float *restrict g,
+                       float *restrict m, float *restrict v, uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; i++) {
+        float d = g[i] * k->gscale;
+        float p = w[i];
+        if (k->wd != 0.0f) {
+            if (decoupled)
+                p = p * k->decay_mul;
+            else
+                d = d + k->wd * p;
+        }
+        float mi = lerp(m[i], d, k->b1_weight);
+        float vi = v[i] * k->b2 + k->one_minus_b2 * (d * d);
+        m[i] = mi;
+        v[i] = vi;
+        float denom = sqrtf(vi) / k->bc2_sqrt + k->eps;
+        w[i] = p + k->neg_step_size * (mi / denom);
+    }
+}
+
+static void adagrad_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
+                          float *restrict sum, uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; i++) {
+        float d = g[i] * k->gscale;
+        if (k->wd != 0.0f)
+            d = d + k->wd * w[i];
+        float s = sum[i] + d * d;
+        sum[i] = s;
+        w[i] = w[i] + k->neg_clr * (d / (sqrtf(s) + k->eps));
+    }
+}
+
+static void step_range(const struct psd_header *h, const struct step_scalars *k, float *w, const float *g,
+                       float *s0, float *s1, uint64_t lo, uint64_t hi) {
+    switch (h->optimizer) {
+    case PSD_OPT_MOMENTUM:
+    case PSD_OPT_NESTEROV:
+        momentum_range(k, h->optimizer == PSD_OPT_NESTEROV, w, g, s0, lo, hi);
+        break;
+    case PSD_OPT_ADAM:
+    case PSD_OPT_ADAMW:
+        adam_range(k, h->optimizer == PSD_OPT_ADAMW, w, g, s0, s1, lo, hi);
+        break;
+    case PSD_OPT_ADAGRAD:
+        adagrad_range(k, w, g, s0, lo, hi);
+        break;
+    default:
+        sgd_range(k, w, g, lo, hi);
+        break;
+    }
+}
+
+#define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item */
+
+void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
+                        uint64_t n, double lr, uint64_t t, int threads) {
+    struct step_scalars k = {0};
+    k.gscale = gscale;
+    k.lr = (float)lr;
+    k.neg_lr = (float)-lr;
+    k.wd = (float)h->weight_decay;
+    k.mom = (float)h->momentum;
+    k.one_minus_damp = (float)(1.0 - h->dampening);
+    k.first = t == 1;
+    k.b1_weight = (float)(1.0 - h->beta1);
+    k.b2 = (float)h->beta2;
+    k.one_minus_b2 = (float)(1.0 - h->beta2);
+    k.eps = (float)h->eps;
+    double bc1 = 1.0 - pow(h->beta1, (double)t), bc2 = 1.0 - pow(h->beta2, (double)t);
+    k.neg_step_size = (float)-(lr / bc1);
+    k.bc2_sqrt = (float)sqrt(bc2);
+    k.decay_mul = (float)(1.0 - lr * h->weight_decay);
+    k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay));
+    if (h->optimizer == PSD_OPT_SGD && h->weight_decay == 0.0 && gscale == 1.0f) {
+        psd_apply_sgd(w, g, n, (float)lr, threads); /* the plain, fastest path */
+        return;
+    }
+    if (threads <= 1 || n < (UINT64_C(1) << 16)) {
+        step_range(h, &k, w, g, s0, s1, 0, n);
+        return;
+    }
+    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
+        step_range(h, &k, w, g, s0, s1, lo, hi);
+    }
+}
+
+int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness) {
+    const struct psd_header *h = psd_hdr(m);
+    if (n != h->n_params)
+        return EINVAL;
+    uint64_t t = PSD_LOAD_ACQ(&h->opt_steps);
+    uint64_t bits = PSD_LOAD_RLX(&h->lr_bits);
+    double lr;
+    memcpy(&lr, &bits, sizeof lr);
+    if (t == 0 || staleness <= 0.0 || lr == 0.0)
+        return 0; /* nothing to predict from yet */
+    const float *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
+    switch (h->optimizer) {
+    case PSD_OPT_MOMENTUM:
+    case PSD_OPT_NESTEROV: {
+        /* Momentum SGD moves lr * buf per step once the buffer settles. */
+        float scale = (float)(lr * staleness);
+        for (uint64_t i = 0; i < n; i++)
+            dst[i] -= scale * s0[i];
+        return 0;
+    }
+    case PSD_OPT_ADAM:
+    case PSD_OPT_ADAMW: {
+        /* Adam moves lr * m_hat / (sqrt(v_hat) + eps) per step. */
+        double bc1 = 1.0 - pow(h->beta1, (double)t), bc2 = 1.0 - pow(h->beta2, (double)t);
+        float scale = (float)(lr * staleness / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->eps;
+        for (uint64_t i = 0; i < n; i++)
+            dst[i] -= scale * (s0[i] / (sqrtf(s1[i]) / bc2_sqrt + eps));
+        return 0;
+    }
+    default:
+        return PSD_ESTATE; /* sgd and adagrad publish no update direction */
+    }
+}

@@ -1,0 +1,170 @@
+"""Server-side optimizers and schedules against PyTorch's own, and what lives in checkpoints.
+
+One learner in bsp mode makes psd an ordinary synchronous optimizer: each
+gradient is computed on the weights the previous update produced. So after N
+steps its weights must equal torch.optim's on the same model, data and
+hyper-parameters, to float rounding (1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import child_env
+from psd import learner
+from psd.arena import open_job
+
+STEPS = 25
+
+
+def make_problem(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 12, generator=g)
+    y = torch.randint(0, 3, (64,), generator=g)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return model, x, y
+
+
+def batches(x, y, steps: int, batch: int = 8):
+    for i in range(steps):
+        j = (i * batch) % len(x)
+        yield x[j:j + batch], y[j:j + batch]
+
+
+def torch_reference(opt: str, kw: dict, sched: tuple, steps: int) -> dict[str, torch.Tensor]:
+    model, x, y = make_problem()
+    params = model.parameters()
+    lr = kw["lr"]
+    if opt == "sgd":
+        o = torch.optim.SGD(params, lr=lr, weight_decay=kw.get("weight_decay", 0), foreach=False)
+    elif opt in ("momentum", "nesterov"):
+        o = torch.optim.SGD(params, lr=lr, momentum=kw["momentum"], dampening=kw.get("dampening", 0),
+                            nesterov=opt == "nesterov", weight_decay=kw.get("weight_decay", 0), foreach=False)
+    elif opt == "adam":
+        o = torch.optim.Adam(params, lr=lr, betas=kw["betas"], eps=kw["eps"], weight_decay=kw.get("weight_decay", 0),
+                             foreach=False)
+    elif opt == "adamw":
+        o = torch.optim.AdamW(params, lr=lr, betas=kw["betas"], eps=kw["eps"], weight_decay=kw["weight_decay"],
+                              foreach=False)
+    else:
+        o = torch.optim.Adagrad(params, lr=lr, lr_decay=kw.get("lr_decay", 0), eps=kw["eps"],
+                                weight_decay=kw.get("weight_decay", 0), foreach=False)
+    kind = sched[0]
+    if kind == "step":
+        s = torch.optim.lr_scheduler.StepLR(o, step_size=sched[1], gamma=sched[2])
+    elif kind == "cosine":
+        s = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=sched[1], eta_min=sched[2])
+    elif kind == "warmup":
+        s = torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / sched[1]))
+    else:
+        s = None
+    for xb, yb in batches(x, y, steps):
+        o.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        o.step()
+        if s is not None:
+            s.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def psd_train(model, x, y, job: str, steps: int) -> learner.Learner:
+    ps = learner.attach(model, job=job)
+    for xb, yb in batches(x, y, steps):
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        ps.step()
+    return ps
+
+
+def assert_close(ours: dict, ref: dict, rtol: float = 1e-6) -> None:
+    """Each tensor within rtol of PyTorch's, relative to its norm (element-wise, an FMA in PyTorch's
+    vectorised kernels moves values near zero by more than 1e-6 of themselves)."""
+    init = make_problem()[0].state_dict()
+    for k, v in ref.items():
+        err = ((ours[k] - v).norm() / v.norm()).item()
+        print(f"{k}: relative difference {err:.2e}")
+        assert err <= rtol, f"{k}: relative difference {err:.3g} > {rtol}"
+        assert not torch.equal(v, init[k]), "the reference must have trained"
+
+
+CASES = [
+    ("sgd", {"lr": 0.1}, ("constant",), []),
+    ("sgd", {"lr": 0.1, "weight_decay": 0.01}, ("constant",), ["--weight-decay", "0.01"]),
+    ("momentum", {"lr": 0.05, "momentum": 0.9}, ("constant",), ["--momentum", "0.9"]),
+    ("momentum", {"lr": 0.05, "momentum": 0.8, "dampening": 0.1, "weight_decay": 1e-3}, ("constant",),
+     ["--momentum", "0.8", "--dampening", "0.1", "--weight-decay", "1e-3"]),
+    ("nesterov", {"lr": 0.05, "momentum": 0.9}, ("constant",), ["--momentum", "0.9"]),
+    ("adam", {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}, ("constant",), []),
+    ("adam", {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.01}, ("constant",),
+     ["--betas", "0.8", "0.99", "--eps", "1e-6", "--weight-decay", "0.01"]),
+    ("adamw", {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05}, ("constant",),
+     ["--weight-decay", "0.05"]),
+    ("adagrad", {"lr": 0.05, "eps": 1e-10, "lr_decay": 0.01}, ("constant",), ["--lr-decay", "0.01"]),
+    ("sgd", {"lr": 0.1}, ("step", 7, 0.5), ["--schedule", "step", "--step-size", "7", "--gamma", "0.5"]),
+    ("momentum", {"lr": 0.05, "momentum": 0.9}, ("cosine", 30, 0.001),
+     ["--momentum", "0.9", "--schedule", "cosine", "--t-max", "30", "--eta-min", "0.001"]),
+    ("adam", {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}, ("warmup", 10), ["--warmup", "10"]),
+]
+
+
+@pytest.mark.parametrize("opt, kw, sched, flags", CASES,
+                         ids=[f"{c[0]}-{'-'.join(map(str, c[2]))}-{i}" for i, c in enumerate(CASES)])
+def test_optimizer_matches_pytorch_in_bsp(job, serve, opt, kw, sched, flags):
+    served = serve(job, "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", str(kw["lr"]), *flags)
+    ref = torch_reference(opt, kw, sched, STEPS)
+    model, x, y = make_problem()
+    with psd_train(model, x, y, job, STEPS) as ps:
+        ps.flush()
+        ours = learner.pull_state_dict(job)
+        assert ps.clock == STEPS
+    assert_close(ours, ref)
+    served.stop()
+
+
+def test_optimizer_state_survives_a_checkpoint_and_resume(job, serve, tmp_path):
+    """Adam's moments and step count are in the checkpoint: 10 steps, stop, resume, 15 more == 25 at once."""
+    flags = ["--learners", "1", "--sync", "bsp", "--optimizer", "adam", "--lr", "0.01",
+             "--checkpoint-dir", str(tmp_path), "--schedule", "step", "--step-size", "12", "--gamma", "0.5"]
+    served = serve(job, *flags)
+    model, x, y = make_problem()
+    data = list(batches(x, y, STEPS))
+    with learner.attach(model, job=job) as ps:
+        for xb, yb in data[:10]:
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            ps.step()
+        ps.flush()
+    served.stop()  # a clean stop writes the last checkpoint
+    served = serve(job, *flags, "--resume", str(tmp_path))
+    a = open_job(job)
+    h = a.header()
+    a.close()
+    assert (h["opt_steps"], h["clock"]) == (10, 10)
+    with learner.attach(model, job=job) as ps:
+        for xb, yb in data[10:]:
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            ps.step()
+        ps.flush()
+        ours = learner.pull_state_dict(job)
+    ref = torch_reference("adam", {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}, ("step", 12, 0.5), STEPS)
+    assert_close(ours, ref)
+    served.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--predict"], "--predict needs an optimizer"),
+    (["--schedule", "cosine"], "--t-max"),
+    (["--schedule", "step"], "--step-size"),
+    (["--sync", "ssp"], "--sync must be"),
+    (["--sync", "kasync:0"], "K >= 1"),
+    (["--push-every", "0"], "--push-every"),
+    (["--optimizer", "lamb"], "invalid choice"),
+])
+def test_bad_training_flags_are_refused_with_the_fix(job, flags, message):
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "serve", "--job", job, *flags], capture_output=True,
+                       text=True, env=child_env(), timeout=60)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr

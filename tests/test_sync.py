@@ -1,0 +1,321 @@
+"""Sync modes, staleness control, weight prediction and non-finite gradients, with real processes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import finish, kill, read_line, spawn, wait_until
+from psd import _native, learner
+from psd.arena import open_job
+
+
+def header(job: str) -> dict:
+    a = open_job(job)
+    try:
+        return dict(a.header(), **{"counters": a.counters()})
+    finally:
+        a.close()
+
+
+# -- bsp ---------------------------------------------------------------------
+
+
+def test_bsp_equals_one_learner_with_the_combined_batch_bit_for_bit(job, serve):
+    import sys
+
+    sys.path.insert(0, str(__import__("conftest").HELPERS))
+    from sync_learner import exact_problem
+
+    steps, lr = 4, 2.0 ** -4
+    model, x, y = exact_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref64 = torch.zeros(4, 1, dtype=torch.float64)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ref64 -= lr * 2 * x.double().T @ (x.double() @ ref64 - y.double()) / len(x)
+    ref = model.weight.detach().reshape(-1)
+    assert torch.equal(ref.double(), ref64.reshape(-1)), "the problem must be exact in float32"
+    assert ref.abs().sum() > 0
+
+    served = serve(job, "--learners", "2", "--sync", "bsp", "--lr", repr(lr))
+    procs = [spawn("sync_learner.py", "bsp", "--job", job, "--rank", str(r), "--world", "2",
+                   "--steps", str(steps)) for r in range(2)]
+    outs = [json.loads(finish(p).strip().splitlines()[-1]) for p in procs]
+    for out in outs:
+        assert torch.equal(torch.tensor(out), ref), f"bsp {out} != one learner {ref.tolist()}"
+    h = header(job)
+    assert (h["clock"], h["rounds"], h["counters"]["applied"]) == (steps, steps, 2 * steps)
+    assert h["staleness_max"] == 0, "in bsp every gradient is computed on the current weights"
+    served.stop()
+
+
+def test_bsp_goes_on_when_a_learner_is_killed(job, serve):
+    served = serve(job, "--learners", "3", "--sync", "bsp")
+    procs = [spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "400",
+                   "--delay", "0.002" if r == 2 else "0") for r in range(3)]
+    for p in procs:
+        assert read_line(p) == "started"
+    wait_until(lambda: header(job)["rounds"] >= 20, what="20 bsp rounds")
+    kill(procs[2])
+    for p in procs[:2]:
+        assert "done" in finish(p, timeout=60)
+    assert header(job)["rounds"] >= 400
+    served.stop()
+
+
+# -- ssp ---------------------------------------------------------------------
+
+
+def ssp_gap(a) -> tuple[int, int]:
+    """(fastest - slowest clock over active learners, active learners): the maxima are read first, then
+    the minima, so a true gap can only look smaller, never larger."""
+    n = a.header()["n_slots"]
+    first = [a.slot_info(i) for i in range(n)]
+    hi = max((s["ssp_base"] + s["tail"] for s in first if s["state"] == _native.SLOT_ACTIVE), default=0)
+    second = [a.slot_info(i) for i in range(n)]
+    active = [s["ssp_base"] + s["tail"] for s in second if s["state"] == _native.SLOT_ACTIVE]
+    return (hi - min(active), len(active)) if active else (0, 0)
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_ssp_bound_is_never_exceeded_with_one_learner_five_times_slower(job, serve, bound):
+    served = serve(job, "--learners", "3", "--sync", f"ssp:{bound}", "--slots", "8")
+    delays = ["0.001", "0.001", "0.005"]
+    procs = [spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "150", "--delay", d)
+             for d in delays]
+    for p in procs:
+        assert read_line(p) == "started"
+    a = open_job(job)
+    worst, samples = 0, 0
+    try:
+        while any(p.poll() is None for p in procs):
+            gap, active = ssp_gap(a)
+            if active >= 2:
+                worst = max(worst, gap)
+                samples += 1
+            # A learner computes only while at most `bound` ahead; its push then makes it bound + 1.
+            assert gap <= bound + 1, f"a learner ran {gap} pushes ahead of the slowest (ssp:{bound})"
+    finally:
+        a.close()
+    for p in procs:
+        assert "done" in finish(p)
+    assert samples > 100
+    assert worst == bound + 1, f"the fast learners never reached the bound ({worst}): nothing was tested"
+    served.stop()
+
+
+def test_ssp_does_not_deadlock_when_the_slowest_learner_is_killed(job, serve):
+    served = serve(job, "--learners", "3", "--sync", "ssp:1")
+    victim = spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "100000", "--delay", "0.05")
+    others = [spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "300") for _ in range(2)]
+    for p in [victim, *others]:
+        assert read_line(p) == "started"
+    kill(victim)  # SIGKILL: it leaves the minimum without saying so
+    t0 = time.monotonic()
+    for p in others:
+        assert "done" in finish(p, timeout=60)
+    print(f"the others finished {time.monotonic() - t0:.2f} s after the kill")
+    served.stop()
+
+
+# -- kasync, push-every -------------------------------------------------------
+
+
+def linear_problem():
+    torch.manual_seed(3)
+    model = torch.nn.Linear(6, 2)
+    x, y = torch.randn(12, 6), torch.randn(12, 2)
+    return model, x, y
+
+
+def run_steps(ps, model, x, y, steps):
+    for i in range(steps):
+        torch.nn.functional.mse_loss(model(x[i:i + 2]), y[i:i + 2]).backward()
+        ps.step()
+        ps.flush()
+        ps.pull()  # deterministic: the next gradient sees every update that is due
+
+
+def reference(groups: list[int], lr: float):
+    """SGD where each update is the mean of len(group) gradients all computed on the same weights."""
+    model, x, y = linear_problem()
+    i = 0
+    for size in groups:
+        grads = []
+        for _ in range(size):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[i:i + 2]), y[i:i + 2]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            i += 1
+        with torch.no_grad():
+            for j, p in enumerate(model.parameters()):
+                p -= lr * torch.stack([g[j] for g in grads]).mean(0)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("flags, groups, clock", [
+    (["--sync", "kasync:3"], [3, 3], 2),
+    (["--push-every", "2"], [2, 2, 2], 3),
+])
+def test_averaged_updates_match_the_reference(job, serve, flags, groups, clock):
+    served = serve(job, "--learners", "1", "--lr", "0.1", *flags)
+    model, x, y = linear_problem()
+    with learner.attach(model, job=job) as ps:
+        run_steps(ps, model, x, y, sum(groups))
+        assert ps.clock == clock
+        ours = learner.pull_state_dict(job)
+    ref = reference(groups, 0.1)
+    for k, v in ref.items():
+        assert torch.allclose(ours[k], v, rtol=1e-6, atol=1e-7), k
+    served.stop()
+
+
+# -- staleness control, non-finite gradients -----------------------------------
+
+
+def stale_setup(job):
+    """Two learners on one job; B pushes 3 updates while A still holds the weights of clock 0."""
+    torch.manual_seed(0)
+    ma, mb = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    mb.load_state_dict(ma.state_dict())
+    a = learner.attach(ma, job=job)
+    b = learner.attach(mb, job=job)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        mb(x).sum().backward()
+        b.step()
+        b.flush()
+    return a, b, ma, x
+
+
+def test_max_staleness_drops_and_counts_stale_gradients(job, serve):
+    served = serve(job, "--learners", "2", "--max-staleness", "2")
+    a, b, ma, x = stale_setup(job)
+    before = learner.pull_state_dict(job)
+    ma(x).sum().backward()
+    a.step()  # computed on clock 0, meets clock 3: staleness 3 > 2
+    a.flush()
+    after = learner.pull_state_dict(job)
+    for k in before:
+        assert torch.equal(before[k], after[k]), "a dropped gradient must not change the weights"
+    h = header(job)
+    assert (h["dropped"], h["counters"]["applied"], h["clock"]) == (1, 3, 3)
+    assert a._arena.slot_info(a.slot)["dropped"] == 1
+    assert a._arena.entry_meta(a.slot, 0)["outcome"] == _native.OUTCOME_DROPPED
+    a.close()
+    b.close()
+    assert "1 dropped (stale)" in served.stop()
+
+
+def test_staleness_lr_divides_the_step_by_the_staleness(job, serve):
+    served = serve(job, "--learners", "2", "--lr", "0.5", "--staleness-lr")
+    a, b, ma, x = stale_setup(job)
+    before = learner.pull_state_dict(job)
+    ma(x).sum().backward()
+    grads = {k: p.grad.clone() for k, p in ma.named_parameters()}
+    a.step()  # staleness 3: lr 0.5 / 3
+    a.flush()
+    after = learner.pull_state_dict(job)
+    for k in before:
+        assert torch.allclose(before[k] - after[k], (0.5 / 3) * grads[k], rtol=1e-5), k
+    meta = a._arena.entry_meta(a.slot, 0)
+    assert meta["applied_clock"] - meta["clock"] == 3
+    a.close()
+    b.close()
+    served.stop()
+
+
+def test_non_finite_gradients_are_rejected_counted_and_reported(job, serve):
+    served = serve(job, "--learners", "1", "--lr", "0.1")
+    model = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with learner.attach(model, job=job) as ps:
+        for bad in (None, float("nan"), float("inf"), None):
+            model(x).sum().backward()
+            if bad is not None:
+                model.weight.grad[1, 2] = bad
+            ps.step()
+            ps.flush()
+        w = learner.pull_state_dict(job)
+        assert all(torch.isfinite(v).all() for v in w.values())
+        h = header(job)
+        assert (h["rejected"], h["counters"]["applied"], h["clock"]) == (2, 2, 2)
+        assert ps._arena.slot_info(ps.slot)["rejected"] == 2
+    log = served.stop()
+    assert "2 rejected (non-finite)" in log, log
+
+
+# -- weight prediction ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt", ["momentum", "adam"])
+def test_prediction_equals_the_weights_s_steps_later(job, serve, opt):
+    """Constant gradient, settled optimizer: w - lr*s*dw is where s more updates take the weights."""
+    served = serve(job, "--learners", "1", "--optimizer", opt, "--lr", "0.01", "--momentum", "0.5")
+    g = torch.linspace(-2, 3, 32)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(32))
+    s = 7
+    with learner.attach(model, job=job) as ps:
+        def steps(k):
+            for _ in range(k):
+                (model.w * g).sum().backward()
+                ps.step()
+            ps.flush()
+
+        steps(60)  # momentum 0.5: the buffer settles to 1e-18
+        a = open_job(job)
+        w = learner.pull_state_dict(job)["w"]
+        predicted = w.clone()
+        a.predict_into(predicted.numpy(), float(s))
+        a.close()
+        steps(s)
+        later = learner.pull_state_dict(job)["w"]
+    assert not torch.equal(predicted, w)
+    err = ((predicted - later).norm() / later.norm()).item()
+    print(f"{opt}: |w_hat - w(t+{s})| / |w(t+{s})| = {err:.2e}; the step itself moved {(later - w).norm():.3g}")
+    assert err <= 1e-6
+    served.stop()
+
+
+@pytest.mark.timeout(300)
+def test_prediction_brings_the_weights_computed_on_closer_to_those_applied_to(job, serve):
+    """8 learners, momentum SGD, a constant gradient (so the weights after c updates are known exactly).
+
+    For every gradient: the distance between the weights it was computed on and the weights it met
+    at the server. With --predict that is compared with what it would have been on the pulled
+    weights (same run, same staleness); without --predict the two must be the same.
+    """
+    def run(predict: bool) -> list[dict]:
+        # One ring entry per learner: staleness then follows the other learners' pace; deep rings let
+        # a learner queue several gradients computed on the same weights.
+        served = serve(job, "--learners", "8", "--slots", "1", "--optimizer", "momentum", "--momentum", "0.9",
+                       "--lr", "0.001", *(["--predict"] if predict else []))
+        # Each step spends 2 ms of CPU time computing, as a mini-batch would: with steps much shorter
+        # than a scheduler time slice, 8 learners on 2 cores run in bursts and staleness is erratic.
+        procs = [spawn("sync_learner.py", "drift", "--job", job, "--world", "8", "--steps", "150", "--lr",
+                       "0.001", "--momentum", "0.9", "--compute-ms", "2") for _ in range(8)]
+        outs = [json.loads(finish(p, timeout=200).strip().splitlines()[-1]) for p in procs]
+        served.stop()
+        return outs
+
+    def mean(outs, key):
+        return sum(o[key] for o in outs) / len(outs)
+
+    off = run(False)
+    on = run(True)
+    print(f"without --predict: distance {mean(off, 'mean_distance'):.4f}, staleness {mean(off, 'mean_staleness'):.1f}; "
+          f"with: distance {mean(on, 'mean_distance'):.4f} where the pulled weights were "
+          f"{mean(on, 'mean_distance_unpredicted'):.4f} away, staleness {mean(on, 'mean_staleness'):.1f}")
+
+    assert mean(off, "mean_shift") < 1e-4, "without --predict learners train on the pulled weights"
+    assert mean(off, "mean_distance") > 0.01, "8 learners must see some staleness"
+    assert mean(on, "mean_shift") > 0.01, "with --predict the weights are moved"
+    assert mean(on, "mean_distance") < 0.7 * mean(on, "mean_distance_unpredicted")
+    assert mean(on, "mean_distance") < 0.7 * mean(off, "mean_distance")
