@@ -7,7 +7,7 @@ Part 1 (grid): 1, 2, 4, 8 learners x mini-batch 1, 2, 4, 8, plain SGD in `asp`,
 each learner on its shard, 3 epochs, against one process running SGD on the
 same data, model, initial weights and mini-batch for the same epochs.
 
-Part 2 (stress): a setting where plain `asp` loses accuracy (8 learners,
+Part 2 (stress): a setting where plain `asp` loses accuracy (8 learners at mini-batch 8,
 momentum SGD at a large learning rate: the stale momentum overshoots), run
 again with each staleness control: --staleness-lr, ssp, --predict, bsp.
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"
 EPOCHS = 3
 LR = {1: 0.005, 2: 0.01, 4: 0.015, 8: 0.025}  # as tests/test_convergence.py: stable final iterates
-STRESS = {"learners": 8, "batch": 1, "lr": 0.01, "momentum": 0.9}
+STRESS = {"learners": 8, "batch": 8, "lr": 0.02, "momentum": 0.9}
 STRESS_RUNS = [
     ("asp", []),
     ("asp --staleness-lr", ["--staleness-lr"]),

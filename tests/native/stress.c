@@ -8,7 +8,11 @@
  * 3. producer threads push through their rings while the update loop applies
  *    them: every gradient applied exactly once, all slots taken means ENOSLOT;
  *    meanwhile a pauser takes snapshots (weights consistent with the clock)
- *    and a learner's pull thread hands over weights (clocks never go back).
+ *    and a learner's pull thread hands over weights (clocks never go back);
+ * 4. bsp: learners that wait for each round see every round average exactly
+ *    one gradient from each of them;
+ * 5. ssp:1 with one slow learner: no learner ever runs more than 2 pushes
+ *    ahead of the slowest, and everything is applied.
  * Prints one line per check and "N passed, M failed" at the end.
  */
 #define _GNU_SOURCE
@@ -200,11 +204,146 @@ static void test_rings(void) {
         CHECK(atomic_load(&psd_rank_at(&map, (uint32_t)i)->applied) == PUSHES, "rank %d progress", i);
 }
 
+/* -- sync modes, each on an arena of its own -------------------------------- */
+
+enum { SYNC_PUSHES = 2000 };
+
+static void setup_sync(struct psd_map *m, char *nm, size_t len, uint32_t mode, uint32_t param) {
+    snprintf(nm, len, "/psd.stress-%d-sync%u", (int)getpid(), mode);
+    int rc = psd_arena_create(m, nm, 0600, SLOTS, RING, 4096, "stress");
+    CHECK(rc == 0, "create: %s", psd_strerror(rc));
+    struct psd_header *h = psd_hdr(m);
+    h->sync_mode = mode; /* before grow: bsp needs the accumulator */
+    h->sync_param = param;
+    const char spec[] = "[]";
+    pid_t me = getpid();
+    rc = psd_arena_set_spec(m, spec, sizeof spec, 1, N, me, psd_proc_start_time(me));
+    CHECK(rc == 0, "set_spec: %s", psd_strerror(rc));
+    rc = psd_arena_grow(m);
+    CHECK(rc == 0, "grow: %s", psd_strerror(rc));
+    h = psd_hdr(m);
+    h->lr = 1.0;
+    atomic_store(&h->server_pid, me);
+    h->server_start_time = psd_proc_start_time(me);
+    psd_arena_set_state(m, PSD_ARENA_READY);
+}
+
+struct sync_learner {
+    pthread_t thread;
+    struct psd_map *m;
+    uint32_t slot;
+    uint64_t claim;
+    int slow;
+    int rc;
+};
+
+static void *sync_learn(void *arg) {
+    struct sync_learner *p = arg;
+    struct psd_header *h = psd_hdr(p->m);
+    struct psd_slot *s = psd_slot_at(p->m, p->slot);
+    const uint64_t second = 1000ull * 1000 * 1000;
+    for (uint64_t i = 0; i < SYNC_PUSHES && !p->rc; i++) {
+        if ((p->rc = psd_wait_space(p->m, p->slot, p->claim, 5 * second)))
+            break;
+        for (volatile int spin = 0; spin < p->slow * 2000; spin++) {
+        }
+        uint64_t rounds = atomic_load(&h->rounds);
+        float *g = psd_entry_grad(psd_entry_at(p->m, p->slot, atomic_load_explicit(&s->tail, memory_order_relaxed)));
+        memset(g, 0, N * sizeof(float));
+        g[p->slot] = 1.0f;
+        g[N - 1] = 1.0f;
+        if ((p->rc = psd_push(p->m, p->slot, atomic_load(&h->clock), 1, 0.0, 1.0f)))
+            break;
+        if (h->sync_mode == PSD_SYNC_BSP)
+            p->rc = psd_wait_round(p->m, p->slot, p->claim, rounds, 5 * second);
+        else
+            p->rc = psd_wait_ssp(p->m, p->slot, p->claim, 5 * second);
+    }
+    if (!p->rc)
+        p->rc = psd_wait_drained(p->m, p->slot, p->claim, 5 * second);
+    return NULL;
+}
+
+/* The largest gap (fastest - slowest) among active learners: maxima read first, then minima. */
+static uint64_t ssp_gap(struct psd_map *m) {
+    uint64_t hi = 0, lo = UINT64_MAX;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < SLOTS; i++) {
+            struct psd_slot *s = psd_slot_at(m, i);
+            if (atomic_load(&s->state) != PSD_SLOT_ACTIVE)
+                continue;
+            uint64_t c = atomic_load(&s->ssp_base) + atomic_load(&s->tail);
+            if (pass == 0 && c > hi)
+                hi = c;
+            if (pass == 1 && c < lo)
+                lo = c;
+        }
+    return lo == UINT64_MAX || hi < lo ? 0 : hi - lo;
+}
+
+static void test_sync_mode(uint32_t mode) {
+    struct psd_map m = {.fd = -1};
+    char nm[96];
+    setup_sync(&m, nm, sizeof nm, mode, 1);
+    struct psd_loop *loop;
+    int rc = psd_loop_start(&m, 1, 20, &loop);
+    CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
+    struct sync_learner ls[SLOTS];
+    pid_t me = getpid();
+    for (int i = 0; i < SLOTS; i++) {
+        memset(&ls[i], 0, sizeof ls[i]);
+        ls[i].m = &m;
+        ls[i].slow = i == 0 ? 5 : 1;
+        rc = psd_slot_claim(&m, me, psd_proc_start_time(me), i, &ls[i].slot, &ls[i].claim);
+        CHECK(rc == 0, "claim %d: %s", i, psd_strerror(rc));
+    }
+    for (int i = 0; i < SLOTS; i++)
+        pthread_create(&ls[i].thread, NULL, sync_learn, &ls[i]);
+    uint64_t worst = 0, deadline = psd_now_ns() + 60ull * 1000 * 1000 * 1000;
+    while (atomic_load(&psd_hdr(&m)->applied) < (uint64_t)SLOTS * SYNC_PUSHES * 9 / 10 && psd_now_ns() < deadline) {
+        uint64_t gap = ssp_gap(&m);
+        worst = gap > worst ? gap : worst;
+    }
+    for (int i = 0; i < SLOTS; i++) {
+        pthread_join(ls[i].thread, NULL);
+        CHECK(ls[i].rc == 0, "sync learner %d: %s", i, psd_strerror(ls[i].rc));
+    }
+    for (int i = 0; i < SLOTS; i++) {
+        rc = psd_slot_release(&m, ls[i].slot, ls[i].claim);
+        CHECK(rc == 0, "release %d: %s", i, psd_strerror(rc));
+        rc = psd_wait_freed(&m, ls[i].slot, ls[i].claim, 5ull * 1000 * 1000 * 1000);
+        CHECK(rc == 0, "wait freed %d: %s", i, psd_strerror(rc));
+    }
+    psd_loop_stop(loop);
+    struct psd_header *h = psd_hdr(&m);
+    float *w = psd_weights(&m);
+    CHECK(atomic_load(&h->applied) == SLOTS * SYNC_PUSHES, "applied %llu", (unsigned long long)atomic_load(&h->applied));
+    if (mode == PSD_SYNC_BSP) {
+        /* Every round averaged one gradient from each learner: each w[i] moved 1/SLOTS per round. */
+        CHECK(atomic_load(&h->rounds) == SYNC_PUSHES, "rounds %llu", (unsigned long long)atomic_load(&h->rounds));
+        CHECK(atomic_load(&h->clock) == SYNC_PUSHES, "bsp clock %llu", (unsigned long long)atomic_load(&h->clock));
+        for (int i = 0; i < SLOTS; i++)
+            CHECK(w[i] == -(float)SYNC_PUSHES / SLOTS, "bsp w[%d] = %g", i, w[i]);
+        CHECK(w[N - 1] == -(float)SYNC_PUSHES, "bsp w[N-1] = %g", w[N - 1]);
+        CHECK(atomic_load(&h->staleness_max) == 0, "bsp staleness %llu",
+              (unsigned long long)atomic_load(&h->staleness_max));
+    } else {
+        CHECK(worst <= 2 && worst >= 1, "ssp:1 gap reached %llu (bound 2)", (unsigned long long)worst);
+        CHECK(atomic_load(&h->clock) == SLOTS * SYNC_PUSHES, "ssp clock");
+        for (int i = 0; i < SLOTS; i++)
+            CHECK(w[i] == -(float)SYNC_PUSHES, "ssp w[%d] = %g", i, w[i]);
+    }
+    psd_arena_close(&m);
+    shm_unlink(nm);
+}
+
 int main(void) {
     setup();
     test_dead_mutex_owner(); /* fork-based checks first, before any thread exists */
     test_dead_cond_waiter();
     test_rings();
+    test_sync_mode(PSD_SYNC_BSP);
+    test_sync_mode(PSD_SYNC_SSP);
     psd_arena_close(&map);
     shm_unlink(name);
     printf("%d passed, %d failed\n", passed, failed);
