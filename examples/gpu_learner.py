@@ -1,15 +1,18 @@
-"""A learner that computes on a GPU, attached to psd through a CPU copy of its model.
+"""A learner that computes on a GPU: the model stays on the device.
 
-psd's learner client attaches CPU models. Until it drives CUDA streams itself
-(GaDei's on-device double buffering), a GPU learner keeps a CPU "shadow" of
-its model attached to the job: after each backward pass the gradients go
-device -> shadow (straight into the ring entry the shadow's .grad points at),
-`ps.step()` pushes them, and the fresher weights go shadow -> device. Those
-copies are synchronous, so they do not overlap the computation. Without a GPU
-the same script runs on the CPU.
+`learner.attach` sees the model's device. On a GPU, gradients leave the device
+on a side CUDA stream straight into the learner's ring in shared memory (which
+is registered as pinned memory), and fresh weights come back on another stream
+into a second device buffer that `ps.step()` swaps in: computation never waits
+for a copy (GaDei's on-device double buffering). Without a GPU the same script
+trains on the CPU.
 
     psd serve --job gpu --learners 2 --lr 0.03 &
     python examples/gpu_learner.py --job gpu
+
+or several learners over the GPUs present (more learners than GPUs share them):
+
+    psd run --job gpu --learners 8 --gpus 0,1 --lr 0.03 -- python examples/gpu_learner.py
 """
 
 from __future__ import annotations
@@ -31,36 +34,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=int(os.environ.get("PSD_WORLD", 1)))
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # `psd run --gpus` hands each learner its GPU in PSD_DEVICE.
+    p.add_argument("--device", default=os.environ.get("PSD_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     data = make_classification(0)
     x, y = (t.to(dev) for t in shard(data, args.rank, args.world))
-    shadow = make_mlp(data.dim, data.classes)           # on the CPU, attached to psd
-    model = make_mlp(data.dim, data.classes).to(dev)    # where the computation happens
-    pairs = list(zip(shadow.parameters(), model.parameters(), strict=True))
+    model = make_mlp(data.dim, data.classes)
     g = torch.Generator().manual_seed(args.rank)
-    with learner.attach(shadow, job=args.job, rank=args.rank) as ps:
-        with torch.no_grad():
-            for s, m in pairs:
-                m.copy_(s)
+    with learner.attach(model, job=args.job, rank=args.rank, device=dev) as ps:
         for _ in range(args.epochs):
             order = torch.randperm(len(x), generator=g).to(dev)
             for i in range(0, len(order), args.batch_size):
                 idx = order[i:i + args.batch_size]
-                model.zero_grad(set_to_none=False)
                 loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
                 loss.backward()
-                with torch.no_grad():
-                    for s, m in pairs:
-                        s.grad.copy_(m.grad)    # device -> the ring entry
-                ps.step(loss, batch_size=len(idx))
-                with torch.no_grad():
-                    for s, m in pairs:
-                        m.copy_(s)              # the weights psd swapped in -> device
+                ps.step(loss.detach(), batch_size=len(idx))  # a tensor: no sync with the GPU here
         ps.flush()
         ps.pull()
-    print(f"learner {args.rank} on {dev}: accuracy {evaluate(shadow, data):.4f}", flush=True)
+    model.cpu()
+    print(f"learner {args.rank} on {dev}: accuracy {evaluate(model, data):.4f}", flush=True)
     return 0
 
 

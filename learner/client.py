@@ -24,7 +24,7 @@ from psd import _native
 from psd.arena import ParamSpec, decode_spec, default_job, encode_spec, first_difference, open_job, shm_path
 from psd.errors import ArenaBusy, Error, NoFreeSlot, OutOfSharedMemory, ServerGone, SpecError, StateError, Timeout
 
-__all__ = ["Learner", "attach", "pull_state_dict"]
+__all__ = ["DeviceLearner", "Learner", "attach", "pull_state_dict"]
 
 log = logging.getLogger("psd.learner")
 
@@ -39,8 +39,9 @@ def _spec_of(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.nn.Par
     for name, p in model.named_parameters():
         if p.dtype != torch.float32:
             raise SpecError(f"parameter {name!r} is {p.dtype}; psd trains float32 weights (call model.float())")
-        if p.device.type != "cpu":
-            raise SpecError(f"parameter {name!r} is on {p.device}; this psd learner trains on the CPU")
+        if params and p.device != params[0].device:
+            raise SpecError(f"parameter {name!r} is on {p.device} but {spec[0].name!r} on {params[0].device}; "
+                            f"a psd learner's model lives on one device (model.to(device))")
         spec.append(ParamSpec(name, tuple(p.shape)))
         params.append(p)
     if not params:
@@ -80,7 +81,7 @@ def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], n: int, p
             arena.remap()
             off = arena.header()["weights_off"]
             w = torch.frombuffer(arena, dtype=torch.float32, count=n, offset=off)
-            torch.cat([p.detach().reshape(-1) for p in params], out=w)
+            w.copy_(torch.cat([p.detach().reshape(-1) for p in params]))  # the model may be on a GPU
             del w
             arena.set_state(_native.ARENA_READY)
             return
@@ -114,6 +115,7 @@ class Learner:
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.rank = _default_rank() if rank is None else rank
+        self.device = next(iter(model.parameters()), torch.empty(0)).device
         threads = os.environ.get("PSD_THREADS")  # set by `psd run` so N learners share the cores
         if threads and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
@@ -155,6 +157,7 @@ class Learner:
         self.sync = arena.training()["sync"]
         self._sync_param = h["sync_param"]
         self.push_every = h["push_every"]
+        self.resume_step *= self.push_every  # in mini-batches: each applied push was a wave of them
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
         self._wave = 0
         self._wave_loss = 0.0
@@ -472,6 +475,137 @@ class Learner:
         return f"<psd.learner.Learner job={self.job!r} slot={self.slot} pushed={self.pushed} clock={self.clock}>"
 
 
+class DeviceLearner(Learner):
+    """A learner whose model stays on its device (a GPU): pushes and pulls on side streams.
+
+    ``step()`` queues the copy of the gradient (already in an on-device staging buffer) into the
+    ring on the push stream and returns; the push thread advances the ring's tail once the copy
+    completed. Weights come back on the pull stream into a second on-device buffer that ``step()``
+    swaps in when its copy has completed. See psd.learner.device. ``streams`` (tests): the stream
+    implementation, by default CUDA streams for a CUDA model and the synchronous stand-in for CPU.
+    """
+
+    def __init__(self, model: torch.nn.Module, job: str | None = None, *, streams=None, **kw) -> None:
+        from psd.learner.device import streams_for
+
+        dev = next(iter(model.parameters())).device
+        self._streams = streams if streams is not None else streams_for(dev)
+        self._pipe = None
+        super().__init__(model, job, **kw)
+        if self.predict:
+            log.warning("job %r: --predict is not applied by learners on %s yet; this one trains on the "
+                        "pulled weights", self.job, dev)
+            self.predict = False
+
+    def _map_buffers(self) -> None:
+        from psd.learner.device import DevicePipe
+
+        a, n, spec = self._arena, self.n_params, self._spec
+        h = a.header()
+        self._k = h["ring_k"]
+        self._weights = torch.frombuffer(a, dtype=torch.float32, count=n, offset=h["weights_off"])
+        self._entries = [torch.frombuffer(a, dtype=torch.float32, count=n, offset=a.grad_offset(self.slot, k))
+                         for k in range(self._k)]
+        self._streams.register(a)
+        self._pipe = p = DevicePipe(self._streams, n, self._entries, self._weights, self._publish)
+        self._tail = a.tail(self.slot)
+        self.clock = a.clock()
+        p.pull_now()
+        self._grad_views = [_views(g, spec) for g in p.grad]
+        self._w_views = [_views(w, spec) for w in p.w]
+        self._point_device()
+        self._arm_device()
+        self._puller = None
+
+    def _publish(self, index: int, clock: int, batch: int, loss: float) -> None:
+        """Push thread: the copy into entry ``index`` is complete; advance the tail past it."""
+        self._arena.push(self.slot, clock, batch, loss, 1.0)
+
+    def _point_device(self) -> None:
+        with torch.no_grad():
+            for prm, v in zip(self._params, self._w_views[self._pipe.front], strict=True):
+                prm.data = v
+
+    def _arm_device(self) -> None:
+        for prm, v in zip(self._params, self._grad_views[self._pipe.cur], strict=True):
+            prm.grad = v
+
+    def _collect(self) -> None:
+        for prm, v in zip(self._params, self._grad_views[self._pipe.cur], strict=True):
+            g = prm.grad
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+
+    def _unmap(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+            self._streams.unregister(self._arena)
+            self._pipe = None
+        self._grad_views = self._w_views = None
+        super()._unmap()
+
+    def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1) -> None:
+        """As ``Learner.step``, without waiting for the copies (see the class docstring)."""
+        if self._closing:
+            raise Error("this learner is detached; attach again to keep training")
+        self._collect()
+        # A loss tensor stays on the device (float() would wait for the GPU); the push thread reads it.
+        lv = math.nan if loss is None else (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        self._wave += 1
+        if self.push_every > 1:
+            self._wave_loss = self._wave_loss + lv
+            self._wave_batch += int(batch_size)
+            if self._wave < self.push_every:
+                return
+            lv, batch_size = self._wave_loss / self._wave, self._wave_batch
+            self._wave_loss, self._wave_batch = 0.0, 0
+            with torch.no_grad():
+                self._pipe.grad[self._pipe.cur].mul_(1.0 / self._wave)
+        self._wave = 0
+        a, pipe = self._arena, self._pipe
+        if self._tail - a.slot_info(self.slot)["head"] >= self._k:  # no free entry to copy into
+            pipe.drain(self.timeout)
+            self._with_server(a.wait_space, self.slot, self._claim_token, self.timeout)
+            if self._arena is not a:
+                return
+        rounds = a.rounds() if self.sync == "bsp" else 0
+        pipe.push(self._tail, self.clock, int(batch_size), lv)
+        self._tail += 1
+        self.pushed += 1
+        self._arm_device()
+        if self.sync in ("bsp", "ssp"):
+            pipe.drain(self.timeout)  # the server must see the gradient before anyone waits on it
+            if self.sync == "bsp":
+                self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
+                self.pull()
+                return
+            self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
+        clock = pipe.maybe_swap()
+        if clock is not None:
+            self.clock = clock
+            self._point_device()
+            a.note_pull(self.slot, clock, False)
+        current = a.clock()
+        if current != self.clock:
+            pipe.start_pull(current)
+
+    def pull(self) -> int:
+        """Copy the current shared weights into the model now; returns their clock."""
+        clock = self._arena.clock()
+        self._pipe.pull_now()
+        self.clock = clock
+        self._arena.note_pull(self.slot, clock, False)
+        return clock
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every gradient left the device and the server applied it."""
+        if self._pipe is not None:
+            self._pipe.drain(self.timeout if timeout is None else timeout)
+        super().flush(timeout)
+
+
 def _default_rank() -> int:
     raw = os.environ.get("PSD_RANK")
     try:
@@ -481,7 +615,8 @@ def _default_rank() -> int:
 
 
 def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
-           slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0) -> Learner:
+           slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0,
+           device: str | torch.device | None = None) -> Learner:
     """Attach ``model`` to the psd job ``job`` (default: $PSD_JOB, else ``default``).
 
     Claims a learner slot and pulls the job's current weights into the model. If
@@ -493,9 +628,20 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     already applied, so a restarted learner can skip them. If the server dies,
     steps wait up to ``reconnect_timeout`` seconds for the watchdog's new one.
     Use as a context manager, and call ``step()`` where ``optimizer.step()`` was.
+
+    ``device`` (default: where the model's parameters are) moves the model there first. A model
+    on a CUDA device stays on it: gradients and weights move between the GPU and shared memory on
+    side CUDA streams, double-buffered, so computation does not wait for them (``DeviceLearner``).
     """
-    learner = Learner(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
-                      reconnect_timeout=reconnect_timeout)
+    if device is not None:
+        from psd.learner.device import streams_for
+
+        streams_for(torch.device(device))  # a clear error if the device cannot be used
+        model.to(torch.device(device))
+    dev = next(iter(model.parameters()), torch.empty(0)).device
+    cls = Learner if dev.type == "cpu" else DeviceLearner
+    learner = cls(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
+                  reconnect_timeout=reconnect_timeout)
     world = os.environ.get("PSD_WORLD", "")
     if learner.sync == "bsp" and world.isdigit():
         try:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from psd import __version__, _native
 
-__all__ = ["BenchConfig", "idle_cpu", "limit", "round_trip", "run", "training", "update_loop"]
+__all__ = ["BenchConfig", "gpu_round_trip", "host_device_gbs", "idle_cpu", "limit", "round_trip", "run", "training",
+           "update_loop"]
 
 STREAM_BYTES = 12  # read g, read w, write w
 LR = 1e-6
@@ -181,6 +182,80 @@ def _ddp_null(rank: int, world: int, port: int, n: int, steps: int, q) -> None:
     dist.barrier()
     dist.destroy_process_group()
     q.put({"updates": steps * world, "elapsed": elapsed})
+
+
+def _psd_gpu_null_learner(job: str, n: int, device: str, duration: float, barrier, q) -> None:
+    import torch
+
+    from psd import learner
+
+    torch.set_num_threads(1)
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(n, device=device))
+    g = torch.full((n,), 1e-6, device=device)
+    with learner.attach(m, job=job, timeout=120) as ps:
+        barrier.wait()
+        k = 0
+        end = time.perf_counter() + duration
+        while time.perf_counter() < end:
+            m.w.grad.copy_(g)  # on the device, as a backward pass would leave it
+            ps.step()
+            k += 1
+        ps.flush()
+        q.put({"updates": k, "lat": []})
+
+
+def host_device_gbs(device: str = "cuda:0", mib: int = 256) -> dict:
+    """Pinned host <-> device copy bandwidth, GB/s each way (the ceiling of a GPU learner's traffic)."""
+    import torch
+
+    host = torch.empty(mib << 18, dtype=torch.float32).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        for _ in range(2):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out[name] = 5 * host.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
+    """GPU learners (placed round-robin on the GPUs present) pushing and pulling through psd: model
+    traffic in GB/s, as a fraction of the measured pinned host <-> device bandwidth."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log("gpu round trip: skipped (no CUDA device; torch reports none)")
+        return {"skipped": "no CUDA device"}
+    from psd.server import ServeConfig, Server
+
+    gpus = torch.cuda.device_count()
+    bw = host_device_gbs()
+    rows = []
+    for n in cfg.sizes:
+        for k in cfg.learners:
+            job = f"bench-gpu-{os.getpid()}-{n}-{k}"
+            server = Server(ServeConfig(job=job, learners=k, lr=LR, slots=4, threads=1))
+            server.start()
+            stop = _server_thread(server)
+            try:
+                results, elapsed = _timed([(_psd_gpu_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration))
+                                           for r in range(k)])
+            finally:
+                stop()
+            rate = sum(r["updates"] for r in results) / elapsed
+            gbs = rate * n * 4 * 2 / 1e9
+            row = {"params": n, "learners": k, "gpus": min(k, gpus), "updates_per_s": rate, "model_gbs": gbs,
+                   "fraction_of_pcie": gbs / ((bw["h2d"] + bw["d2h"]) / 2)}
+            rows.append(row)
+            log(f"gpu round trip {n:>11,} params  {k} learner(s) on {row['gpus']} GPU(s)  {rate:10,.0f} upd/s  "
+                f"{gbs:6.2f} GB/s = {row['fraction_of_pcie']:.2f} of host<->device")
+    return {"host_device_gbs": bw, "gpus": gpus, "rows": rows}
 
 
 def _free_port() -> int:
@@ -431,6 +506,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")
     out["round_trip"] = round_trip(cfg, log)
     out["training"] = training(cfg, log) if cfg.training else []
+    out["gpu_round_trip"] = gpu_round_trip(cfg, log)
     return out
 
 

@@ -78,6 +78,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     r.add_argument("--learner-threads", type=int, default=_env("learner-threads", 0, int),
                    help="torch threads per learner; 0: the cores divided among the learners, at least 1 "
                         "(default: %(default)s)")
+    r.add_argument("--gpus", default=_env("gpus", ""), metavar="LIST",
+                   help="GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK %% len(LIST)] "
+                        "(more learners than GPUs share them)")
     r.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     r.add_argument("learner_command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the learner command, after --")
@@ -273,7 +276,11 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("psd run: give the learner command after --, e.g. "
                          "`psd run --learners 4 -- python train.py`")
-    return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts,
+    try:
+        gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    except ValueError:
+        raise SystemExit(f"psd run: --gpus takes GPU indices like 0,1 (not {args.gpus!r})") from None
+    return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts, gpus=gpus,
                     learner_threads=args.learner_threads).run()
 
 

@@ -88,7 +88,8 @@ class Launcher:
     """Run a whole job: ``Launcher(watchdog_config, ["python", "train.py"], max_restarts=5).run()``."""
 
     def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 5,
-                 progress_every: float | None = None, learner_threads: int = 0) -> None:
+                 progress_every: float | None = None, learner_threads: int = 0,
+                 gpus: list[int] | None = None) -> None:
         self.config = config
         self.job = config.serve.job
         self.n = config.serve.learners
@@ -97,6 +98,7 @@ class Launcher:
         # N learners must not oversubscribe the cores: each gets its share of them, at least one.
         self.learner_threads = learner_threads or max(1, len(os.sched_getaffinity(0)) // self.n)
         self.workers = [Worker(r) for r in range(self.n)]
+        self.gpus = gpus or []  # rank r gets GPU gpus[r % len(gpus)]: several learners may share one
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
         self._stop = threading.Event()
@@ -137,6 +139,8 @@ class Launcher:
         env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
                    PSD_RESTARTS=str(w.restarts), PSD_THREADS=str(self.learner_threads),
                    OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1")
+        if self.gpus:
+            env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"
         w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
         w.state = WorkerState.RUNNING
         w.progress_at_start = self._rank_progress(w.rank)

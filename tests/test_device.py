@@ -1,0 +1,199 @@
+"""GPU learners: the double-buffered push/pull state machine, on the CPU and (where one exists) a GPU.
+
+On the CPU the pipeline runs with stand-ins for CUDA streams: SyncStreams (every copy complete at
+once) and, to see the states in between, DeferredStreams, whose copies happen only when the test
+completes them, as a GPU's would when its DMA finishes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from psd import learner
+from psd.errors import Error
+from psd.learner.client import DeviceLearner
+from psd.learner.device import SyncStreams
+
+
+class DeferredStreams(SyncStreams):
+    """Copies are queued; ``complete()`` carries them out and marks their events done."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    class _Event:
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            deadline = time.monotonic() + 30
+            while not self.done:  # the test thread completes it
+                assert time.monotonic() < deadline, "a copy never completed"
+                time.sleep(0.001)
+
+    def copy(self, dst, src, stream) -> None:
+        self.pending.append((dst, src.clone(), None))
+
+    def record(self, stream):
+        ev = self._Event()
+        if self.pending and self.pending[-1][2] is None:
+            dst, src, _ = self.pending[-1]
+            self.pending[-1] = (dst, src, ev)
+        else:
+            ev.done = True  # an event after no copy: complete
+        return ev
+
+    def complete(self) -> None:
+        for dst, src, ev in self.pending:
+            dst.copy_(src)
+            if ev is not None:
+                ev.done = True
+        self.pending.clear()
+
+    def synchronize(self) -> None:
+        self.complete()
+
+
+def tiny():
+    torch.manual_seed(0)
+    return torch.nn.Linear(5, 3), torch.randn(4, 5)
+
+
+def test_gradients_pushed_equal_gradients_computed_bit_for_bit(job, serve):
+    served = serve(job, "--learners", "1", "--lr", "0.1", "--slots", "4")
+    model, x = tiny()
+    with learner.attach(model, job=job, device="cpu") as ps:  # a plain learner on the CPU...
+        assert type(ps) is learner.Learner
+    model, x = tiny()
+    with DeviceLearner(model, job) as ps:  # ... and the device pipeline, with synchronous copies
+        for t in range(12):
+            (model(x) ** 2).sum().backward()
+            computed = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+            ps.step()
+            ps._pipe.drain(10)
+            assert torch.equal(ps._entries[t % ps._k], computed), f"gradient {t} changed on its way"
+        ps.flush()
+        assert ps._arena.counters()["applied"] == 12
+    served.stop()
+
+
+def test_tail_waits_for_the_copy_and_weights_swap_only_when_whole(job, serve):
+    served = serve(job, "--learners", "1", "--lr", "0.5")
+    model, x = tiny()
+    streams = DeferredStreams()
+    ps = DeviceLearner(model, job, streams=streams)
+    try:
+        w0 = model.weight.detach().clone()
+        (model(x) ** 2).sum().backward()
+        ps.step()  # returns with the copy still in flight
+        assert ps._arena.tail(ps.slot) == 0, "the tail moved before the gradient was copied"
+        assert (ps._pipe.issued, ps._pipe.published) == (1, 0)
+        streams.complete()
+        ps.flush()  # published and applied: the server's clock is 1, the learner's 0
+        assert ps._arena.tail(ps.slot) == 1 and ps._arena.clock() == 1
+        (model(x) ** 2).sum().backward()
+        ps.step()  # queues a pull into the back buffer; the model keeps training on the front one
+        assert ps._pipe._pull is not None
+        assert torch.equal(model.weight.detach(), w0), "weights changed while their copy was in flight"
+        assert ps.clock == 0
+        streams.complete()  # the pull lands in the back buffer, whole
+        ps.flush()
+        (model(x) ** 2).sum().backward()
+        ps.step()  # the pull completed: swapped in by re-pointing the parameters
+        assert ps.clock == 1
+        at_two = learner.pull_state_dict(job)  # the server is at clock 2; the model holds clock 1
+        assert not torch.equal(model.weight.detach(), w0)
+        assert not torch.equal(model.weight.detach(), at_two["weight"])
+        model2, _ = tiny()
+        (model2(x) ** 2).sum().backward()
+        expected = w0 - 0.5 * model2.weight.grad
+        assert torch.equal(model.weight.detach(), expected), "the swapped-in weights are those of clock 1"
+    finally:
+        streams.complete()
+        ps.close()
+    served.stop()
+
+
+def test_a_device_learner_trains_a_real_model(job, serve):
+    from psd.workloads import evaluate, make_classification, make_mlp, shard
+
+    served = serve(job, "--learners", "1", "--lr", "0.02", "--optimizer", "momentum")
+    data = make_classification(0)
+    x, y = shard(data, 0, 1)
+    model = make_mlp(data.dim, data.classes)
+    with DeviceLearner(model, job) as ps:
+        for i in range(0, len(x), 8):
+            torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
+            ps.step()
+        ps.flush()
+        ps.pull()
+        acc = evaluate(model, data)
+    print(f"one epoch through the device pipeline: accuracy {acc:.4f}")
+    assert acc > 0.9
+    served.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_device_without_cuda_says_what_to_install(job):
+    with pytest.raises(Error, match="CUDA build of PyTorch"):
+        learner.attach(torch.nn.Linear(2, 2), job=job, device="cuda:0")
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+@needs_gpu
+def test_gpu_gradients_arrive_bit_for_bit(job, serve):
+    served = serve(job, "--learners", "1", "--lr", "0.1")
+    model, x = tiny()
+    model, x = model.cuda(), x.cuda()
+    with learner.attach(model, job=job) as ps:
+        assert isinstance(ps, DeviceLearner)
+        for t in range(20):
+            (model(x) ** 2).sum().backward()
+            computed = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+            ps.step()
+            ps._pipe.drain(10)
+            assert torch.equal(ps._entries[t % ps._k], computed)
+    served.stop()
+
+
+@needs_gpu
+def test_gpu_step_overlaps_the_transfers(job, serve):
+    """Step time with psd <= 1.1x step time with no communication, for compute > transfer."""
+    served = serve(job, "--learners", "1", "--lr", "0.001")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()  # 16.8M params
+    x = torch.randn(4096, 2048, device="cuda")
+
+    def timed(step, n=30):
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    def alone():
+        model.zero_grad()
+        model(x).square().mean().backward()
+
+    base = timed(alone)
+    with learner.attach(model, job=job) as ps:
+        def with_psd():
+            model(x).square().mean().backward()
+            ps.step()
+        ours = timed(with_psd)
+    print(f"step {base:.2f} ms alone, {ours:.2f} ms through psd ({ours / base:.2f}x)")
+    assert ours <= 1.1 * base
+    served.stop()
