@@ -135,16 +135,19 @@ static int server_check(struct psd_map *m) {
     return psd_server_alive(m, 0) ? 0 : PSD_ESERVER;
 }
 
-/* Wait until `done(s, ring_k)` holds, sleeping on the slot's not_full. */
-static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns,
-                     bool (*done)(struct psd_slot *, uint32_t, uint64_t)) {
-    struct psd_header *h = psd_hdr(m);
+/* Wait until `ready(m, slot, arg)` holds, sleeping on `c` in slices of at most
+ * `slice_ns`, rechecking between them that the server lives and the slot is
+ * still this claim's. */
+typedef bool (*ready_fn)(struct psd_map *, uint32_t, uint64_t);
+
+static int wait_until(struct psd_map *m, uint32_t slot, uint64_t claim, struct psd_cond *c, uint64_t slice_ns,
+                      uint64_t timeout_ns, ready_fn ready, uint64_t arg) {
     struct psd_slot *s = psd_slot_at(m, slot);
     uint64_t deadline = psd_now_ns() + timeout_ns;
     for (;;) {
-        uint32_t seen = psd_cond_prepare(&s->not_full);
-        if (done(s, h->ring_k, claim)) {
-            psd_cond_done(&s->not_full);
+        uint32_t seen = psd_cond_prepare(c);
+        if (ready(m, slot, arg)) {
+            psd_cond_done(c);
             return 0;
         }
         int rc = PSD_LOAD_RLX(&s->claims) == claim ? server_check(m) : PSD_ESLOT;
@@ -152,38 +155,44 @@ static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t 
         if (rc == 0 && now >= deadline)
             rc = PSD_ETIMEOUT;
         if (rc) {
-            psd_cond_done(&s->not_full);
+            psd_cond_done(c);
             return rc;
         }
         uint64_t left = deadline - now;
-        rc = psd_cond_wait(&s->not_full, seen, left < PSD_WAIT_SLICE_NS ? left : PSD_WAIT_SLICE_NS);
-        psd_cond_done(&s->not_full);
+        rc = psd_cond_wait(c, seen, left < slice_ns ? left : slice_ns);
+        psd_cond_done(c);
         if (rc == EINTR)
             return EINTR;
     }
 }
 
-static bool has_space(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
+static bool has_space(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
+    struct psd_slot *s = psd_slot_at(m, slot);
     /* Pairs with the store-release of head in the update loop. */
-    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < ring_k;
+    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < psd_hdr(m)->ring_k;
 }
 
-static bool is_drained(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
-    (void)ring_k;
+static bool is_drained(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
+    struct psd_slot *s = psd_slot_at(m, slot);
     return PSD_LOAD_RLX(&s->tail) == PSD_LOAD_ACQ(&s->head);
 }
 
-static bool is_freed(struct psd_slot *s, uint32_t ring_k, uint64_t claim) {
-    (void)ring_k;
+static bool is_freed(struct psd_map *m, uint32_t slot, uint64_t claim) {
+    struct psd_slot *s = psd_slot_at(m, slot);
     /* Pairs with the store-release of FREE in free_slot (update.c). */
     return PSD_LOAD_ACQ(&s->state) == PSD_SLOT_FREE || PSD_LOAD_RLX(&s->claims) != claim;
 }
 
+static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns, ready_fn ready) {
+    return wait_until(m, slot, claim, &psd_slot_at(m, slot)->not_full, PSD_WAIT_SLICE_NS, timeout_ns, ready,
+                      claim);
+}
+
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
     struct psd_slot *s = psd_slot_at(m, slot);
-    if (!has_space(s, psd_hdr(m)->ring_k, claim))
+    if (!has_space(m, slot, claim))
         PSD_ADD_RLX(&s->full_waits, 1);
     return wait_slot(m, slot, claim, timeout_ns, has_space);
 }
@@ -225,33 +234,11 @@ static bool ssp_may_go_on(struct psd_map *m, uint32_t slot) {
     return slowest == UINT64_MAX || mine <= slowest + psd_hdr(m)->sync_param;
 }
 
-/* Wait on the header's sync_cond until `ready(m, slot, arg)`. */
-static int wait_sync(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns,
-                     bool (*ready)(struct psd_map *, uint32_t, uint64_t), uint64_t arg) {
-    struct psd_header *h = psd_hdr(m);
-    struct psd_slot *s = psd_slot_at(m, slot);
-    uint64_t deadline = psd_now_ns() + timeout_ns;
-    for (;;) {
-        uint32_t seen = psd_cond_prepare(&h->sync_cond);
-        if (ready(m, slot, arg)) {
-            psd_cond_done(&h->sync_cond);
-            return 0;
-        }
-        int rc = PSD_LOAD_RLX(&s->claims) == claim ? server_check(m) : PSD_ESLOT;
-        uint64_t now = psd_now_ns();
-        if (rc == 0 && now >= deadline)
-            rc = PSD_ETIMEOUT;
-        if (rc) {
-            psd_cond_done(&h->sync_cond);
-            return rc;
-        }
-        /* Short slices: a peer that dies signals nothing, so liveness is rechecked often. */
-        uint64_t left = deadline - now, slice = PSD_WAIT_SLICE_NS / 5;
-        rc = psd_cond_wait(&h->sync_cond, seen, left < slice ? left : slice);
-        psd_cond_done(&h->sync_cond);
-        if (rc == EINTR)
-            return EINTR;
-    }
+/* Sync waits sleep on the header's sync_cond in short slices: a peer that dies
+ * signals nothing, so liveness is rechecked often. */
+static int wait_sync(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns, ready_fn ready,
+                     uint64_t arg) {
+    return wait_until(m, slot, claim, &psd_hdr(m)->sync_cond, PSD_WAIT_SLICE_NS / 5, timeout_ns, ready, arg);
 }
 
 static bool ssp_ready(struct psd_map *m, uint32_t slot, uint64_t arg) {

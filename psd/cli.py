@@ -146,7 +146,7 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--learners", type=int, default=_env("learners", 8, int),
                    help="learner slots: how many learners may attach at once (default: %(default)s)")
     s.add_argument("--lr", type=float, default=_env("lr", 0.01, float),
-                   help="learning rate of the update w -= lr*g (default: %(default)s)")
+                   help="base learning rate of the server's optimizer (default: %(default)s)")
     s.add_argument("--slots", type=int, default=_env("slots", 4, int),
                    help="ring entries per learner, a power of two (default: %(default)s)")
     s.add_argument("--threads", type=int, default=_env("threads", 0, int),
@@ -155,7 +155,8 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
                    help="how long the update loop spins for more work before sleeping (default: %(default)s)")
     t = s.add_argument_group("training semantics (see the README's \"Training semantics\")")
     t.add_argument("--sync", default=_env("sync", "asp"), metavar="MODE",
-                   help="asp (fully asynchronous), ssp:S (at most S pushes ahead of the slowest learner), bsp "
+                   help="asp (fully asynchronous), ssp:S (a learner computes only while at most S pushes ahead of "
+                        "the slowest live learner), bsp "
                         "(average one gradient per learner, then update), kasync:K (average every K gradients) "
                         "(default: %(default)s)")
     t.add_argument("--push-every", type=int, default=_env("push-every", 1, int), metavar="W",

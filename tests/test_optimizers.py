@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from conftest import child_env
-from psd import learner
+from conftest import child_env, wait_until
+from psd import _native, learner
 from psd.arena import open_job
 
 STEPS = 25
@@ -140,6 +140,7 @@ def test_optimizer_state_survives_a_checkpoint_and_resume(job, serve, tmp_path):
     served.stop()  # a clean stop writes the last checkpoint
     served = serve(job, *flags, "--resume", str(tmp_path))
     a = open_job(job)
+    wait_until(lambda: a.state == _native.ARENA_READY, what="the checkpoint to be loaded")
     h = a.header()
     a.close()
     assert (h["opt_steps"], h["clock"]) == (10, 10)
@@ -168,3 +169,19 @@ def test_bad_training_flags_are_refused_with_the_fix(job, flags, message):
                        text=True, env=child_env(), timeout=60)
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
+
+
+def test_every_training_flag_survives_the_trip_through_the_watchdog():
+    """The watchdog and `psd run` restart servers from ServeConfig.argv(): nothing may be lost on the way."""
+    from psd.cli import _watchdog_config, get_args_parser
+
+    flags = ["serve", "--job", "roundtrip", "--sync", "kasync:3", "--push-every", "2", "--optimizer", "adamw",
+             "--momentum", "0.5", "--dampening", "0.1", "--betas", "0.8", "0.95", "--eps", "1e-6",
+             "--weight-decay", "0.02", "--lr-decay", "0.001", "--schedule", "cosine", "--t-max", "100",
+             "--eta-min", "0.0001", "--warmup", "10", "--step-size", "5", "--gamma", "0.3", "--staleness-lr",
+             "--max-staleness", "7", "--predict", "--lr", "0.003"]
+    first = _watchdog_config(get_args_parser().parse_args(flags)).serve
+    again = _watchdog_config(get_args_parser().parse_args(["serve", *first.argv()])).serve
+    assert again == first
+    assert (again.sync, again.optimizer, again.betas, again.max_staleness, again.predict) == \
+        ("kasync:3", "adamw", (0.8, 0.95), 7, True)
