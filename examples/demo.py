@@ -67,14 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         server.wait(timeout=30)
 
     print(f"== trained with psd in {elapsed:.1f} s: {status['applied']} gradients applied, "
-          f"{status['pushed']} pushed, {status['rejected']} rejected, {status['pending']} pending; "
+          f"{status['pushed']} pushed, {status['rejected']} rejected, {status['dropped']} dropped, "
+          f"{status['pending']} pending; "
           f"mean staleness {status['staleness_mean']:.2f}", flush=True)
     t1 = time.monotonic()
     single = evaluate(train_single(data, args.epochs, args.batch_size, args.lr), data)
     print(f"== one process, same data and epochs ({time.monotonic() - t1:.1f} s): accuracy {single:.4f}")
     print(f"== psd with {args.learners} learners: accuracy {acc:.4f}")
-    ok = status["pushed"] == status["applied"] + status["rejected"] and status["pending"] == 0
-    print(f"== exactly once: {'yes' if ok else 'NO'} (pushed = applied + rejected)")
+    ok = status["pushed"] == status["applied"] + status["rejected"] + status["dropped"] and status["pending"] == 0
+    print(f"== exactly once: {'yes' if ok else 'NO'} (pushed = applied + rejected + dropped)")
     left = os.path.exists(shm_path(args.job))
     print(f"== arena {'LEFT BEHIND' if left else 'removed'}: {shm_path(args.job)}")
     return 0 if ok and not left else 1
