@@ -155,7 +155,6 @@ class Learner:
         self.resume_step = self._rank_progress()
         h = arena.header()
         self.sync = arena.training()["sync"]
-        self._sync_param = h["sync_param"]
         self.push_every = h["push_every"]
         self.resume_step *= self.push_every  # in mini-batches: each applied push was a wave of them
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
@@ -301,15 +300,17 @@ class Learner:
 
     def _arm_entry(self) -> None:
         """Point every p.grad at the (zeroed) ring entry the next gradient goes to."""
-        views = self._entry_views[self._tail % self._k]
         self._entries[self._tail % self._k].zero_()
-        for p, v in zip(self._params, views, strict=True):
+        for p, v in zip(self._params, self._grad_views(), strict=True):
             p.grad = v
 
+    def _grad_views(self) -> list[torch.Tensor]:
+        """Where the next gradient goes, one view per parameter: the next ring entry."""
+        return self._entry_views[self._tail % self._k]
+
     def _collect(self) -> None:
-        """Bring gradients that are not in the ring entry (user reset p.grad) into it."""
-        views = self._entry_views[self._tail % self._k]
-        for p, v in zip(self._params, views, strict=True):
+        """Bring gradients that are not where they go (user reset p.grad) into place."""
+        for p, v in zip(self._params, self._grad_views(), strict=True):
             g = p.grad
             if g is None:
                 v.zero_()
@@ -333,20 +334,15 @@ class Learner:
             raise Error("this learner is detached; attach again to keep training")
         self._collect()
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self._wave += 1
-        if self.push_every > 1:
-            self._wave_loss += lv
-            self._wave_batch += int(batch_size)
-            if self._wave < self.push_every:
-                return  # the next mini-batch's gradient adds into the same ring entry
-            lv, batch_size = self._wave_loss / self._wave, self._wave_batch
-            self._wave_loss, self._wave_batch = 0.0, 0
-        wave, self._wave = self._wave, 0
+        wave = self._end_of_wave(lv, batch_size)
+        if wave is None:
+            return  # the next mini-batch's gradient adds into the same ring entry
+        lv, batch_size, size = wave
         a = self._arena
         if self.predict and self._tail >= self._k:
             self._sample_staleness(self._tail - self._k)
         rounds = a.rounds() if self.sync == "bsp" else 0
-        a.push(self.slot, self.clock, int(batch_size), lv, 1.0 / wave)
+        a.push(self.slot, self.clock, int(batch_size), lv, 1.0 / size)
         self._tail += 1
         self.pushed += 1
         if not a.has_space(self.slot):
@@ -377,6 +373,20 @@ class Learner:
             self._puller.request()
         if self.predict and self.clock != before:
             self._predict()
+
+    def _end_of_wave(self, loss, batch_size: int):
+        """Count one mini-batch of the wave (``--push-every``): None while the wave goes on, else
+        (mean loss, summed batch size, mini-batches in the wave), and a new wave starts."""
+        if self.push_every == 1:
+            return loss, int(batch_size), 1
+        self._wave += 1
+        self._wave_loss = self._wave_loss + loss
+        self._wave_batch += int(batch_size)
+        if self._wave < self.push_every:
+            return None
+        out = (self._wave_loss / self._wave, self._wave_batch, self._wave)
+        self._wave, self._wave_loss, self._wave_batch = 0, 0.0, 0
+        return out
 
     def _sample_staleness(self, seq: int) -> None:
         """Note the exact staleness of gradient ``seq`` (its ring entry is about to be reused)."""
@@ -511,7 +521,7 @@ class DeviceLearner(Learner):
         self._tail = a.tail(self.slot)
         self.clock = a.clock()
         p.pull_now()
-        self._grad_views = [_views(g, spec) for g in p.grad]
+        self._staging_views = [_views(g, spec) for g in p.grad]
         self._w_views = [_views(w, spec) for w in p.w]
         self._point_device()
         self._arm_device()
@@ -527,23 +537,19 @@ class DeviceLearner(Learner):
                 prm.data = v
 
     def _arm_device(self) -> None:
-        for prm, v in zip(self._params, self._grad_views[self._pipe.cur], strict=True):
+        for prm, v in zip(self._params, self._grad_views(), strict=True):
             prm.grad = v
 
-    def _collect(self) -> None:
-        for prm, v in zip(self._params, self._grad_views[self._pipe.cur], strict=True):
-            g = prm.grad
-            if g is None:
-                v.zero_()
-            elif g.data_ptr() != v.data_ptr():
-                v.copy_(g)
+    def _grad_views(self) -> list[torch.Tensor]:
+        """Where the next gradient goes: the current on-device staging buffer."""
+        return self._staging_views[self._pipe.cur]
 
     def _unmap(self) -> None:
         if self._pipe is not None:
             self._pipe.close()
             self._streams.unregister(self._arena)
             self._pipe = None
-        self._grad_views = self._w_views = None
+        self._staging_views = self._w_views = None
         super()._unmap()
 
     def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1) -> None:
@@ -553,19 +559,15 @@ class DeviceLearner(Learner):
         self._collect()
         # A loss tensor stays on the device (float() would wait for the GPU); the push thread reads it.
         lv = math.nan if loss is None else (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
-        self._wave += 1
-        if self.push_every > 1:
-            self._wave_loss = self._wave_loss + lv
-            self._wave_batch += int(batch_size)
-            if self._wave < self.push_every:
-                return
-            lv, batch_size = self._wave_loss / self._wave, self._wave_batch
-            self._wave_loss, self._wave_batch = 0.0, 0
-            with torch.no_grad():
-                self._pipe.grad[self._pipe.cur].mul_(1.0 / self._wave)
-        self._wave = 0
+        wave = self._end_of_wave(lv, batch_size)
+        if wave is None:
+            return
+        lv, batch_size, size = wave
         a, pipe = self._arena, self._pipe
-        if self._tail - a.slot_info(self.slot)["head"] >= self._k:  # no free entry to copy into
+        if size > 1:
+            with torch.no_grad():
+                pipe.grad[pipe.cur].mul_(1.0 / size)  # the wave's mean, on the device
+        if self._tail - a.head(self.slot) >= self._k:  # no free entry to copy into
             pipe.drain(self.timeout)
             self._with_server(a.wait_space, self.slot, self._claim_token, self.timeout)
             if self._arena is not a:
@@ -634,9 +636,9 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     side CUDA streams, double-buffered, so computation does not wait for them (``DeviceLearner``).
     """
     if device is not None:
-        from psd.learner.device import streams_for
+        from psd.learner.device import check_device
 
-        streams_for(torch.device(device))  # a clear error if the device cannot be used
+        check_device(torch.device(device))
         model.to(torch.device(device))
     dev = next(iter(model.parameters()), torch.empty(0)).device
     cls = Learner if dev.type == "cpu" else DeviceLearner

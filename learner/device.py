@@ -31,7 +31,7 @@ import torch
 
 from psd.errors import Error
 
-__all__ = ["CudaStreams", "DevicePipe", "SyncStreams", "streams_for"]
+__all__ = ["CudaStreams", "DevicePipe", "SyncStreams", "check_device", "streams_for"]
 
 log = logging.getLogger("psd.learner")
 
@@ -111,17 +111,20 @@ class CudaStreams:
         self.compute.synchronize()
 
 
+def check_device(device: torch.device) -> None:
+    """Raise an Error saying what to do if a learner cannot train on ``device``."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise Error(f"a learner on {device} needs a CUDA build of PyTorch and a visible GPU "
+                    f"(torch {torch.__version__} reports none): install torch for your CUDA version "
+                    f"(https://pytorch.org/get-started/locally/), or train on the CPU")
+    if device.type not in ("cpu", "cuda"):
+        raise Error(f"psd learners run on the CPU or a CUDA device, not {device}")
+
+
 def streams_for(device: torch.device):
-    """CUDA streams for a CUDA device, the synchronous stand-in for the CPU; a clear error otherwise."""
-    if device.type == "cpu":
-        return SyncStreams()
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise Error(f"a learner on {device} needs a CUDA build of PyTorch and a visible GPU "
-                        f"(torch {torch.__version__} reports none): install torch for your CUDA version "
-                        f"(https://pytorch.org/get-started/locally/), or train on the CPU")
-        return CudaStreams(device)
-    raise Error(f"psd learners run on the CPU or a CUDA device, not {device}")
+    """CUDA streams for a CUDA device, the synchronous stand-in for the CPU."""
+    check_device(device)
+    return SyncStreams() if device.type == "cpu" else CudaStreams(device)
 
 
 class DevicePipe:
@@ -151,7 +154,6 @@ class DevicePipe:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._pusher, name="psd-push", daemon=True)
         self._thread.start()
-        self.copies_waited = 0  # steps whose staging buffer was still being copied (GPU-side waits)
 
     # -- push ---------------------------------------------------------------
 
@@ -192,7 +194,6 @@ class DevicePipe:
         prev = self._grad_copied[self.cur]
         if prev is not None and not prev.query():
             s.wait(s.compute, prev)
-            self.copies_waited += 1
         with torch.no_grad():
             self.grad[self.cur].zero_()  # queued on the compute stream, after that wait
 

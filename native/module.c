@@ -231,6 +231,30 @@ static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(t);
 }
 
+static int name_index(const char *what, const char *name, const char *const *names, int n) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(name, names[i]) == 0)
+            return i;
+    PyErr_Format(PyExc_ValueError, "unknown %s '%s'", what, name);
+    return -1;
+}
+
+/* Names of enum psd_optimizer, psd_sync and psd_schedule, in their order. */
+static const char *const optimizer_names[] = {"sgd", "momentum", "nesterov", "adam", "adamw", "adagrad"};
+static const char *const sync_names[] = {"asp", "ssp", "bsp", "kasync"};
+static const char *const schedule_names[] = {"constant", "step", "cosine"};
+
+static PyObject *mod_state_vectors(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *opt, *sync;
+    if (!PyArg_ParseTuple(args, "ss", &opt, &sync))
+        return NULL;
+    int o = name_index("optimizer", opt, optimizer_names, 6), y = name_index("sync mode", sync, sync_names, 4);
+    if (o < 0 || y < 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(psd_state_vectors((uint32_t)o, (uint32_t)y));
+}
+
 static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -650,17 +674,6 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     return PyLong_FromUnsignedLongLong(gen);
 }
 
-static const char *const optimizer_names[] = {"sgd", "momentum", "nesterov", "adam", "adamw", "adagrad"};
-static const char *const sync_names[] = {"asp", "ssp", "bsp", "kasync"};
-static const char *const schedule_names[] = {"constant", "step", "cosine"};
-
-static int name_index(const char *what, const char *name, const char *const *names, int n) {
-    for (int i = 0; i < n; i++)
-        if (strcmp(name, names[i]) == 0)
-            return i;
-    PyErr_Format(PyExc_ValueError, "unknown %s '%s'", what, name);
-    return -1;
-}
 
 /* Server: the training configuration (before the arena is grown: the
  * optimizer and sync mode size the optimizer state). */
@@ -879,11 +892,19 @@ static PyObject *arena_tail(Arena *a, PyObject *args) {
     return PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&psd_slot_at(&a->map, slot)->tail));
 }
 
+static PyObject *arena_head(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    /* Pairs with the store of head in take_entry (update.c): the entries before it are free. */
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_slot_at(&a->map, slot)->head));
+}
+
 static PyObject *arena_clock(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
-    /* Pairs with the store-release of clock in apply_entry: weights copied
+    /* Pairs with the store-release of clock in update_weights: weights copied
      * after this load are at least this fresh. */
     return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock));
 }
@@ -1284,6 +1305,7 @@ static PyMethodDef arena_methods[] = {
     {"counters", (PyCFunction)arena_counters, METH_NOARGS, "pushed, applied, rejected, pending, clock."},
     {"grad_offset", (PyCFunction)arena_grad_offset, METH_VARARGS, "grad_offset(slot, k) -> byte offset"},
     {"tail", (PyCFunction)arena_tail, METH_VARARGS, "tail(slot) -> the slot's producer index"},
+    {"head", (PyCFunction)arena_head, METH_VARARGS, "head(slot) -> the slot's consumer index"},
     {"clock", (PyCFunction)arena_clock, METH_NOARGS, "The weights clock (load-acquire)."},
     {"generation", (PyCFunction)arena_generation, METH_NOARGS, "Servers started on this arena so far."},
     {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
@@ -1338,6 +1360,8 @@ static PyMethodDef module_methods[] = {
      "owner_alive(pid, start_time) -> bool: that pid still names the process that started then"},
     {"arena_size", mod_arena_size, METH_VARARGS,
      "arena_size(n_slots, ring_k, spec_cap, n_params) -> bytes the arena will take"},
+    {"state_vectors", mod_state_vectors, METH_VARARGS,
+     "state_vectors(optimizer, sync) -> weight-sized vectors of optimizer state (and accumulator) an arena holds"},
     {"omp_info", mod_omp_info, METH_NOARGS, "OpenMP's view of this machine: max_threads, num_procs"},
     {"apply_sgd", mod_apply_sgd, METH_VARARGS,
      "apply_sgd(w, g, lr, threads): w -= lr*g in place, the update loop's kernel"},

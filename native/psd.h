@@ -77,6 +77,11 @@ static inline float *psd_state(const struct psd_map *m, uint32_t i) {
     uint64_t stride = (h->weights_bytes + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
     return (float *)(m->base + h->optstate_off + i * stride);
 }
+/* bsp / kasync: the sum of the round's gradients, the last state vector. */
+static inline float *psd_accumulator(const struct psd_map *m) {
+    const struct psd_header *h = psd_hdr(m);
+    return psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
+}
 
 /* time.c / proc */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */

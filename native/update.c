@@ -8,9 +8,9 @@
  * in bsp and kasync gradients are summed into the accumulator and their
  * average is applied once per round (one per live learner, or every K).
  * Non-finite gradients (flagged by the learner's push) and gradients staler
- * than --max-staleness are counted and never applied. It spins for a short while after the last gradient it found, then
- * sleeps on the doorbell, so an idle server costs (almost) no CPU and a busy
- * one reacts in microseconds.
+ * than --max-staleness are counted and never applied. It spins for a short
+ * while after the last gradient it found, then sleeps on the doorbell, so an
+ * idle server costs (almost) no CPU and a busy one reacts in microseconds.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -88,15 +88,19 @@ static void update_weights(struct psd_loop *L, const float *g, float gscale, dou
     PSD_STORE_REL(&h->clock, PSD_LOAD_RLX(&h->clock) + 1);
 }
 
+/* bsp: whether learner slot `s` already gave the current round its gradient. */
+static bool joined_this_round(const struct psd_header *h, struct psd_slot *s) {
+    return PSD_LOAD_RLX(&s->round_joined) == PSD_LOAD_RLX(&h->rounds) + 1;
+}
+
 /* bsp / kasync: apply the average of the round's gradients, start the next round. */
 static void finish_round(struct psd_loop *L) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint64_t count = PSD_LOAD_RLX(&h->acc_count);
     if (count) {
-        float *acc = psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
         double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
-        update_weights(L, acc, 1.0f / (float)count, staleness);
+        update_weights(L, psd_accumulator(m), 1.0f / (float)count, staleness);
     }
     PSD_STORE_RLX(&h->acc_count, 0);
     PSD_STORE_RLX(&h->acc_members, 0);
@@ -127,7 +131,7 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     } else if (!accumulate) {
         update_weights(L, psd_entry_grad(e), 1.0f, (double)staleness);
     } else {
-        float *acc = psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
+        float *acc = psd_accumulator(m);
         const float *g = psd_entry_grad(e);
         uint64_t n = h->n_params;
         if (PSD_LOAD_RLX(&h->acc_count) == 0)
@@ -160,10 +164,9 @@ static bool round_complete(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
     if (PSD_LOAD_RLX(&h->acc_members) == 0)
         return false;
-    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
-        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && PSD_LOAD_RLX(&s->round_joined) != mark)
+        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !joined_this_round(h, s))
             return false;
     }
     return true;
@@ -212,7 +215,7 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
         /* Pairs with the store of tail in psd_push: the entry is whole. */
         if (head != PSD_LOAD_ACQ(&s->tail)) {
             /* bsp: one gradient per learner per round; the rest wait for the next. */
-            if (bsp && PSD_LOAD_RLX(&s->round_joined) == PSD_LOAD_RLX(&h->rounds) + 1)
+            if (bsp && joined_this_round(h, s))
                 continue;
             take_entry(L, i, s, head);
             applied++;
@@ -241,7 +244,7 @@ static bool any_pending(struct psd_map *m) {
             continue;
         }
         /* bsp: a learner that already gave this round its gradient waits for the others. */
-        if (h->sync_mode == PSD_SYNC_BSP && PSD_LOAD_RLX(&s->round_joined) == PSD_LOAD_RLX(&h->rounds) + 1)
+        if (h->sync_mode == PSD_SYNC_BSP && joined_this_round(h, s))
             continue;
         return true;
     }

@@ -117,8 +117,7 @@ class ServeConfig:
 
     def state_vectors(self) -> int:
         """Vectors the size of the weights that the optimizer state and accumulator take."""
-        opt = {"sgd": 0, "momentum": 1, "nesterov": 1, "adagrad": 1, "adam": 2, "adamw": 2}[self.optimizer]
-        return opt + (self.sync_mode()[0] in ("bsp", "kasync"))
+        return _native.state_vectors(self.optimizer, self.sync_mode()[0])
 
     def argv(self) -> list[str]:
         """These settings as ``psd serve`` flags (for the processes the watchdog and launcher start)."""

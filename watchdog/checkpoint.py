@@ -131,19 +131,23 @@ def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
     h = arena.header()
     optim = dict(arena.training(), **{k: h[k] for k in ("opt_steps", "rounds", "acc_count", "acc_staleness",
                                                          "lr_now")})
-    k, n = h["state_vectors"], h["n_params"]
-    if not k:
-        return optim, None
-    stride = h["optstate_bytes"] // k
-    return optim, torch.stack([torch.frombuffer(arena, dtype=torch.float32, count=n,
-                                                offset=h["optstate_off"] + i * stride).clone() for i in range(k)])
+    views = _state_views(arena, h)
+    return optim, torch.stack([v.clone() for v in views]) if views else None
+
+
+def _state_views(arena: _native.Arena, h: dict) -> list[torch.Tensor]:
+    """The arena's optimizer-state vectors, as tensors over the mapping (none for plain sgd in asp)."""
+    import torch
+
+    k = h["state_vectors"]
+    stride = h["optstate_bytes"] // k if k else 0
+    return [torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"], offset=h["optstate_off"] + i * stride)
+            for i in range(k)]
 
 
 def restore_optimizer_state(arena: _native.Arena, ckpt: Checkpoint) -> bool:
     """Put a checkpoint's optimizer state into a (not yet READY) arena if it was made for the same
     optimizer and sync mode; returns whether it did."""
-    import torch
-
     h = arena.header()
     made = arena.training()
     optim = ckpt.optim
@@ -151,13 +155,8 @@ def restore_optimizer_state(arena: _native.Arena, ckpt: Checkpoint) -> bool:
     k = h["state_vectors"]
     if not same or (k and (ckpt.optstate is None or tuple(ckpt.optstate.shape) != (k, h["n_params"]))):
         return False
-    if k:
-        stride = h["optstate_bytes"] // k
-        for i in range(k):
-            dst = torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"],
-                                   offset=h["optstate_off"] + i * stride)
-            dst.copy_(ckpt.optstate[i])
-            del dst
+    for dst, src in zip(_state_views(arena, h), ckpt.optstate if k else [], strict=True):
+        dst.copy_(src)
     return True
 
 
