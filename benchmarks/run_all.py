@@ -31,17 +31,24 @@ def tables(r: dict) -> str:
     for lim, loop in zip(r["limit"], r["update_loop"], strict=True):
         lines.append(f"| {lim['params']:,} | {lim['threads']} | {lim['gbs']:.1f} | {loop['gbs']:.1f} | "
                      f"{loop['fraction_of_limit']:.2f} |")
+    lines += ["", "## The update written four ways (one thread; see native/update.c)", "",
+              "| params | " + " | ".join(f"{k} GB/s" for k in dict.fromkeys(x["kernel"] for x in r["kernels"])) + " |",
+              "| --- |" + " --- |" * len(dict.fromkeys(x["kernel"] for x in r["kernels"]))]
+    for size in dict.fromkeys(x["params"] for x in r["kernels"]):
+        lines.append(f"| {size:,} | " + " | ".join(f"{x['gbs']:.1f}" for x in r["kernels"] if x["params"] == size)
+                     + " |")
     lines += ["", f"Idle server: {r['idle_server_cpu']:.2%} of a core.", "",
               "## Round trip: null learners, push + pull per update", "",
-              "| params | learners | psd upd/s | psd GB/s | step p50 us | step p99 us | "
+              "| params | learners | psd upd/s | psd GB/s | push p50 us | step p50 us | step p99 us | "
               "psd / Hogwild | psd / Hogwild+snapshot | psd / DDP gloo |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["round_trip"]:
         p = row["psd"]
         ratios = [f"{row[f'psd_over_{peer}']:.2f}" if row.get(peer) else "-" for peer in PEERS]
         lines.append(f"| {row['params']:,} | {row['learners']} | {p['updates_per_s']:,.0f} | {p['model_gbs']:.2f} | "
-                     f"{p['step_p50_us']:.1f} | {p['step_p99_us']:.1f} | " + " | ".join(ratios) + " |")
-    lines += ["", "## Training: the shipped MLP workload, one epoch", "",
+                     f"{p['push_p50_us']:.1f} | {p['step_p50_us']:.1f} | {p['step_p99_us']:.1f} | "
+                     + " | ".join(ratios) + " |")
+    lines += ["", "## Training: the shipped MLP workload, as many epochs as the mini-batch size", "",
               "| mini-batch | learners | psd samples/s | psd accuracy | Hogwild samples/s | Hogwild accuracy | "
               "psd / Hogwild |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["training"]:
@@ -95,12 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sizes", type=int, nargs="+")
     p.add_argument("--learners", type=int, nargs="+")
+    p.add_argument("--reps", type=int)
     args = p.parse_args(argv)
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     if args.sizes:
         cfg = dataclasses.replace(cfg, sizes=tuple(args.sizes))
     if args.learners:
         cfg = dataclasses.replace(cfg, learners=tuple(args.learners))
+    if args.reps:
+        cfg = dataclasses.replace(cfg, reps=args.reps)
     r = run(cfg, log=lambda line: print(line, flush=True))
     OUT.mkdir(exist_ok=True)
     (OUT / "bench.json").write_text(json.dumps(r, indent=2))

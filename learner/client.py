@@ -121,12 +121,14 @@ class Learner:
             torch.set_num_threads(int(threads))
         spec, params = _spec_of(model)
         self._spec, self._params = spec, params
+        self._numels = tuple(p.numel() for p in params)
         self.n_params = n = sum(p.numel for p in spec)
         # Two private weight buffers: the model trains on the front one; the pull thread fills the other.
         self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
         self._buf_views = [_views(b, spec) for b in self._bufs]
         self._front = 0
         self.pushed = 0
+        self.push_ns = 0  # how long the last push took: the copy into the ring and the publish
         self.reconnects = 0
         self._closing = False
         self._puller = None
@@ -212,20 +214,14 @@ class Learner:
         return ranks[self.rank] if self.rank < len(ranks) else 0
 
     def _map_buffers(self) -> None:
-        a, n, spec = self._arena, self.n_params, self._spec
+        a, n = self._arena, self.n_params
         h = a.header()
         self._k = h["ring_k"]
         self._weights = torch.frombuffer(a, dtype=torch.float32, count=n, offset=h["weights_off"])
-        self._entries = [
-            torch.frombuffer(a, dtype=torch.float32, count=n, offset=a.grad_offset(self.slot, k))
-            for k in range(self._k)
-        ]
-        self._entry_views = [_views(e, spec) for e in self._entries]
         self.clock = a.clock()
         self._bufs[self._front].copy_(self._weights)
         self._point(self._front)
         self._tail = a.tail(self.slot)
-        self._arm_entry()
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
         # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
         # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
@@ -241,7 +237,7 @@ class Learner:
             self._puller = None
         for p in self._params:
             p.grad = None
-        self._weights = self._entries = self._entry_views = None
+        self._weights = self._entries = None
         try:
             self._arena.close()
         except ArenaBusy:
@@ -298,30 +294,31 @@ class Learner:
 
     # -- gradients ----------------------------------------------------------
 
-    def _arm_entry(self) -> None:
-        """Point every p.grad at the (zeroed) ring entry the next gradient goes to."""
-        self._entries[self._tail % self._k].zero_()
-        for p, v in zip(self._params, self._grad_views(), strict=True):
-            p.grad = v
+    def _take_gradients(self) -> tuple[list, list[int]]:
+        """This mini-batch's gradients (kept alive for the copy) and their addresses (0: none).
 
-    def _grad_views(self) -> list[torch.Tensor]:
-        """Where the next gradient goes, one view per parameter: the next ring entry."""
-        return self._entry_views[self._tail % self._k]
-
-    def _collect(self) -> None:
-        """Bring gradients that are not where they go (user reset p.grad) into place."""
-        for p, v in zip(self._params, self._grad_views(), strict=True):
+        Every ``p.grad`` is reset to None, as ``zero_grad()`` does: the next backward pass writes
+        fresh gradients instead of adding into zeroed ones, which saves a pass over the model.
+        """
+        grads, ptrs = [], []
+        for p in self._params:
             g = p.grad
             if g is None:
-                v.zero_()
-            elif g.data_ptr() != v.data_ptr():
-                v.copy_(g)
+                ptrs.append(0)
+            else:
+                if g.layout != torch.strided or not g.is_contiguous():
+                    g = (g.to_dense() if g.is_sparse else g).contiguous()
+                ptrs.append(g.data_ptr())
+                p.grad = None
+            grads.append(g)
+        return grads, ptrs
 
     def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1) -> None:
         """Push this mini-batch's gradient and swap in newer weights; replaces ``optimizer.step()``.
 
-        Gradients are zeroed for the next mini-batch (as ``zero_grad(set_to_none=False)``), so do
-        not call ``zero_grad()`` yourself. ``loss`` and ``batch_size`` are recorded with the gradient.
+        The gradients (``p.grad``) are copied into this learner's ring and reset to None, as
+        ``optimizer.zero_grad()`` does, so no ``zero_grad()`` call is needed (one is harmless).
+        ``loss`` and ``batch_size`` are recorded with the gradient.
         If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
 
         The job's sync mode decides what else happens: with ``--push-every W`` only every W-th call
@@ -332,24 +329,26 @@ class Learner:
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
-        self._collect()
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         wave = self._end_of_wave(lv, batch_size)
         if wave is None:
-            return  # the next mini-batch's gradient adds into the same ring entry
+            return  # the next mini-batch's backward adds into p.grad, as in torch
         lv, batch_size, size = wave
         a = self._arena
         if self.predict and self._tail >= self._k:
             self._sample_staleness(self._tail - self._k)
         rounds = a.rounds() if self.sync == "bsp" else 0
-        a.push(self.slot, self.clock, int(batch_size), lv, 1.0 / size)
+        grads, ptrs = self._take_gradients()
+        t0 = time.perf_counter_ns()
+        a.push_from(self.slot, self.clock, int(batch_size), lv, 1.0 / size, ptrs, self._numels)
+        self.push_ns = time.perf_counter_ns() - t0
+        del grads
         self._tail += 1
         self.pushed += 1
         if not a.has_space(self.slot):
             self._with_server(self._arena.wait_space, self.slot, self._claim_token, self.timeout)
             if self._arena is not a:
-                return  # reattached to a new arena: buffers are armed and weights pulled
-        self._arm_entry()
+                return  # reattached to a new arena: weights pulled
         if self.sync == "bsp":
             self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
         elif self.sync == "ssp":
@@ -543,6 +542,15 @@ class DeviceLearner(Learner):
     def _grad_views(self) -> list[torch.Tensor]:
         """Where the next gradient goes: the current on-device staging buffer."""
         return self._staging_views[self._pipe.cur]
+
+    def _collect(self) -> None:
+        """Bring gradients that are not where they go (user reset p.grad) into the staging buffer."""
+        for p, v in zip(self._params, self._grad_views(), strict=True):
+            g = p.grad
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
 
     def _unmap(self) -> None:
         if self._pipe is not None:

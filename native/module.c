@@ -280,6 +280,26 @@ static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer w, g;
+    float lr;
+    int kernel, rc = 0;
+    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &kernel))
+        return NULL;
+    if (w.len != g.len || w.len % (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "apply_sgd_kernel: w and g must be float32 buffers of one size");
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = psd_apply_sgd_kernel(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, kernel);
+        Py_END_ALLOW_THREADS if (rc) PyErr_Format(PyExc_ValueError, "apply_sgd_kernel: no kernel %d", kernel);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&g);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ---- Arena methods ------------------------------------------------------ */
 
 #define U64(d, key, v)                                                                             \
@@ -586,6 +606,68 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     }
     if (rc)
         return raise_code(rc, "push gradient", a->name);
+    Py_RETURN_NONE;
+}
+
+/* push_from(slot, clock, batch, loss, scale, ptrs, lens): copy the gradient
+ * from the tensors at the addresses `ptrs` (0: zeros) of `lens` floats into
+ * the entry at the tail, checking it on the way, and publish it. The caller
+ * (Learner.step) keeps the tensors alive and vouches for the addresses. */
+static PyObject *arena_push_from(Arena *a, PyObject *args) {
+    unsigned int slot, batch;
+    unsigned long long clock;
+    double loss;
+    float scale;
+    PyObject *ptrs, *lens;
+    if (!PyArg_ParseTuple(args, "IKIdfOO", &slot, &clock, &batch, &loss, &scale, &ptrs, &lens) ||
+        check_slot(a, slot))
+        return NULL;
+    PyObject *p = PySequence_Fast(ptrs, "push_from: ptrs must be a sequence of addresses");
+    if (!p)
+        return NULL;
+    PyObject *l = PySequence_Fast(lens, "push_from: lens must be a sequence of lengths");
+    if (!l) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(p);
+    const float **src = NULL;
+    uint64_t *len = NULL;
+    int rc = 0;
+    if (count != PySequence_Fast_GET_SIZE(l) || count > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "push_from: ptrs and lens differ in length");
+        goto out;
+    }
+    src = PyMem_Malloc(((size_t)count + 1) * sizeof *src);
+    len = PyMem_Malloc(((size_t)count + 1) * sizeof *len);
+    if (!src || !len) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        src[k] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(p, k));
+        len[k] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(l, k));
+        if (PyErr_Occurred())
+            goto out;
+    }
+    if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
+        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, len, (uint32_t)count);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, len, (uint32_t)count);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc == EINVAL)
+        PyErr_Format(PyExc_ValueError, "push_from: the lengths do not add up to the job's %llu parameters",
+                     (unsigned long long)psd_hdr(&a->map)->n_params);
+    else if (rc)
+        raise_code(rc, "push gradient", a->name);
+out:
+    PyMem_Free(src);
+    PyMem_Free(len);
+    Py_DECREF(p);
+    Py_DECREF(l);
+    if (PyErr_Occurred())
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1276,7 +1358,11 @@ static PyMethodDef arena_methods[] = {
      "wait_state(not_state, timeout) -> bool: wait until the state is not `not_state`."},
     {"claim", (PyCFunction)arena_claim, METH_VARARGS, "claim(pid, start_time) -> (slot, claim)"},
     {"release", (PyCFunction)arena_release, METH_VARARGS, "release(slot, claim)"},
-    {"push", (PyCFunction)arena_push, METH_VARARGS, "push(slot, clock, batch, loss): publish the entry at the tail."},
+    {"push", (PyCFunction)arena_push, METH_VARARGS,
+     "push(slot, clock, batch, loss, scale=1): scale and check the entry at the tail, publish it."},
+    {"push_from", (PyCFunction)arena_push_from, METH_VARARGS,
+     "push_from(slot, clock, batch, loss, scale, ptrs, lens): copy the gradient from float32 buffers at the "
+     "addresses ptrs (0: zeros) into the entry at the tail, scaled and checked, and publish it."},
     {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
@@ -1363,6 +1449,9 @@ static PyMethodDef module_methods[] = {
     {"state_vectors", mod_state_vectors, METH_VARARGS,
      "state_vectors(optimizer, sync) -> weight-sized vectors of optimizer state (and accumulator) an arena holds"},
     {"omp_info", mod_omp_info, METH_NOARGS, "OpenMP's view of this machine: max_threads, num_procs"},
+    {"apply_sgd_kernel", mod_apply_sgd_kernel, METH_VARARGS,
+     "apply_sgd_kernel(w, g, lr, kernel): w -= lr*g in place, one thread, kernel 0 scalar, 1 the compiler's "
+     "vectorised loop, 2 and 3 vectors unrolled 4 and 8 times"},
     {"apply_sgd", mod_apply_sgd, METH_VARARGS,
      "apply_sgd(w, g, lr, threads): w -= lr*g in place, the update loop's kernel"},
     {NULL, NULL, 0, NULL},
@@ -1389,6 +1478,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
     PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
     PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);
+    PyModule_AddIntConstant(m, "KERNEL_SCALAR", PSD_KERNEL_SCALAR);
+    PyModule_AddIntConstant(m, "KERNEL_VECTOR", PSD_KERNEL_VECTOR);
+    PyModule_AddIntConstant(m, "KERNEL_UNROLL4", PSD_KERNEL_UNROLL4);
+    PyModule_AddIntConstant(m, "KERNEL_UNROLL8", PSD_KERNEL_UNROLL8);
     PyModule_AddIntConstant(m, "ARENA_WAITING_SPEC", PSD_ARENA_WAITING_SPEC);
     PyModule_AddIntConstant(m, "ARENA_SPEC_OFFERED", PSD_ARENA_SPEC_OFFERED);
     PyModule_AddIntConstant(m, "ARENA_INIT_WEIGHTS", PSD_ARENA_INIT_WEIGHTS);

@@ -132,6 +132,13 @@ int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
  * (unless 1) and checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and
  * the update loop rejects it. */
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale);
+/* Copy a gradient given in `count` pieces (src[k], len[k] floats; a NULL
+ * src is zeros) into the entry at the tail, times `scale`, checking it in the
+ * same pass, and publish it. The lengths must add up to n_params (EINVAL).
+ * Gradients of PSD_STREAM_BYTES or more are written with non-temporal stores. */
+int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
+                  const float *const *src, const uint64_t *len, uint32_t count);
+#define PSD_STREAM_BYTES (UINT64_C(1) << 20)
 /* bsp: wait until more than `rounds` rounds are complete. */
 int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t rounds, uint64_t timeout_ns);
 /* ssp: wait until this learner (after a push) is at most sync_param pushes
@@ -171,6 +178,9 @@ struct psd_loop;
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);
+/* One thread, one way of writing the loop (psd bench's unrolling measure). */
+enum psd_kernel { PSD_KERNEL_SCALAR, PSD_KERNEL_VECTOR, PSD_KERNEL_UNROLL4, PSD_KERNEL_UNROLL8 };
+int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n, float lr, int kernel);
 
 /* optim.c: optimizers, schedules, weight prediction */
 double psd_scheduled_lr(const struct psd_header *h, uint64_t t);

@@ -13,6 +13,11 @@
 
 #include "psd.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define PSD_HAVE_STREAM 1
+#endif
+
 static int lock_slot(struct psd_map *m, struct psd_slot *s) {
     int rc = psd_mutex_lock(psd_hdr(m), &s->mutex);
     return psd_locked(rc) ? 0 : rc; /* a dead previous holder is counted, nothing to repair */
@@ -101,21 +106,72 @@ static bool scale_and_check(float *g, uint64_t n, float scale) {
     return !bad;
 }
 
-int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale) {
-    struct psd_header *h = psd_hdr(m);
+/* dst = src * scale (src NULL: zeros), checking finiteness in the same pass;
+ * returns nonzero if any value is inf or nan. */
+static uint32_t copy_check(float *restrict dst, const float *restrict src, uint64_t n, float scale) {
+    uint32_t bad = 0;
+    if (!src) {
+        memset(dst, 0, n * sizeof(float));
+        return 0;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        float v = src[i] * scale;
+        uint32_t b;
+        memcpy(&b, &v, sizeof b);
+        bad |= (b & 0x7f800000u) == 0x7f800000u;
+        dst[i] = v;
+    }
+    return bad;
+}
+
+#ifdef PSD_HAVE_STREAM
+/* As copy_check, with non-temporal stores: the entry goes to memory without
+ * first being read into this core's cache (the update loop, on another core,
+ * reads it from memory anyway once it is larger than the caches). */
+static uint32_t copy_check_stream(float *restrict dst, const float *restrict src, uint64_t n, float scale) {
+    if (!src)
+        return copy_check(dst, src, n, scale);
+    uint64_t i = 0;
+    uint32_t bad = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 15); i++) /* up to a 16-byte boundary */
+        bad |= copy_check(dst + i, src + i, 1, scale);
+    const __m128 k = _mm_set1_ps(scale);
+    const __m128i exp = _mm_set1_epi32(0x7f800000);
+    __m128i acc = _mm_setzero_si128();
+    for (; i + 8 <= n; i += 8) {
+        __m128 a = _mm_mul_ps(_mm_loadu_ps(src + i), k), b = _mm_mul_ps(_mm_loadu_ps(src + i + 4), k);
+        __m128i ea = _mm_and_si128(_mm_castps_si128(a), exp), eb = _mm_and_si128(_mm_castps_si128(b), exp);
+        acc = _mm_or_si128(acc, _mm_or_si128(_mm_cmpeq_epi32(ea, exp), _mm_cmpeq_epi32(eb, exp)));
+        _mm_stream_ps(dst + i, a);
+        _mm_stream_ps(dst + i + 4, b);
+    }
+    bad |= (uint32_t)_mm_movemask_epi8(acc) != 0;
+    return bad | copy_check(dst + i, src + i, n - i, scale);
+}
+#endif
+
+/* The entry at the tail, if the slot is this learner's and the ring has room. */
+static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, uint64_t *tail) {
     struct psd_slot *s = psd_slot_at(m, slot);
     if (PSD_LOAD_RLX(&s->state) != PSD_SLOT_ACTIVE)
         return PSD_ESLOT;
-    uint64_t tail = PSD_LOAD_RLX(&s->tail); /* only this process writes it */
+    *tail = PSD_LOAD_RLX(&s->tail); /* only this process writes it */
     /* Pairs with the store-release of head in the update loop: the entry at
      * `tail` is no longer being read. */
-    if (tail - PSD_LOAD_ACQ(&s->head) >= h->ring_k)
+    if (*tail - PSD_LOAD_ACQ(&s->head) >= psd_hdr(m)->ring_k)
         return PSD_ESTATE; /* caller must psd_wait_space() first */
-    struct psd_entry *e = psd_entry_at(m, slot, tail);
+    *e = psd_entry_at(m, slot, *tail);
+    return 0;
+}
+
+/* Fill in the entry's metadata and move the tail past it. */
+static void publish(struct psd_map *m, struct psd_slot *s, struct psd_entry *e, uint64_t tail, uint64_t clock,
+                    uint32_t batch, double loss, bool finite) {
+    struct psd_header *h = psd_hdr(m);
     e->seq = tail;
     e->clock = clock;
     e->batch_size = batch;
-    e->flags = scale_and_check(psd_entry_grad(e), h->n_params, scale) ? 0 : PSD_ENTRY_NONFINITE;
+    e->flags = finite ? 0 : PSD_ENTRY_NONFINITE;
     e->loss = loss;
     e->applied_clock = 0;
     e->outcome = PSD_OUTCOME_PENDING;
@@ -127,6 +183,46 @@ int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, d
         psd_cond_broadcast(&h->doorbell);
     if (h->sync_mode == PSD_SYNC_SSP)
         psd_cond_broadcast_if_waiters(&h->sync_cond); /* a learner waiting for us may go on */
+}
+
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale) {
+    struct psd_entry *e;
+    uint64_t tail;
+    int rc = tail_entry(m, slot, &e, &tail);
+    if (rc)
+        return rc;
+    bool finite = scale_and_check(psd_entry_grad(e), psd_hdr(m)->n_params, scale);
+    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, finite);
+    return 0;
+}
+
+int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
+                  const float *const *src, const uint64_t *len, uint32_t count) {
+    struct psd_header *h = psd_hdr(m);
+    uint64_t total = 0;
+    for (uint32_t k = 0; k < count; k++)
+        total += len[k];
+    if (total != h->n_params)
+        return EINVAL;
+    struct psd_entry *e;
+    uint64_t tail;
+    int rc = tail_entry(m, slot, &e, &tail);
+    if (rc)
+        return rc;
+    float *dst = psd_entry_grad(e);
+    uint32_t bad = 0;
+#ifdef PSD_HAVE_STREAM
+    if (total * sizeof(float) >= PSD_STREAM_BYTES) {
+        for (uint32_t k = 0; k < count; dst += len[k], k++)
+            bad |= copy_check_stream(dst, src[k], len[k], scale);
+        _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
+        publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, !bad);
+        return 0;
+    }
+#endif
+    for (uint32_t k = 0; k < count; dst += len[k], k++)
+        bad |= copy_check(dst, src[k], len[k], scale);
+    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, !bad);
     return 0;
 }
 

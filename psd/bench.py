@@ -28,11 +28,12 @@ import socket
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from psd import __version__, _native
 
-__all__ = ["BenchConfig", "gpu_round_trip", "host_device_gbs", "idle_cpu", "limit", "round_trip", "run", "training",
-           "update_loop"]
+__all__ = ["BenchConfig", "gpu_round_trip", "host_device_gbs", "idle_cpu", "kernels", "limit", "round_trip", "run",
+           "training", "update_loop"]
 
 STREAM_BYTES = 12  # read g, read w, write w
 LR = 1e-6
@@ -45,16 +46,17 @@ class BenchConfig:
     sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000, 10_000_000)
     learners: tuple[int, ...] = (1, 2, 4, 8)
     batches: tuple[int, ...] = (1, 2, 4, 8)
-    duration: float = 2.0
+    duration: float = 1.0
     limit_size: int = 25_000_000
     peers: bool = True
     training: bool = True
-    epochs: int = 1
+    epochs: int | None = None  # training epochs; None: as many as the mini-batch size (same steps per run)
+    reps: int = 3  # each measurement is repeated, psd and peers interleaved; the median is reported
 
     @classmethod
     def quick(cls) -> BenchConfig:
         return cls(sizes=(10_000, 100_000), learners=(1, 2), batches=(4,), duration=0.5, limit_size=1_000_000,
-                   epochs=1)
+                   epochs=1, reps=1)
 
 
 def _ctx():
@@ -78,8 +80,40 @@ def limit(n: int, threads: int, reps: int = 7) -> float:
     return n * STREAM_BYTES / statistics.median(times) / 1e9
 
 
-def update_loop(n: int, threads: int, rounds: int = 8, learners: int = 2, ring: int = 4) -> float:
-    """GB/s of the server's update loop, in this process, draining rings refilled as fast as it frees them."""
+KERNELS = {"scalar": _native.KERNEL_SCALAR, "vectorised": _native.KERNEL_VECTOR,
+           "unrolled x4": _native.KERNEL_UNROLL4, "unrolled x8": _native.KERNEL_UNROLL8}
+KERNEL_CACHE_SIZE = 32_768  # floats: g and w (256 KiB) stay in the core's cache
+
+
+def kernels(n: int, reps: int = 7) -> list[dict]:
+    """GB/s of the update written four ways (see native/update.c), one thread, over a vector that stays
+    in the cache (where the arithmetic shows) and over ``n`` floats (where memory does)."""
+    import numpy as np
+
+    rows = []
+    for size in (KERNEL_CACHE_SIZE, n):
+        w = np.zeros(size, dtype=np.float32)
+        g = np.full(size, 1e-3, dtype=np.float32)
+        calls = max(1, (1 << 24) // size)  # about 16M floats per timing, so small sizes are not all overhead
+        for name, kernel in KERNELS.items():
+            _native.apply_sgd_kernel(w, g, 0.01, kernel)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    _native.apply_sgd_kernel(w, g, 0.01, kernel)
+                times.append(time.perf_counter() - t0)
+            rows.append({"params": size, "kernel": name, "gbs": calls * size * STREAM_BYTES / statistics.median(times)
+                         / 1e9})
+    return rows
+
+
+def update_loop(n: int, threads: int, rounds: int = 4, learners: int = 2, ring: int = 4) -> float:
+    """GB/s of the server's update loop, in this process, draining pre-filled rings.
+
+    Each round publishes every entry of every ring while the loop is stopped, then times the
+    loop from its start until the rings are empty: the loop alone, with nothing else touching memory.
+    """
     import numpy as np
 
     name = f"/psd.bench-loop-{os.getpid()}"
@@ -96,18 +130,20 @@ def update_loop(n: int, threads: int, rounds: int = 8, learners: int = 2, ring: 
             for k in range(ring):
                 off = a.grad_offset(slot, k)
                 view[off:off + 4 * n].view(np.float32)[:] = 1e-3
-        del view
-        a.start_loop()
-        t0 = time.perf_counter()
+        weights = view[a.header()["weights_off"]:][:4 * n].view(np.float32)
+        weights[:] = 0.0  # fault the weights in: the loop should not pay for first touches
+        del view, weights
+        elapsed = 0.0
         for _ in range(rounds):
-            for slot, claim in slots:
+            for slot, _claim in slots:
                 for _ in range(ring):
-                    a.wait_space(slot, claim, 60.0)
                     a.push(slot, 0, 1, 0.0)
-        for slot, claim in slots:
-            a.wait_drained(slot, claim, 60.0)
-        elapsed = time.perf_counter() - t0
-        a.stop_loop()
+            t0 = time.perf_counter()
+            a.start_loop()
+            for slot, claim in slots:
+                a.wait_drained(slot, claim, 60.0)
+            elapsed += time.perf_counter() - t0
+            a.stop_loop()
         return a.counters()["applied"] * n * STREAM_BYTES / elapsed / 1e9
     finally:
         _native.unlink(name)
@@ -134,16 +170,17 @@ def _psd_null_learner(job: str, n: int, duration: float, barrier, q) -> None:
     g = torch.full((n,), 1e-6)
     with learner.attach(m, job=job, timeout=120) as ps:
         barrier.wait()
-        lat, k = [], 0
+        lat, push, k = [], [], 0
         end = time.perf_counter() + duration
         while time.perf_counter() < end:
-            m.w.grad.copy_(g)  # the precomputed gradient lands in the ring entry
+            m.w.grad = g  # the precomputed gradient, where a backward pass would leave it
             t0 = time.perf_counter_ns()
             ps.step()
             lat.append(time.perf_counter_ns() - t0)
+            push.append(ps.push_ns)
             k += 1
         ps.flush()
-        q.put({"updates": k, "lat": lat})
+        q.put({"updates": k, "lat": lat, "push": push})
 
 
 def _hogwild_null(w, n: int, duration: float, snapshot: bool, barrier, q) -> None:
@@ -307,8 +344,10 @@ def _psd_round_trip(n: int, learners: int, duration: float) -> dict:
         stop()
     updates = sum(r["updates"] for r in results)
     p50, p99 = _percentiles([x for r in results for x in r["lat"]])
+    push50, push99 = _percentiles([x for r in results for x in r["push"]])
     rate = updates / elapsed
-    return {"updates_per_s": rate, "model_gbs": rate * n * 4 * 2 / 1e9, "step_p50_us": p50, "step_p99_us": p99}
+    return {"updates_per_s": rate, "model_gbs": rate * n * 4 * 2 / 1e9, "step_p50_us": p50, "step_p99_us": p99,
+            "push_p50_us": push50, "push_p99_us": push99}
 
 
 def _server_thread(server):
@@ -347,16 +386,35 @@ def _ddp_round_trip(n: int, learners: int, duration: float) -> dict:
     return {"updates_per_s": rate, "model_gbs": rate * n * 4 / 1e9}
 
 
+def _median_of(runs: list[dict], key: str) -> dict:
+    """The run with the median ``key`` (its other figures stay consistent with it)."""
+    return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+
+
+def _interleaved(cfg: BenchConfig, measures: dict, key: str) -> dict:
+    """Run every measure ``cfg.reps`` times, taking turns, so that a noisy spell on the machine hits
+    psd and its peers alike; the median run of each."""
+    runs: dict = {name: [] for name in measures}
+    for _ in range(max(1, cfg.reps)):
+        for name, measure in measures.items():
+            runs[name].append(measure())
+    return {name: _median_of(r, key) for name, r in runs.items()}
+
+
 def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
     """The round-trip table: one row per (size, learners) with psd's figures and, if asked, the peers'."""
     rows = []
     for n in cfg.sizes:
         for k in cfg.learners:
-            row = {"params": n, "learners": k, "psd": _psd_round_trip(n, k, cfg.duration)}
+            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration)}
             if cfg.peers:
-                row["hogwild"] = _hogwild_round_trip(n, k, cfg.duration, snapshot=False)
-                row["hogwild_snapshot"] = _hogwild_round_trip(n, k, cfg.duration, snapshot=True)
-                row["ddp_gloo"] = _ddp_round_trip(n, k, cfg.duration) if k > 1 else None
+                measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)
+                measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)
+                if k > 1:
+                    measures["ddp_gloo"] = partial(_ddp_round_trip, n, k, cfg.duration)
+            row = {"params": n, "learners": k, **_interleaved(cfg, measures, "updates_per_s")}
+            if cfg.peers:
+                row.setdefault("ddp_gloo", None)
                 for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
                     if row[peer]:
                         row[f"psd_over_{peer}"] = row["psd"]["updates_per_s"] / row[peer]["updates_per_s"]
@@ -368,7 +426,8 @@ def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
 def _round_trip_line(r: dict) -> str:
     p = r["psd"]
     line = (f"round trip  {r['params']:>11,} params  {r['learners']} learners  psd {p['updates_per_s']:>9,.0f} upd/s "
-            f"{p['model_gbs']:6.2f} GB/s  step p50 {p['step_p50_us']:7.1f} us p99 {p['step_p99_us']:8.1f} us")
+            f"{p['model_gbs']:6.2f} GB/s  push p50 {p['push_p50_us']:7.1f} us  step p50 {p['step_p50_us']:7.1f} us "
+            f"p99 {p['step_p99_us']:8.1f} us")
     for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
         if r.get(peer):
             line += f"  {peer} {r[peer]['updates_per_s']:,.0f} (x{r[f'psd_over_{peer}']:.2f})"
@@ -436,27 +495,38 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
     from psd.workloads import evaluate, make_classification, make_mlp
 
     data = make_classification(0)
+
+    def psd_run(b: int, k: int, lr: float, epochs: int) -> dict:
+        job = f"bench-train-{os.getpid()}-{b}-{k}"
+        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1))
+        server.start()
+        stop = _server_thread(server)
+        try:
+            rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, epochs)) for r in range(k)])
+            model = make_mlp(data.dim, data.classes)
+            model.load_state_dict(pull_state_dict(job))
+        finally:
+            stop()
+        return {"samples_per_s": rate, "accuracy": evaluate(model, data)}
+
+    def hogwild_run(b: int, k: int, lr: float, epochs: int) -> dict:
+        shared = make_mlp(data.dim, data.classes)
+        shared.share_memory()
+        rate = _samples_per_s([(_hogwild_train, (shared, r, k, b, epochs, lr)) for r in range(k)])
+        return {"samples_per_s": rate, "accuracy": evaluate(shared, data)}
+
     rows = []
     for b in cfg.batches:
         lr = TRAIN_LR.get(b, 0.03)
+        epochs = cfg.epochs or b
         for k in cfg.learners:
-            job = f"bench-train-{os.getpid()}-{b}-{k}"
-            server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1))
-            server.start()
-            stop = _server_thread(server)
-            try:
-                rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, cfg.epochs)) for r in range(k)])
-                model = make_mlp(data.dim, data.classes)
-                model.load_state_dict(pull_state_dict(job))
-            finally:
-                stop()
-            row = {"batch": b, "learners": k, "psd": {"samples_per_s": rate, "accuracy": evaluate(model, data)}}
+            measures = {"psd": partial(psd_run, b, k, lr, epochs)}
             if cfg.peers:
-                shared = make_mlp(data.dim, data.classes)
-                shared.share_memory()
-                hrate = _samples_per_s([(_hogwild_train, (shared, r, k, b, cfg.epochs, lr)) for r in range(k)])
-                row["hogwild"] = {"samples_per_s": hrate, "accuracy": evaluate(shared, data)}
-                row["psd_over_hogwild"] = rate / hrate
+                measures["hogwild"] = partial(hogwild_run, b, k, lr, epochs)
+            row = {"batch": b, "learners": k, "epochs": epochs, **_interleaved(cfg, measures, "samples_per_s")}
+            rate = row["psd"]["samples_per_s"]
+            if cfg.peers:
+                row["psd_over_hogwild"] = rate / row["hogwild"]["samples_per_s"]
             log(f"training    mini-batch {b}  {k} learners  psd {rate:>8,.0f} samples/s "
                 f"acc {row['psd']['accuracy']:.4f}"
                 + (f"  hogwild {row['hogwild']['samples_per_s']:,.0f} acc {row['hogwild']['accuracy']:.4f} "
@@ -502,6 +572,9 @@ def run(cfg: BenchConfig, log=print) -> dict:
                                    "fraction_of_limit": loop / lim})
         log(f"limit       {cfg.limit_size:>11,} params  {t} thread(s)  {lim:6.2f} GB/s;  update loop {loop:6.2f} GB/s "
             f"= {loop / lim:.2f} of the limit")
+    out["kernels"] = kernels(cfg.limit_size)
+    for row in out["kernels"]:
+        log(f"kernel      {row['params']:>11,} params  {row['kernel']:<12} {row['gbs']:6.2f} GB/s")
     out["idle_server_cpu"] = idle_cpu()
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")
     out["round_trip"] = round_trip(cfg, log)

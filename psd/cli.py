@@ -128,7 +128,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", type=int, nargs="+", help="model sizes in parameters (default: 1e4 .. 1e7)")
     b.add_argument("--learners", type=int, nargs="+", help="learner counts (default: 1 2 4 8)")
     b.add_argument("--batches", type=int, nargs="+", help="mini-batch sizes for training (default: 1 2 4 8)")
-    b.add_argument("--duration", type=float, help="seconds per round-trip measurement (default: 2)")
+    b.add_argument("--duration", type=float, help="seconds per round-trip measurement (default: 1)")
+    b.add_argument("--reps", type=int, help="runs of each measurement, psd and peers taking turns; the median "
+                   "is reported (default: 3)")
     b.add_argument("--no-peers", action="store_true", help="psd alone")
     b.add_argument("--no-training", action="store_true", help="skip the training workload")
 
@@ -435,7 +437,7 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in
                {"sizes": args.sizes, "learners": args.learners, "batches": args.batches,
-                "duration": args.duration}.items() if v is not None}
+                "duration": args.duration, "reps": args.reps}.items() if v is not None}
     cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training)
     results = run(cfg, log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
     if args.json:

@@ -1,7 +1,7 @@
 """`psd doctor`: check the machine before a job, and say what to change for each problem.
 
 The checks are those behind the most common shared-memory training failures:
-a small or full /dev/shm (the "Bus error" of pytorch#5247), systemd-logind
+a small or full /dev/shm (the "Bus error" of pytorch#5247) and its page size, systemd-logind
 removing a user's shared memory at logout (RemoveIPC), locks that do not
 survive a dead owner, OpenMP that does not run, more busy threads than
 cores, and a locked-memory limit too low to pin memory for GPU copies.
@@ -52,6 +52,28 @@ def _shm(needed: int | None) -> Check:
     if size < 1024 * _MIB:
         return Check("warn", "shared memory", detail + " (small: container default?)", grow)
     return Check("ok", "shared memory", detail)
+
+
+def _shm_huge_pages() -> Check:
+    name = "huge pages for the arena"
+    huge = None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 4 and fields[1] == SHM_DIR:
+                    opts = fields[3].split(",")
+                    huge = next((o.split("=", 1)[1] for o in opts if o.startswith("huge=")), "never")
+    except OSError:
+        pass
+    if huge is None:
+        return Check("ok", name, f"{SHM_DIR} is not a mount of its own here; nothing to tune")
+    if huge in ("always", "within_size"):
+        return Check("ok", name, f"{SHM_DIR} is mounted huge={huge}: the arena is backed by 2 MiB pages")
+    return Check("warn", name, f"{SHM_DIR} is mounted huge={huge}: the arena is backed by 4 KiB pages, and "
+                 "large models (10^7 parameters and more) spend time on TLB misses",
+                 f"for large models, `mount -o remount,huge=within_size {SHM_DIR}` before starting the server "
+                 "(psd reserves the arena up front, so huge=advise does not apply to it)")
 
 
 def _remove_ipc() -> Check:
@@ -130,7 +152,8 @@ def _cores(learners: int | None, threads: int | None) -> Check:
     if busy > cores:
         return Check("warn", "cores", detail + ": oversubscribed",
                      "give each learner one torch thread (psd run does: OMP_NUM_THREADS), or use fewer "
-                     "learners; the update loop needs a core of its own to keep up")
+                     "learners; the update loop then naps between gradients instead of spinning, and "
+                     "keeps up as long as the learners leave it time")
     return Check("ok", "cores", detail)
 
 
@@ -175,7 +198,7 @@ def run_checks(learners: int | None = None, threads: int | None = None, params: 
         from psd.server import SPEC_CAPACITY
 
         needed = _native.arena_size(learners or 8, slots, SPEC_CAPACITY, params)
-    return [_shm(needed), _remove_ipc(), _robust_mutex(), _openmp(), _cores(learners, threads),
+    return [_shm(needed), _shm_huge_pages(), _remove_ipc(), _robust_mutex(), _openmp(), _cores(learners, threads),
             _memlock(needed), _stale_arenas()]
 
 

@@ -35,7 +35,8 @@ def test_attach_detach_reattach(job, serve):
     for round_ in range(3):
         with learner.attach(m, job=job) as ps:
             for _ in range(10):
-                m.w.grad[1] += 1.0
+                m.w.grad = torch.zeros_like(m.w)
+                m.w.grad[1] = 1.0
                 ps.step()
         # Detaching frees the only slot, so the next round can claim it.
         wait_until(lambda: not job_status(job)["learners"], what="the slot to be freed")
@@ -75,7 +76,8 @@ def test_steps_swap_in_weights_pushed_by_others(job, serve):
     a, b = Flat(), Flat()
     with learner.attach(a, job=job) as pa, learner.attach(b, job=job) as pb:
         for _ in range(5):
-            a.w.grad[7] += 1.0
+            a.w.grad = torch.zeros_like(a.w)
+            a.w.grad[7] = 1.0
             pa.step()
         pa.flush()
 

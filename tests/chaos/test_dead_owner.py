@@ -70,7 +70,7 @@ def test_learner_killed_waiting_on_a_condition_variable(job, serve):
             a.resume()
         # The loop now signals a condition variable whose only waiter is dead: it must not hang.
         for _ in range(20):
-            other.model.w.grad.fill_(1.0)
+            other.model.w.grad = torch.ones_like(other.model.w)
             other.step()
         other.flush(timeout=10)
         wait_until(lambda: job_status(job)["reclaimed_slots"] == 1, what="the victim's slot to be reclaimed")
@@ -87,7 +87,7 @@ def test_server_killed_while_sleeping_on_the_doorbell(job, serve):
         old = arena_header(job)
         os.kill(old["server_pid"], signal.SIGKILL)
         for _ in range(10):  # each push sees `sleeping` left set by the dead server, and rings
-            ps.model.w.grad.fill_(1.0)
+            ps.model.w.grad = torch.ones_like(ps.model.w)
             ps.step()
         ps.flush(timeout=30)  # the watchdog's new server applies them
     assert arena_header(job)["generation"] == old["generation"] + 1

@@ -39,7 +39,11 @@ def main() -> int:
     model = Flat(a.n)
     with learner.attach(model, job=a.job) as ps:
         if a.half_write:
-            model.w.grad[: a.n // 2] = 1.0
+            # Die halfway through writing a gradient into the ring entry at the tail (what a kill
+            # during push_from's copy leaves behind).
+            entry = torch.frombuffer(ps._arena, dtype=torch.float32, count=a.n // 2,
+                                     offset=ps._arena.grad_offset(ps.slot, ps._tail % ps._k))
+            entry.fill_(1.0)
             print("ready", flush=True)
             signal.pause()  # until the test kills us (SIGKILL): never returns on its own
             return 1
@@ -49,10 +53,11 @@ def main() -> int:
                 print("ready", flush=True)
             with torch.no_grad():
                 if a.fill:
-                    model.w.grad.fill_(1.0)
-                    model.b.grad.fill_(1.0)
+                    model.w.grad = torch.ones_like(model.w)
+                    model.b.grad = torch.ones_like(model.b)
                 else:
-                    model.w.grad[a.index] += 1.0
+                    model.w.grad = torch.zeros_like(model.w)
+                    model.w.grad[a.index] = 1.0
             ps.step(batch_size=1)
             i += 1
         ps.flush()

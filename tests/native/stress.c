@@ -121,12 +121,26 @@ static void *produce(void *arg) {
             p->rc = rc;
             return NULL;
         }
-        struct psd_slot *s = psd_slot_at(&map, p->slot);
-        float *g = psd_entry_grad(psd_entry_at(&map, p->slot, atomic_load_explicit(&s->tail, memory_order_relaxed)));
-        memset(g, 0, N * sizeof(float));
-        g[p->slot] = 1.0f;
-        g[N - 1] = 1.0f;
-        if ((rc = psd_push(&map, p->slot, i, 1, 0.0, 1.0f))) {
+        if (p->slot % 2) {
+            /* Odd slots push from private pieces (what Learner.step does): a zero piece, the
+             * piece with this slot's 1, and the last float. */
+            float mine[N - 1];
+            memset(mine, 0, sizeof mine);
+            mine[0] = 1.0f;
+            float last = 1.0f;
+            const float *src[] = {NULL, mine, &last};
+            const uint64_t len[] = {p->slot, N - 1 - p->slot, 1};
+            rc = psd_push_from(&map, p->slot, i, 1, 0.0, 1.0f, src, len, 3);
+        } else {
+            struct psd_slot *s = psd_slot_at(&map, p->slot);
+            float *g =
+                psd_entry_grad(psd_entry_at(&map, p->slot, atomic_load_explicit(&s->tail, memory_order_relaxed)));
+            memset(g, 0, N * sizeof(float));
+            g[p->slot] = 1.0f;
+            g[N - 1] = 1.0f;
+            rc = psd_push(&map, p->slot, i, 1, 0.0, 1.0f);
+        }
+        if (rc) {
             p->rc = rc;
             return NULL;
         }
