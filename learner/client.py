@@ -222,6 +222,8 @@ class Learner:
         self._bufs[self._front].copy_(self._weights)
         self._point(self._front)
         self._tail = a.tail(self.slot)
+        for p in self._params:
+            p.grad = None  # a gradient from before attaching is not this job's
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
         # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
         # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
@@ -306,8 +308,10 @@ class Learner:
             if g is None:
                 ptrs.append(0)
             else:
-                if g.layout != torch.strided or not g.is_contiguous():
-                    g = (g.to_dense() if g.is_sparse else g).contiguous()
+                if g.layout != torch.strided:
+                    g = g.to_dense()  # sparse (any layout) or mkldnn
+                if not g.is_contiguous():
+                    g = g.contiguous()
                 ptrs.append(g.data_ptr())
                 p.grad = None
             grads.append(g)
@@ -317,8 +321,10 @@ class Learner:
         """Push this mini-batch's gradient and swap in newer weights; replaces ``optimizer.step()``.
 
         The gradients (``p.grad``) are copied into this learner's ring and reset to None, as
-        ``optimizer.zero_grad()`` does, so no ``zero_grad()`` call is needed (one is harmless).
-        ``loss`` and ``batch_size`` are recorded with the gradient.
+        ``optimizer.zero_grad()`` does, so no ``zero_grad()`` call is needed; one before the
+        backward pass is harmless, except with ``--push-every W``: there the gradients of the
+        wave's mini-batches add up in ``p.grad``, and zeroing them in between loses all but the
+        last. ``loss`` and ``batch_size`` are recorded with the gradient.
         If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
 
         The job's sync mode decides what else happens: with ``--push-every W`` only every W-th call

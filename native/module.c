@@ -634,8 +634,9 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
     const float **src = NULL;
     uint64_t *len = NULL;
     int rc = 0;
-    if (count != PySequence_Fast_GET_SIZE(l) || count > UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "push_from: ptrs and lens differ in length");
+    if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count > psd_hdr(&a->map)->n_params) {
+        PyErr_SetString(PyExc_ValueError, "push_from: ptrs and lens must be as long as each other, and at most "
+                                          "one per parameter");
         goto out;
     }
     src = PyMem_Malloc(((size_t)count + 1) * sizeof *src);

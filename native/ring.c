@@ -200,8 +200,11 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
                   const float *const *src, const uint64_t *len, uint32_t count) {
     struct psd_header *h = psd_hdr(m);
     uint64_t total = 0;
-    for (uint32_t k = 0; k < count; k++)
+    for (uint32_t k = 0; k < count; k++) {
+        if (len[k] > h->n_params - total)
+            return EINVAL; /* more than the model (checked piece by piece: a sum could wrap) */
         total += len[k];
+    }
     if (total != h->n_params)
         return EINVAL;
     struct psd_entry *e;

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -366,21 +367,33 @@ static uint64_t spin_budget(const struct psd_loop *L, uint64_t gap_ewma, uint32_
  * naps and then drains what came meanwhile; a learner never rings. A nap lasts
  * half the time a learner takes to fill its ring (ring_k gradients, one every
  * `busy` gaps), so each wake-up finds several gradients and no learner waits
- * for ring space. After PSD_NAP_WINDOW_NS without a gradient the loop sleeps
- * on the doorbell, so an idle server still costs nothing. */
+ * for ring space; if learners do fill their rings, the gaps measured shrink
+ * and so do the naps. Not under bsp, or while learners wait for the slowest
+ * (ssp): they hold no core then. After PSD_NAP_WINDOW_NS without a gradient
+ * the loop sleeps on the doorbell, so an idle server still costs nothing.
+ * (`busy` counts attached learners, busy or not: an idle one makes naps
+ * longer until the busy ones fill their rings and the gaps measured shrink.) */
 #define PSD_NAP_MIN_NS (UINT64_C(10) * 1000)
 #define PSD_NAP_MAX_NS (UINT64_C(500) * 1000)
 #define PSD_NAP_WINDOW_NS (UINT64_C(20) * 1000 * 1000)
 
 static uint64_t nap_length(const struct psd_loop *L, uint64_t gap_ewma, uint32_t busy, uint64_t idle_ns) {
+    struct psd_header *h = psd_hdr(L->m);
     if (busy + L->threads <= L->cpus || !gap_ewma || idle_ns >= PSD_NAP_WINDOW_NS)
         return 0;
-    uint64_t nap = psd_hdr(L->m)->ring_k * busy * gap_ewma / 2;
+    /* Learners blocked on a round or on the slowest peer use no core, and the gradient that
+     * releases them must not wait out a nap: sleep on the doorbell instead. */
+    if (h->sync_mode == PSD_SYNC_BSP || PSD_LOAD_RLX(&h->sync_cond.waiters))
+        return 0;
+    uint64_t nap = h->ring_k * busy * gap_ewma / 2;
     return nap < PSD_NAP_MIN_NS ? PSD_NAP_MIN_NS : nap > PSD_NAP_MAX_NS ? PSD_NAP_MAX_NS : nap;
 }
 
 static void *loop_main(void *arg) {
     struct psd_loop *L = arg;
+#ifdef PR_SET_TIMERSLACK
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL); /* naps of 10 us, not the default 50 us of slack */
+#endif
     struct psd_header *h = psd_hdr(L->m);
     /* last_work: when the last gradient was taken (the gaps between them feed
      * gap_ewma); spin_from: when the current spin began. */
@@ -398,7 +411,10 @@ static void *loop_main(void *arg) {
             last_beat = now;
         }
         if (applied) {
-            uint64_t gap = now - last_work < PSD_SPIN_MAX_NS ? now - last_work : PSD_SPIN_MAX_NS;
+            /* The mean gap between the gradients this pass found (a pass after a nap finds all
+             * that arrived during it), so that naps track the learners' pace, not their own. */
+            uint64_t gap = (now - last_work) / applied;
+            gap = gap < PSD_SPIN_MAX_NS ? gap : PSD_SPIN_MAX_NS;
             gap_ewma = gap_ewma ? (7 * gap_ewma + gap) / 8 : gap;
             last_work = spin_from = now;
             continue;

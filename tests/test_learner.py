@@ -97,3 +97,39 @@ def test_detached_learner_refuses_to_step(job, serve):
     ps.close()
     with pytest.raises(learner.client.Error, match="detached"):
         ps.step()
+
+
+def test_gradients_of_every_kind_are_pushed_and_reset(job, serve):
+    """Sparse, non-contiguous and missing gradients reach the server as the dense gradient; a
+    gradient left from before attaching is dropped; after step() every p.grad is None."""
+    serve(job, "--learners", "1", "--lr", "1")
+    m = torch.nn.Module()
+    m.emb = torch.nn.Embedding(5, 2, sparse=True)
+    m.mat = torch.nn.Parameter(torch.zeros(3, 4))
+    m.unused = torch.nn.Parameter(torch.zeros(2))
+    torch.nn.init.zeros_(m.emb.weight)
+    m.mat.grad = torch.ones(3, 4)  # from before attaching: not pushed
+    with learner.attach(m, job=job) as ps:
+        assert all(p.grad is None for p in m.parameters())
+        m.emb(torch.tensor([1, 3, 3])).sum().backward()
+        assert m.emb.weight.grad.is_sparse
+        m.mat.grad = torch.arange(12.0).reshape(4, 3).t()  # non-contiguous
+        ps.step()
+        assert all(p.grad is None for p in m.parameters())
+        ps.flush()
+    w = learner.pull_state_dict(job)
+    expected_emb = torch.zeros(5, 2)
+    expected_emb[1], expected_emb[3] = -1.0, -2.0
+    assert torch.equal(w["emb.weight"], expected_emb)
+    assert torch.equal(w["mat"], -torch.arange(12.0).reshape(4, 3).t())
+    assert torch.equal(w["unused"], torch.zeros(2))
+
+
+def test_push_from_refuses_lengths_that_are_not_the_model(job, serve):
+    serve(job, "--learners", "1")
+    with learner.attach(Flat(), job=job) as ps:
+        a = ps._arena
+        for lens in ([2**64 - 1, 68], [64], [64, 3, 1], [0] * 68):
+            with pytest.raises(ValueError):
+                a.push_from(ps.slot, 0, 1, 0.0, 1.0, [0] * len(lens), lens)
+        assert a.tail(ps.slot) == 0  # nothing was published
