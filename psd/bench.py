@@ -570,8 +570,11 @@ def run(cfg: BenchConfig, log=print) -> dict:
     threads = sorted({1, max(1, _native.omp_info()["max_threads"])})
     out: dict = {"psd_version": __version__, "cpus": len(os.sched_getaffinity(0)), "limit": [], "update_loop": []}
     for t in threads:
-        lim = limit(cfg.limit_size, t)
-        loop = update_loop(cfg.limit_size, t)
+        lims, loops = [], []
+        for _ in range(max(1, cfg.reps)):  # taking turns, as the round trips do
+            lims.append(limit(cfg.limit_size, t))
+            loops.append(update_loop(cfg.limit_size, t))
+        lim, loop = statistics.median(lims), statistics.median(loops)
         out["limit"].append({"params": cfg.limit_size, "threads": t, "gbs": lim})
         out["update_loop"].append({"params": cfg.limit_size, "threads": t, "gbs": loop,
                                    "fraction_of_limit": loop / lim})

@@ -152,8 +152,8 @@ def _cores(learners: int | None, threads: int | None) -> Check:
     if busy > cores:
         return Check("warn", "cores", detail + ": oversubscribed",
                      "give each learner one torch thread (psd run does: OMP_NUM_THREADS), or use fewer "
-                     "learners; the update loop then naps between gradients instead of spinning, and "
-                     "keeps up as long as the learners leave it time")
+                     "learners; the update loop then naps between gradients instead of spinning, but gets "
+                     "only its fair share of a core")
     return Check("ok", "cores", detail)
 
 
