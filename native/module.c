@@ -261,43 +261,42 @@ static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
     return Py_BuildValue("{s:i,s:i}", "max_threads", omp_get_max_threads(), "num_procs", omp_get_num_procs());
 }
 
-static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer w, g;
-    float lr;
-    int threads;
-    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &threads))
-        return NULL;
-    if (w.len != g.len || w.len % (Py_ssize_t)sizeof(float)) {
-        PyBuffer_Release(&w);
-        PyBuffer_Release(&g);
-        PyErr_SetString(PyExc_ValueError, "apply_sgd: w and g must be float32 buffers of one size");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS psd_apply_sgd(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, threads);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&w);
-    PyBuffer_Release(&g);
-    Py_RETURN_NONE;
+/* apply_sgd / apply_sgd_kernel: w -= lr*g in place through `fn`, whose last
+ * argument (threads, or which kernel) comes from Python; EINVAL: no such kernel. */
+typedef int (*sgd_fn)(float *restrict w, const float *restrict g, uint64_t n, float lr, int arg);
+
+static int sgd_threads(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
+    psd_apply_sgd(w, g, n, lr, threads);
+    return 0;
 }
 
-static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
-    (void)self;
+static PyObject *sgd_call(PyObject *args, const char *name, sgd_fn fn) {
     Py_buffer w, g;
     float lr;
-    int kernel, rc = 0;
-    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &kernel))
+    int arg, rc = 0;
+    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &arg))
         return NULL;
     if (w.len != g.len || w.len % (Py_ssize_t)sizeof(float)) {
-        PyErr_SetString(PyExc_ValueError, "apply_sgd_kernel: w and g must be float32 buffers of one size");
+        PyErr_Format(PyExc_ValueError, "%s: w and g must be float32 buffers of one size", name);
     } else {
-        Py_BEGIN_ALLOW_THREADS rc = psd_apply_sgd_kernel(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, kernel);
-        Py_END_ALLOW_THREADS if (rc) PyErr_Format(PyExc_ValueError, "apply_sgd_kernel: no kernel %d", kernel);
+        Py_BEGIN_ALLOW_THREADS rc = fn(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, arg);
+        Py_END_ALLOW_THREADS if (rc) PyErr_Format(PyExc_ValueError, "%s: no kernel %d", name, arg);
     }
     PyBuffer_Release(&w);
     PyBuffer_Release(&g);
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
+    (void)self;
+    return sgd_call(args, "apply_sgd", sgd_threads);
+}
+
+static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
+    (void)self;
+    return sgd_call(args, "apply_sgd_kernel", psd_apply_sgd_kernel);
 }
 
 /* ---- Arena methods ------------------------------------------------------ */

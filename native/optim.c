@@ -126,8 +126,6 @@ static void step_range(const struct psd_header *h, const struct step_scalars *k,
     }
 }
 
-#define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item */
-
 void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
                         uint64_t n, double lr, uint64_t t, int threads) {
     struct step_scalars k = {0};

@@ -94,6 +94,10 @@ int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim) {
     return rc;
 }
 
+#define PSD_EXP_MASK 0x7f800000u /* a float's exponent bits: all ones is inf or nan */
+
+static inline uint32_t nonfinite(uint32_t bits) { return (bits & PSD_EXP_MASK) == PSD_EXP_MASK; }
+
 /* Scale the gradient in place (unless scale is 1); whether it is all finite. */
 static bool scale_and_check(float *g, uint64_t n, float scale) {
     uint32_t bad = 0;
@@ -102,7 +106,7 @@ static bool scale_and_check(float *g, uint64_t n, float scale) {
             g[i] *= scale;
     const uint32_t *bits = (const uint32_t *)g;
     for (uint64_t i = 0; i < n; i++)
-        bad |= (bits[i] & 0x7f800000u) == 0x7f800000u; /* exponent all ones: inf or nan */
+        bad |= nonfinite(bits[i]);
     return !bad;
 }
 
@@ -118,7 +122,7 @@ static uint32_t copy_check(float *restrict dst, const float *restrict src, uint6
         float v = src[i] * scale;
         uint32_t b;
         memcpy(&b, &v, sizeof b);
-        bad |= (b & 0x7f800000u) == 0x7f800000u;
+        bad |= nonfinite(b);
         dst[i] = v;
     }
     return bad;
@@ -136,7 +140,7 @@ static uint32_t copy_check_stream(float *restrict dst, const float *restrict src
     for (; i < n && ((uintptr_t)(dst + i) & 15); i++) /* up to a 16-byte boundary */
         bad |= copy_check(dst + i, src + i, 1, scale);
     const __m128 k = _mm_set1_ps(scale);
-    const __m128i exp = _mm_set1_epi32(0x7f800000);
+    const __m128i exp = _mm_set1_epi32((int)PSD_EXP_MASK);
     __m128i acc = _mm_setzero_si128();
     for (; i + 8 <= n; i += 8) {
         __m128 a = _mm_mul_ps(_mm_loadu_ps(src + i), k), b = _mm_mul_ps(_mm_loadu_ps(src + i + 4), k);

@@ -61,57 +61,45 @@ __attribute__((optimize("no-tree-vectorize", "no-unroll-loops"))) static void sg
 }
 #endif
 
+static void sgd_vectorised(float *restrict w, const float *restrict g, uint64_t n, float lr) {
+    for (uint64_t i = 0; i < n; i++)
+        w[i] -= lr * g[i];
+}
+
 #define SGD_V4(off) store4(w + i + (off), load4(w + i + (off)) - k * load4(g + i + (off)))
+#define SGD_V16(off) (SGD_V4(off), SGD_V4((off) + 4), SGD_V4((off) + 8), SGD_V4((off) + 12))
 
 static void sgd_unroll4(float *restrict w, const float *restrict g, uint64_t n, float lr) {
     const psd_v4 k = {lr, lr, lr, lr};
     uint64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        SGD_V4(0);
-        SGD_V4(4);
-        SGD_V4(8);
-        SGD_V4(12);
-    }
-    for (; i < n; i++)
-        w[i] -= lr * g[i];
+    for (; i + 16 <= n; i += 16)
+        SGD_V16(0);
+    sgd_vectorised(w + i, g + i, n - i, lr);
 }
 
 static void sgd_unroll8(float *restrict w, const float *restrict g, uint64_t n, float lr) {
     const psd_v4 k = {lr, lr, lr, lr};
     uint64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        SGD_V4(0);
-        SGD_V4(4);
-        SGD_V4(8);
-        SGD_V4(12);
-        SGD_V4(16);
-        SGD_V4(20);
-        SGD_V4(24);
-        SGD_V4(28);
+        SGD_V16(0);
+        SGD_V16(16);
     }
-    for (; i < n; i++)
-        w[i] -= lr * g[i];
+    sgd_vectorised(w + i, g + i, n - i, lr);
 }
-
-static void sgd_vectorised(float *restrict w, const float *restrict g, uint64_t n, float lr) {
-    for (uint64_t i = 0; i < n; i++)
-        w[i] -= lr * g[i];
-}
-
-#define PSD_SGD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item */
 
 /* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
- * vectors in cache, the same once memory is the limit: `psd bench`). */
+ * vectors in cache in some runs, never slower; the same once memory is the
+ * limit: `psd bench`). */
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
     /* Small vectors are not worth waking a team. */
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         sgd_unroll4(w, g, n, lr);
         return;
     }
-    int64_t chunks = (int64_t)((n + PSD_SGD_CHUNK - 1) / PSD_SGD_CHUNK);
+    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
-        uint64_t lo = (uint64_t)c * PSD_SGD_CHUNK, hi = lo + PSD_SGD_CHUNK < n ? lo + PSD_SGD_CHUNK : n;
+        uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
         sgd_unroll4(w + lo, g + lo, hi - lo, lr);
     }
 }

@@ -164,15 +164,16 @@ def _percentiles(ns: list[int]) -> tuple[float, float]:
     return s[len(s) // 2] / 1000, s[min(len(s) - 1, int(len(s) * 0.99))] / 1000
 
 
-def _psd_null_learner(job: str, n: int, duration: float, barrier, q) -> None:
+def _psd_null_learner(job: str, n: int, device: str, duration: float, barrier, q) -> None:
+    """A learner whose gradient is precomputed (on ``device``: a GPU model is a DeviceLearner)."""
     import torch
 
     from psd import learner
 
     torch.set_num_threads(1)
     m = torch.nn.Module()
-    m.w = torch.nn.Parameter(torch.zeros(n))
-    g = torch.full((n,), 1e-6)
+    m.w = torch.nn.Parameter(torch.zeros(n, device=device))
+    g = torch.full((n,), 1e-6, device=device)
     with learner.attach(m, job=job, timeout=120) as ps:
         for _ in range(ps._k + 1):  # touch every ring entry once: page faults are set-up, not traffic
             m.w.grad = g
@@ -232,27 +233,6 @@ def _ddp_null(rank: int, world: int, port: int, n: int, steps: int, q) -> None:
     q.put({"updates": steps * world, "elapsed": elapsed})
 
 
-def _psd_gpu_null_learner(job: str, n: int, device: str, duration: float, barrier, q) -> None:
-    import torch
-
-    from psd import learner
-
-    torch.set_num_threads(1)
-    m = torch.nn.Module()
-    m.w = torch.nn.Parameter(torch.zeros(n, device=device))
-    g = torch.full((n,), 1e-6, device=device)
-    with learner.attach(m, job=job, timeout=120) as ps:
-        barrier.wait()
-        k = 0
-        end = time.perf_counter() + duration
-        while time.perf_counter() < end:
-            m.w.grad.copy_(g)  # on the device, as a backward pass would leave it
-            ps.step()
-            k += 1
-        ps.flush()
-        q.put({"updates": k, "lat": []})
-
-
 def host_device_gbs(device: str = "cuda:0", mib: int = 256) -> dict:
     """Pinned host <-> device copy bandwidth, GB/s each way (the ceiling of a GPU learner's traffic)."""
     import torch
@@ -292,7 +272,7 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
             server.start()
             stop = _server_thread(server)
             try:
-                results, elapsed = _timed([(_psd_gpu_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration))
+                results, elapsed = _timed([(_psd_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration))
                                            for r in range(k)])
             finally:
                 stop()
@@ -350,7 +330,7 @@ def _psd_round_trip(n: int, learners: int, duration: float) -> dict:
     server.start()
     stop = _server_thread(server)
     try:
-        results, elapsed = _timed([(_psd_null_learner, (job, n, duration))] * learners)
+        results, elapsed = _timed([(_psd_null_learner, (job, n, "cpu", duration))] * learners)
     finally:
         stop()
     updates = sum(r["updates"] for r in results)

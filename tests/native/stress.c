@@ -106,6 +106,14 @@ static void test_dead_cond_waiter(void) {
     atomic_store(&c->waiters, 0);
 }
 
+/* Detach learner i and wait until the update loop has drained and freed its slot. */
+static void release_and_wait(struct psd_map *m, int i, uint32_t slot, uint64_t claim) {
+    int rc = psd_slot_release(m, slot, claim);
+    CHECK(rc == 0, "release %d: %s", i, psd_strerror(rc));
+    rc = psd_wait_freed(m, slot, claim, 5ull * 1000 * 1000 * 1000);
+    CHECK(rc == 0, "wait freed %d: %s", i, psd_strerror(rc));
+}
+
 struct producer {
     pthread_t thread;
     uint32_t slot;
@@ -196,12 +204,8 @@ static void test_rings(void) {
         pthread_join(prods[i].thread, NULL);
         CHECK(prods[i].rc == 0, "producer %d: %s", i, psd_strerror(prods[i].rc));
     }
-    for (int i = 0; i < SLOTS; i++) {
-        rc = psd_slot_release(&map, prods[i].slot, prods[i].claim);
-        CHECK(rc == 0, "release %d: %s", i, psd_strerror(rc));
-        rc = psd_wait_freed(&map, prods[i].slot, prods[i].claim, 5ull * 1000 * 1000 * 1000);
-        CHECK(rc == 0, "wait freed %d: %s", i, psd_strerror(rc));
-    }
+    for (int i = 0; i < SLOTS; i++)
+        release_and_wait(&map, i, prods[i].slot, prods[i].claim);
     psd_loop_stop(loop);
     struct psd_header *h = psd_hdr(&map);
     float *w = psd_weights(&map);
@@ -322,12 +326,8 @@ static void test_sync_mode(uint32_t mode) {
         pthread_join(ls[i].thread, NULL);
         CHECK(ls[i].rc == 0, "sync learner %d: %s", i, psd_strerror(ls[i].rc));
     }
-    for (int i = 0; i < SLOTS; i++) {
-        rc = psd_slot_release(&m, ls[i].slot, ls[i].claim);
-        CHECK(rc == 0, "release %d: %s", i, psd_strerror(rc));
-        rc = psd_wait_freed(&m, ls[i].slot, ls[i].claim, 5ull * 1000 * 1000 * 1000);
-        CHECK(rc == 0, "wait freed %d: %s", i, psd_strerror(rc));
-    }
+    for (int i = 0; i < SLOTS; i++)
+        release_and_wait(&m, i, ls[i].slot, ls[i].claim);
     psd_loop_stop(loop);
     struct psd_header *h = psd_hdr(&m);
     float *w = psd_weights(&m);
