@@ -20,21 +20,7 @@ import sys
 import torch
 
 from psd import learner
-
-INTENTS = ["balance", "transfer", "card_lost", "open_account", "loan", "address_change", "complaint", "hours"]
-
-
-def make_utterances(seed: int, n: int, vocab: int = 500, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    """n utterances of ``length`` word ids and their intent labels."""
-    g = torch.Generator().manual_seed(seed)
-    keywords = torch.arange(len(INTENTS) * 6).view(len(INTENTS), 6) + 1  # ids 1..48 are keywords
-    y = torch.randint(len(INTENTS), (n,), generator=g)
-    words = torch.randint(len(INTENTS) * 6 + 1, vocab, (n, length), generator=g)  # filler words
-    k = 2 + torch.randint(2, (n,), generator=g)
-    for i in range(n):
-        pos = torch.randperm(length, generator=g)[: k[i]]
-        words[i, pos] = keywords[y[i], torch.randint(6, (int(k[i]),), generator=g)]
-    return words, y
+from psd.workloads import INTENTS, make_utterances
 
 
 class BagOfEmbeddings(torch.nn.Module):

@@ -1,13 +1,15 @@
 """The learner client: attach a PyTorch model to a psd job and train through it.
 
-A learner claims one slot of the job's arena. Gradients are computed straight
-into the slot's ring: before each backward pass every ``p.grad`` is a view into
-the next free ring entry, so a push is only the store-release of the ring's
-tail (no copy, and nothing left for a push thread to do). Weights come back
-through a pull thread that copies the shared weights into a second private
-buffer whenever the server's clock has moved; ``step()`` swaps that buffer in
-by re-pointing the parameters, so a forward pass never sees weights change
-under it. Both hand-offs are queues of one, as in GaDei.
+A learner claims one slot of the job's arena. ``step()`` copies the
+mini-batch's gradients (``p.grad``, in the model's dtype; sparse embedding
+gradients as their rows) into the next free entry of the slot's ring in one C
+pass that converts and checks them, with how far the model's buffers (BatchNorm
+statistics) moved since they were last pulled, then store-releases the ring's
+tail. Weights come back through a pull thread that copies the shared weights
+into a second private buffer whenever the server's clock has moved; ``step()``
+swaps that buffer in by re-pointing the parameters, so a forward pass never sees
+weights change under it, and takes the job's merged buffers with it. Both
+hand-offs are queues of one, as in GaDei.
 """
 
 from __future__ import annotations
@@ -21,8 +23,28 @@ import time
 import torch
 
 from psd import _native
-from psd.arena import ParamSpec, decode_spec, default_job, encode_spec, first_difference, open_job, shm_path
+from psd.arena import (
+    ParamSpec,
+    decode_spec,
+    default_job,
+    encode_spec,
+    first_difference,
+    model_sizes,
+    open_job,
+    piece_geometry,
+    shm_path,
+)
 from psd.errors import ArenaBusy, Error, NoFreeSlot, OutOfSharedMemory, ServerGone, SpecError, StateError, Timeout
+from psd.state import (
+    PARAM_DTYPES,
+    buffer_groups,
+    buffers_view,
+    model_spec,
+    split,
+    state_dict_of,
+    torch_dtype,
+    weights_view,
+)
 
 __all__ = ["DeviceLearner", "Learner", "attach", "pull_state_dict"]
 
@@ -34,30 +56,14 @@ INLINE_PULL_BYTES = 256 * 1024
 STALENESS_WINDOW = 64
 
 
-def _spec_of(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.nn.Parameter]]:
-    spec, params = [], []
-    for name, p in model.named_parameters():
-        if p.dtype != torch.float32:
-            raise SpecError(f"parameter {name!r} is {p.dtype}; psd trains float32 weights (call model.float())")
-        if params and p.device != params[0].device:
-            raise SpecError(f"parameter {name!r} is on {p.device} but {spec[0].name!r} on {params[0].device}; "
-                            f"a psd learner's model lives on one device (model.to(device))")
-        spec.append(ParamSpec(name, tuple(p.shape)))
-        params.append(p)
-    if not params:
-        raise SpecError("the model has no parameters to train")
-    return spec, params
+def _sparse_tensors(model: torch.nn.Module, train: list[torch.Tensor]) -> list[int]:
+    """Indices (among the trainable tensors) of embedding tables that get sparse gradients."""
+    sparse = {id(m.weight) for m in model.modules()
+              if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse}
+    return [k for k, p in enumerate(train) if id(p) in sparse]
 
 
-def _views(flat: torch.Tensor, spec: list[ParamSpec]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for p in spec:
-        out.append(flat[off:off + p.numel].view(p.shape))
-        off += p.numel
-    return out
-
-
-def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], n: int, params: list,
+def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], params: list, buffers: list,
                 timeout: float) -> None:
     """Bring the arena to READY: offer our spec if it has none, and if ours is taken, write our weights."""
     me = os.getpid()
@@ -70,7 +76,7 @@ def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], n: int, p
             raise Error(f"job {job!r} is stopping; start its server again with `psd serve --job {job}`")
         if st == _native.ARENA_WAITING_SPEC:
             data, digest = encode_spec(spec)
-            if arena.set_spec(data, digest, n, me, _native.proc_start_time(me)):
+            if arena.set_spec(data, digest, model_sizes(spec), me, _native.proc_start_time(me)):
                 arena.wait_state(_native.ARENA_SPEC_OFFERED, deadline.left())
                 if arena.state == _native.ARENA_WAITING_SPEC:
                     msg = arena.header()["fail_msg"]
@@ -79,10 +85,12 @@ def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], n: int, p
                 continue
         elif st == _native.ARENA_INIT_WEIGHTS and arena.header()["offer_pid"] == me:
             arena.remap()
-            off = arena.header()["weights_off"]
-            w = torch.frombuffer(arena, dtype=torch.float32, count=n, offset=off)
-            w.copy_(torch.cat([p.detach().reshape(-1) for p in params]))  # the model may be on a GPU
-            del w
+            h = arena.header()
+            w, b = weights_view(arena, h), buffers_view(arena, h)
+            w.copy_(torch.cat([p.detach().reshape(-1).float() for p in params]))  # the model may be on a GPU
+            if buffers:
+                b.copy_(torch.cat([t.detach().reshape(-1).double() for t in buffers]))
+            del w, b
             arena.set_state(_native.ARENA_READY)
             return
         if deadline.expired():
@@ -119,14 +127,24 @@ class Learner:
         threads = os.environ.get("PSD_THREADS")  # set by `psd run` so N learners share the cores
         if threads and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        spec, params = _spec_of(model)
-        self._spec, self._params = spec, params
-        self._numels = tuple(p.numel() for p in params)
-        self.n_params = n = sum(p.numel for p in spec)
-        # Two private weight buffers: the model trains on the front one; the pull thread fills the other.
+        spec, params, owners = model_spec(model)
+        self._spec, self._params = spec, params  # params: the trainable ones, then the frozen ones
+        self.n_params, self.n_train, self.n_buffers, self.n_pieces = model_sizes(spec)
+        n = self.n_params
+        self._train = params[:self.n_pieces]
+        self._numels = tuple(p.numel() for p in self._train)
+        self._row_lens = tuple(r for _, r in piece_geometry(spec))
+        self.dtype = params[0].dtype
+        self._dtype_code = PARAM_DTYPES[self.dtype]
+        self._sparse = _sparse_tensors(model, self._train)
+        self._wspec = wspec = [p for p in spec if p.kind != "buffer"]
+        # Two private float32 weight buffers: the model trains on the front one; the pull thread fills
+        # the other. A bfloat16 / float16 model trains on its own copy of the front, in its dtype.
         self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
-        self._buf_views = [_views(b, spec) for b in self._bufs]
+        self._buf_views = [split(b, wspec) for b in self._bufs]
+        self._lowp = None if self.dtype == torch.float32 else torch.empty(n, dtype=self.dtype)
         self._front = 0
+        self._adopt_buffers(spec, owners)
         self.pushed = 0
         self.push_ns = 0  # how long the last push took: the copy into the ring and the publish
         self.reconnects = 0
@@ -138,16 +156,73 @@ class Learner:
 
     # -- connecting ---------------------------------------------------------
 
+    def _adopt_buffers(self, spec: list[ParamSpec], owners: list[tuple[torch.nn.Module, str]]) -> None:
+        """Make the model's buffers views of one private tensor per dtype, so that pushing how far they
+        moved and taking the job's merged values are one copy per dtype, not one per buffer."""
+        self._bgroups = []
+        self._bcur = torch.empty(self.n_buffers, dtype=torch.float64)  # this learner's values now
+        self._bbase = torch.empty(self.n_buffers, dtype=torch.float64)  # ... when it last pulled them
+        self._bdelta = torch.empty(self.n_buffers, dtype=torch.float64)  # the difference, pushed
+        specs = [p for p in spec if p.kind == "buffer"]
+        i = 0
+        for lo, hi, dt in buffer_groups(spec):  # the spec lists buffers grouped by dtype
+            members = []
+            while i < len(specs) and torch_dtype(specs[i].dtype) == dt:
+                members.append((specs[i], owners[i]))
+                i += 1
+            old = [getattr(mod, attr) for _, (mod, attr) in members]
+            flat = torch.cat([t.detach().reshape(-1) for t in old]).to(dt)
+            for (_, (mod, attr)), v in zip(members, split(flat, [p for p, _ in members]), strict=True):
+                setattr(mod, attr, v)
+            self._bgroups.append((lo, hi, flat))
+        self._bbase.copy_(self._buffers_now())
+
+    def _buffers_now(self) -> torch.Tensor:
+        """This learner's buffer values, as float64 (into its own tensor)."""
+        for lo, hi, flat in self._bgroups:
+            self._bcur[lo:hi].copy_(flat)
+        return self._bcur
+
+    def _buffer_delta(self) -> int | None:
+        """The address of how far the buffers moved since they were last pulled (None: no buffers).
+        The job adds it to its buffers, so they follow every learner's batches in turn."""
+        if not self.n_buffers:
+            return None
+        torch.sub(self._buffers_now(), self._bbase, out=self._bdelta)
+        self._bbase.copy_(self._bcur)
+        return self._bdelta.data_ptr()
+
+    def _pull_buffers(self) -> None:
+        """Take the job's merged buffers into the model (with the weights that came with them)."""
+        if not self.n_buffers:
+            return
+        self._bbase.copy_(self._arena_buffers)
+        for lo, hi, flat in self._bgroups:
+            flat.copy_(self._bbase[lo:hi])
+
+    def _check_sparse(self, arena: _native.Arena) -> None:
+        if not self._sparse:
+            return
+        t, h = arena.training(), arena.header()
+        if t["optimizer"] not in ("sgd", "adagrad") or h["weight_decay"]:
+            names = ", ".join(repr(self._spec[k].name) for k in self._sparse)
+            raise SpecError(f"job {self.job!r} trains with --optimizer {t['optimizer']}"
+                            f"{' and weight decay' if h['weight_decay'] else ''}, which does not take the sparse "
+                            f"gradients of {names} (nn.Embedding(sparse=True)); serve the job with --optimizer sgd "
+                            f"or adagrad and no --weight-decay (as torch.optim), or make the embedding dense")
+
     def _connect(self, slot_timeout: float) -> None:
         """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
         arena = open_job(self.job)
         try:
             if arena.state != _native.ARENA_READY:
-                _wait_ready(arena, self.job, self._spec, self.n_params, self._params, self.timeout)
+                buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
+                _wait_ready(arena, self.job, self._spec, self._params, buffers, self.timeout)
             arena.remap()
             mismatch = first_difference(self.job, self._spec, decode_spec(arena.spec()))
             if mismatch:
                 raise mismatch
+            self._check_sparse(arena)
             self._arena = arena
             self._claim(slot_timeout)
         except BaseException:
@@ -217,10 +292,16 @@ class Learner:
         a, n = self._arena, self.n_params
         h = a.header()
         self._k = h["ring_k"]
-        self._weights = torch.frombuffer(a, dtype=torch.float32, count=n, offset=h["weights_off"])
+        self._weights = weights_view(a, h)
+        self._arena_buffers = buffers_view(a, h)
         self.clock = a.clock()
         self._bufs[self._front].copy_(self._weights)
+        if self._lowp is not None:  # the parameters stay views of the model-dtype copy
+            with torch.no_grad():
+                for p, v in zip(self._params, split(self._lowp, self._wspec), strict=True):
+                    p.data = v
         self._point(self._front)
+        self._sync_model()
         self._tail = a.tail(self.slot)
         for p in self._params:
             p.grad = None  # a gradient from before attaching is not this job's
@@ -239,7 +320,7 @@ class Learner:
             self._puller = None
         for p in self._params:
             p.grad = None
-        self._weights = self._entries = None
+        self._weights = self._entries = self._arena_buffers = None
         try:
             self._arena.close()
         except ArenaBusy:
@@ -296,26 +377,40 @@ class Learner:
 
     # -- gradients ----------------------------------------------------------
 
-    def _take_gradients(self) -> tuple[list, list[int]]:
-        """This mini-batch's gradients (kept alive for the copy) and their addresses (0: none).
+    def _take_gradients(self) -> tuple[list, list[int], list | None]:
+        """This mini-batch's gradients (kept alive for the copy), their addresses (0: none) and the
+        sparse ones' rows ((tensor index, rows address, row count, row length), or None).
 
         Every ``p.grad`` is reset to None, as ``zero_grad()`` does: the next backward pass writes
-        fresh gradients instead of adding into zeroed ones, which saves a pass over the model.
+        fresh gradients instead of adding into zeroed ones, which saves a pass over the model. A
+        parameter without a gradient gets no update from this push at all, as in torch.optim.
         """
-        grads, ptrs = [], []
-        for p in self._params:
+        keep, ptrs, sparse = [], [], None
+        for k, p in enumerate(self._train):
             g = p.grad
             if g is None:
                 ptrs.append(0)
-            else:
-                if g.layout != torch.strided:
-                    g = g.to_dense()  # sparse (any layout) or mkldnn
-                if not g.is_contiguous():
-                    g = g.contiguous()
-                ptrs.append(g.data_ptr())
-                p.grad = None
-            grads.append(g)
-        return grads, ptrs
+                continue
+            p.grad = None
+            if g.layout == torch.sparse_coo and k in self._sparse and g.sparse_dim() == 1:
+                g = g.coalesce()  # repeated rows add up first (Adagrad squares the sum)
+                rows, vals = g.indices()[0].contiguous(), g.values().to(self.dtype).contiguous()
+                if rows.numel() == 0:
+                    ptrs.append(0)
+                    continue
+                keep += [rows, vals]
+                ptrs.append(vals.data_ptr())
+                sparse = (sparse or []) + [(k, rows.data_ptr(), rows.numel(), self._row_lens[k])]
+                continue
+            if g.layout != torch.strided:
+                g = g.to_dense()  # sparse (any layout) or mkldnn
+            if g.dtype != self.dtype:
+                g = g.to(self.dtype)
+            if not g.is_contiguous():
+                g = g.contiguous()
+            keep.append(g)
+            ptrs.append(g.data_ptr())
+        return keep, ptrs, sparse
 
     def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1) -> None:
         """Push this mini-batch's gradient and swap in newer weights; replaces ``optimizer.step()``.
@@ -344,9 +439,10 @@ class Learner:
         if self.predict and self._tail >= self._k:
             self._sample_staleness(self._tail - self._k)
         rounds = a.rounds() if self.sync == "bsp" else 0
-        grads, ptrs = self._take_gradients()
+        grads, ptrs, sparse = self._take_gradients()
         t0 = time.perf_counter_ns()
-        a.push_from(self.slot, self.clock, int(batch_size), lv, 1.0 / size, ptrs, self._numels)
+        a.push_from(self.slot, self.clock, int(batch_size), lv, 1.0 / size, ptrs, self._numels, self._dtype_code,
+                    self._buffer_delta(), sparse)
         self.push_ns = time.perf_counter_ns() - t0
         del grads
         self._tail += 1
@@ -376,8 +472,10 @@ class Learner:
                 self._point(taken[0])
                 self.clock = taken[1]
             self._puller.request()
-        if self.predict and self.clock != before:
-            self._predict()
+        if self.clock != before:
+            if self.predict:
+                self._predict()
+            self._sync_model()
 
     def _end_of_wave(self, loss, batch_size: int):
         """Count one mini-batch of the wave (``--push-every``): None while the wave goes on, else
@@ -435,12 +533,19 @@ class Learner:
     # -- weights ------------------------------------------------------------
 
     def _point(self, index: int) -> None:
-        """Make buffer ``index`` the front: the model's parameters become views of it."""
+        """Make buffer ``index`` the front: a float32 model's parameters become views of it."""
         self._front = index
         self._front_array = self._bufs[index].numpy()
-        with torch.no_grad():
-            for p, v in zip(self._params, self._buf_views[index], strict=True):
-                p.data = v
+        if self._lowp is None:
+            with torch.no_grad():
+                for p, v in zip(self._params, self._buf_views[index], strict=True):
+                    p.data = v
+
+    def _sync_model(self) -> None:
+        """New weights are in the front buffer: bring them to a low-precision model, with the job's buffers."""
+        if self._lowp is not None:
+            self._lowp.copy_(self._bufs[self._front])
+        self._pull_buffers()
 
     def pull(self) -> int:
         """Copy the current shared weights into the model now; returns their clock."""
@@ -451,6 +556,7 @@ class Learner:
         clock = self._arena.clock()
         self._bufs[self._front].copy_(self._weights)
         self.clock = clock
+        self._sync_model()
         if self._puller is not None:
             self._puller.set_front_clock(clock)
         self._arena.note_pull(self.slot, clock, False)
@@ -504,6 +610,10 @@ class DeviceLearner(Learner):
         from psd.learner.device import streams_for
 
         dev = next(iter(model.parameters())).device
+        dtype = next(iter(model.parameters())).dtype
+        if dtype != torch.float32:
+            raise SpecError(f"a learner on {dev} trains a float32 model for now (this one is {dtype}): call "
+                            f"model.float() and train with torch.autocast for bfloat16 / float16 speed")
         self._streams = streams if streams is not None else streams_for(dev)
         self._pipe = None
         super().__init__(model, job, **kw)
@@ -515,26 +625,31 @@ class DeviceLearner(Learner):
     def _map_buffers(self) -> None:
         from psd.learner.device import DevicePipe
 
-        a, n, spec = self._arena, self.n_params, self._spec
+        a, n = self._arena, self.n_params
         h = a.header()
         self._k = h["ring_k"]
-        self._weights = torch.frombuffer(a, dtype=torch.float32, count=n, offset=h["weights_off"])
-        self._entries = [torch.frombuffer(a, dtype=torch.float32, count=n, offset=a.grad_offset(self.slot, k))
-                         for k in range(self._k)]
+        self._weights = weights_view(a, h)
+        self._arena_buffers = buffers_view(a, h)
+        self._entries = [torch.frombuffer(a, dtype=torch.float32, count=self.n_train,
+                                          offset=a.grad_offset(self.slot, k)) for k in range(self._k)]
+        # Buffer deltas, one per ring entry: the push thread publishes them with their gradient.
+        self._bstages = [torch.empty(self.n_buffers, dtype=torch.float64) for _ in range(self._k)]
         self._streams.register(a)
-        self._pipe = p = DevicePipe(self._streams, n, self._entries, self._weights, self._publish)
+        self._pipe = p = DevicePipe(self._streams, n, self._entries, self._weights, self._publish, self.n_train)
         self._tail = a.tail(self.slot)
         self.clock = a.clock()
         p.pull_now()
-        self._staging_views = [_views(g, spec) for g in p.grad]
-        self._w_views = [_views(w, spec) for w in p.w]
+        self._pull_buffers()
+        self._staging_views = [split(g, self._wspec[:self.n_pieces]) for g in p.grad]
+        self._w_views = [split(w, self._wspec) for w in p.w]
         self._point_device()
         self._arm_device()
         self._puller = None
 
     def _publish(self, index: int, clock: int, batch: int, loss: float) -> None:
         """Push thread: the copy into entry ``index`` is complete; advance the tail past it."""
-        self._arena.push(self.slot, clock, batch, loss, 1.0)
+        delta = self._bstages[index % self._k].data_ptr() if self.n_buffers else None
+        self._arena.push(self.slot, clock, batch, loss, 1.0, delta)
 
     def _point_device(self) -> None:
         with torch.no_grad():
@@ -542,7 +657,7 @@ class DeviceLearner(Learner):
                 prm.data = v
 
     def _arm_device(self) -> None:
-        for prm, v in zip(self._params, self._grad_views(), strict=True):
+        for prm, v in zip(self._train, self._grad_views(), strict=True):
             prm.grad = v
 
     def _grad_views(self) -> list[torch.Tensor]:
@@ -551,12 +666,12 @@ class DeviceLearner(Learner):
 
     def _collect(self) -> None:
         """Bring gradients that are not where they go (user reset p.grad) into the staging buffer."""
-        for p, v in zip(self._params, self._grad_views(), strict=True):
+        for p, v in zip(self._train, self._grad_views(), strict=True):
             g = p.grad
             if g is None:
                 v.zero_()
             elif g.data_ptr() != v.data_ptr():
-                v.copy_(g)
+                v.copy_(g.to_dense() if g.layout != torch.strided else g)
 
     def _unmap(self) -> None:
         if self._pipe is not None:
@@ -587,6 +702,10 @@ class DeviceLearner(Learner):
             if self._arena is not a:
                 return
         rounds = a.rounds() if self.sync == "bsp" else 0
+        if self.n_buffers:
+            delta = self._buffer_delta()
+            self._bstages[self._tail % self._k].copy_(self._bdelta)
+            del delta
         pipe.push(self._tail, self.clock, int(batch_size), lv)
         self._tail += 1
         self.pushed += 1
@@ -602,6 +721,7 @@ class DeviceLearner(Learner):
         if clock is not None:
             self.clock = clock
             self._point_device()
+            self._pull_buffers()
             a.note_pull(self.slot, clock, False)
         current = a.clock()
         if current != self.clock:
@@ -612,6 +732,7 @@ class DeviceLearner(Learner):
         clock = self._arena.clock()
         self._pipe.pull_now()
         self.clock = clock
+        self._pull_buffers()
         self._arena.note_pull(self.slot, clock, False)
         return clock
 
@@ -669,7 +790,12 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
 
 
 def pull_state_dict(job: str | None = None) -> dict[str, torch.Tensor]:
-    """A copy of the job's current weights as a state_dict, without claiming a slot."""
+    """A copy of the job's current state as a state_dict, without claiming a slot.
+
+    It holds every parameter (trained and frozen) and every persistent buffer (BatchNorm's
+    statistics, counters), each in the model's own dtype, so ``model.load_state_dict(...)`` takes
+    it with the default ``strict=True``.
+    """
     job = job or default_job()
     arena = open_job(job)
     try:
@@ -678,8 +804,11 @@ def pull_state_dict(job: str | None = None) -> dict[str, torch.Tensor]:
         arena.remap()
         spec = decode_spec(arena.spec())
         h = arena.header()
-        w = torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"], offset=h["weights_off"]).clone()
-        return {p.name: v.clone() for p, v in zip(spec, _views(w, spec), strict=True)}
+        w, b = weights_view(arena, h), buffers_view(arena, h)
+        try:
+            return state_dict_of(spec, w, b)
+        finally:
+            del w, b
     finally:
         arena.close()
 

@@ -130,17 +130,19 @@ def streams_for(device: torch.device):
 class DevicePipe:
     """The double-buffered push and pull pipeline of one learner whose model lives on ``streams.device``.
 
-    ``entries`` are the host tensors of the learner's ring entries and ``weights`` the shared
-    weights (both over the arena); ``publish(index, clock, batch, loss)`` advances the ring's tail
-    past entry ``index`` (called by the push thread, in order, once the copy is complete). The
-    caller makes sure entry ``index`` is free before ``push``.
+    ``entries`` are the host tensors of the learner's ring entries (``n_grad`` trainable elements)
+    and ``weights`` the shared weights (``n``; both over the arena); ``publish(index, clock, batch,
+    loss)`` advances the ring's tail past entry ``index`` (called by the push thread, in order, once
+    the copy is complete). The caller makes sure entry ``index`` is free before ``push``.
     """
 
-    def __init__(self, streams, n: int, entries: list[torch.Tensor], weights: torch.Tensor, publish) -> None:
+    def __init__(self, streams, n: int, entries: list[torch.Tensor], weights: torch.Tensor, publish,
+                 n_grad: int | None = None) -> None:
         self.s = streams
         dev = streams.device
         self.entries, self.weights, self._publish = entries, weights, publish
-        self.grad = [torch.zeros(n, device=dev), torch.zeros(n, device=dev)]  # staging, double-buffered
+        g = n if n_grad is None else n_grad  # gradients cover the trainable weights, a prefix of the n
+        self.grad = [torch.zeros(g, device=dev), torch.zeros(g, device=dev)]  # staging, double-buffered
         self.w = [torch.empty(n, device=dev), torch.empty(n, device=dev)]  # weights: front / back
         self.cur = 0  # staging buffer the next backward writes
         self.front = 0

@@ -27,20 +27,40 @@ size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap) {
     return (size_t)(PSD_HEADER_SIZE + ranks_bytes(n_slots) + round_up(spec_cap, PSD_PAGE));
 }
 
-int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
-                 uint32_t state_vectors, uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
-                 uint64_t *slot_stride, uint64_t *entry_stride) {
+/* a + b and a * b, failing instead of wrapping. */
+static bool add_ok(uint64_t a, uint64_t b, uint64_t *out) { return !__builtin_add_overflow(a, b, out); }
+static bool mul_ok(uint64_t a, uint64_t b, uint64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+static bool page_ok(uint64_t v, uint64_t *out) {
+    if (!add_ok(v, PSD_PAGE - 1, out))
+        return false;
+    *out = *out / PSD_PAGE * PSD_PAGE;
+    return true;
+}
+
+int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const struct psd_model *model,
+                 uint32_t state_vectors, struct psd_geom *g) {
+    const uint64_t max_elems = UINT64_C(1) << 40;
     if (state_vectors > 3 || n_slots == 0 || n_slots > PSD_MAX_SLOTS || ring_k == 0 || ring_k > PSD_MAX_RING ||
-        (ring_k & (ring_k - 1)) != 0 || n_params == 0 || n_params > (UINT64_C(1) << 40))
+        (ring_k & (ring_k - 1)) != 0 || model->n_params == 0 || model->n_params > max_elems ||
+        model->n_train == 0 || model->n_train > model->n_params || model->n_buffers > max_elems ||
+        model->n_pieces == 0 || model->n_pieces > model->n_train || spec_cap > max_elems)
         return EINVAL;
-    uint64_t grad_bytes = round_up(n_params * sizeof(float), PSD_CACHELINE);
-    *entry_stride = sizeof(struct psd_entry) + grad_bytes;
-    *weights_off = psd_header_span(n_slots, spec_cap);
-    uint64_t weights_bytes = round_up(n_params * sizeof(float), PSD_PAGE);
-    /* optimizer state: state_vectors vectors the size of the weights */
-    *slots_off = *weights_off + weights_bytes * (1 + (uint64_t)state_vectors);
-    *slot_stride = round_up(sizeof(struct psd_slot) + (uint64_t)ring_k * *entry_stride, PSD_PAGE);
-    *total_size = *slots_off + (uint64_t)n_slots * *slot_stride;
+    uint64_t payload = psd_grad_span(model->n_train) + model->n_buffers * sizeof(double) + model->n_pieces;
+    g->entry_stride = sizeof(struct psd_entry) + round_up(payload, PSD_CACHELINE);
+    g->weights_off = psd_header_span(n_slots, spec_cap);
+    uint64_t weights_bytes = round_up(model->n_params * sizeof(float), PSD_PAGE);
+    uint64_t state_bytes = psd_state_stride(model->n_train) * state_vectors;
+    uint64_t buffer_bytes = round_up(model->n_buffers * sizeof(double), PSD_PAGE);
+    uint64_t piece_bytes = round_up(model->n_pieces * sizeof(struct psd_piece), PSD_PAGE);
+    uint64_t ring_bytes, slots_bytes;
+    g->optstate_off = g->weights_off + weights_bytes;
+    g->buffers_off = g->optstate_off + state_bytes;
+    g->pieces_off = g->buffers_off + buffer_bytes;
+    g->slots_off = g->pieces_off + piece_bytes; /* all below 2^46: no wrap so far */
+    if (!mul_ok(ring_k, g->entry_stride, &ring_bytes) || !add_ok(ring_bytes, sizeof(struct psd_slot), &ring_bytes) ||
+        !page_ok(ring_bytes, &g->slot_stride) || !mul_ok(n_slots, g->slot_stride, &slots_bytes) ||
+        !add_ok(g->slots_off, slots_bytes, &g->total_size) || g->total_size > (uint64_t)SIZE_MAX / 2)
+        return EINVAL;
     return 0;
 }
 
@@ -54,8 +74,9 @@ static int reserve(int fd, uint64_t size) {
 
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version) {
-    uint64_t t, w, so, ss, es;
-    int rc = psd_geometry(n_slots, ring_k, spec_cap, 1, 0, &t, &w, &so, &ss, &es);
+    struct psd_geom g;
+    const struct psd_model one = {1, 1, 0, 1};
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, &one, 0, &g);
     if (rc)
         return rc;
     size_t size = psd_header_span(n_slots, spec_cap);
@@ -175,9 +196,10 @@ void psd_arena_set_state(struct psd_map *m, uint32_t state) {
 }
 
 int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
-                       uint64_t n_params, pid_t pid, uint64_t start_time) {
+                       const struct psd_model *model, pid_t pid, uint64_t start_time) {
     struct psd_header *h = psd_hdr(m);
-    if (len > h->spec_cap || n_params == 0)
+    struct psd_geom g;
+    if (len > h->spec_cap || psd_geometry(h->n_slots, h->ring_k, h->spec_cap, model, 0, &g) != 0)
         return PSD_ESPEC;
     int rc = psd_mutex_lock(h, &h->admission);
     if (!psd_locked(rc))
@@ -189,7 +211,10 @@ int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64
     memcpy(m->base + h->spec_off, spec, len);
     h->spec_len = len;
     h->spec_hash = hash;
-    h->n_params = n_params;
+    h->n_params = model->n_params;
+    h->n_train = model->n_train;
+    h->n_buffers = model->n_buffers;
+    h->n_pieces = model->n_pieces;
     h->offer_pid = pid;
     h->offer_start_time = start_time;
     h->fail_msg[0] = '\0';
@@ -200,13 +225,13 @@ int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64
 
 int psd_arena_grow(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
-    uint64_t total, woff, soff, sstride, estride;
+    struct psd_geom g;
+    const struct psd_model model = {h->n_params, h->n_train, h->n_buffers, h->n_pieces};
     uint32_t vectors = psd_state_vectors(h->optimizer, h->sync_mode);
-    int rc = psd_geometry(h->n_slots, h->ring_k, h->spec_cap, h->n_params, vectors, &total, &woff, &soff,
-                          &sstride, &estride);
+    int rc = psd_geometry(h->n_slots, h->ring_k, h->spec_cap, &model, vectors, &g);
     if (rc)
         return rc;
-    if ((rc = reserve(m->fd, total)) != 0) {
+    if ((rc = reserve(m->fd, g.total_size)) != 0) {
         /* Give back whatever was reserved: the arena stays header-sized. */
         if (ftruncate(m->fd, (off_t)m->size) != 0) {
             /* nothing more to do: the size check before the next grow repeats */
@@ -217,15 +242,17 @@ int psd_arena_grow(struct psd_map *m) {
         return rc;
     h = psd_hdr(m);
     if (h->weights_off != 0) /* a regrow after a reset starts clean; fresh pages are zero */
-        memset(m->base + woff, 0, (size_t)(total - woff));
-    h->weights_off = woff;
+        memset(m->base + g.weights_off, 0, (size_t)(g.total_size - g.weights_off));
+    h->weights_off = g.weights_off;
     h->weights_bytes = h->n_params * sizeof(float);
-    h->optstate_off = woff + round_up(h->weights_bytes, PSD_PAGE);
-    h->optstate_bytes = soff - h->optstate_off;
-    h->slots_off = soff;
-    h->slot_stride = sstride;
-    h->entry_stride = estride;
-    h->total_size = total;
+    h->optstate_off = g.optstate_off;
+    h->optstate_bytes = g.buffers_off - g.optstate_off;
+    h->buffers_off = g.buffers_off;
+    h->pieces_off = g.pieces_off;
+    h->slots_off = g.slots_off;
+    h->slot_stride = g.slot_stride;
+    h->entry_stride = g.entry_stride;
+    h->total_size = g.total_size;
     for (uint32_t i = 0; i < h->n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if ((rc = psd_mutex_init(&s->mutex)) != 0)

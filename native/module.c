@@ -214,21 +214,23 @@ static PyObject *mod_owner_alive(PyObject *self, PyObject *args) {
 static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     (void)self;
     unsigned int n_slots, ring_k, vectors = 0;
-    unsigned long long spec_cap, n_params;
-    if (!PyArg_ParseTuple(args, "IIKK|I", &n_slots, &ring_k, &spec_cap, &n_params, &vectors))
+    unsigned long long spec_cap, n_params, n_train = 0, n_buffers = 0, n_pieces = 1;
+    if (!PyArg_ParseTuple(args, "IIKK|IKKK", &n_slots, &ring_k, &spec_cap, &n_params, &vectors, &n_train,
+                          &n_buffers, &n_pieces))
         return NULL;
     if (n_params == 0)
         return PyLong_FromSize_t(psd_header_span(n_slots, spec_cap));
-    uint64_t t, w, so, ss, es;
-    int rc = psd_geometry(n_slots, ring_k, spec_cap, n_params, vectors, &t, &w, &so, &ss, &es);
+    const struct psd_model model = {n_params, n_train ? n_train : n_params, n_buffers, n_pieces};
+    struct psd_geom g;
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, &model, vectors, &g);
     if (rc) {
         PyErr_Format(PyExc_ValueError,
                      "bad arena geometry: learners must be 1..%d, slots a power of two 1..%d, "
-                     "and the model non-empty",
+                     "the model non-empty and the arena addressable",
                      PSD_MAX_SLOTS, PSD_MAX_RING);
         return NULL;
     }
-    return PyLong_FromUnsignedLongLong(t);
+    return PyLong_FromUnsignedLongLong(g.total_size);
 }
 
 static int name_index(const char *what, const char *name, const char *const *names, int n) {
@@ -344,6 +346,11 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "total_size", h->total_size);
     U64(d, "mapped_size", a->map.size);
     U64(d, "n_params", h->n_params);
+    U64(d, "n_train", h->n_train);
+    U64(d, "n_buffers", h->n_buffers);
+    U64(d, "n_pieces", h->n_pieces);
+    U64(d, "buffers_off", h->buffers_off);
+    U64(d, "pieces_off", h->pieces_off);
     U64(d, "weights_off", h->weights_off);
     U64(d, "weights_bytes", h->weights_bytes);
     U64(d, "optstate_off", h->optstate_off);
@@ -483,11 +490,13 @@ static PyObject *arena_spec(Arena *a, PyObject *noargs) {
 
 static PyObject *arena_set_spec(Arena *a, PyObject *args) {
     Py_buffer spec;
-    unsigned long long hash, n_params, start;
+    unsigned long long hash, start;
+    struct psd_model model;
     int pid;
-    if (!PyArg_ParseTuple(args, "y*KKiK", &spec, &hash, &n_params, &pid, &start))
+    if (!PyArg_ParseTuple(args, "y*K(KKKK)iK", &spec, &hash, &model.n_params, &model.n_train, &model.n_buffers,
+                          &model.n_pieces, &pid, &start))
         return NULL;
-    int rc = check_open(a) ? -1 : psd_arena_set_spec(&a->map, spec.buf, (uint64_t)spec.len, hash, n_params, pid, start);
+    int rc = check_open(a) ? -1 : psd_arena_set_spec(&a->map, spec.buf, (uint64_t)spec.len, hash, &model, pid, start);
     PyBuffer_Release(&spec);
     if (rc == -1)
         return NULL;
@@ -594,13 +603,17 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     unsigned long long clock;
     double loss;
     float scale = 1.0f;
-    if (!PyArg_ParseTuple(args, "IKId|f", &slot, &clock, &batch, &loss, &scale) || check_slot(a, slot))
+    PyObject *bo = Py_None;
+    if (!PyArg_ParseTuple(args, "IKId|fO", &slot, &clock, &batch, &loss, &scale, &bo) || check_slot(a, slot))
+        return NULL;
+    const double *bufdelta = bo == Py_None ? NULL : PyLong_AsVoidPtr(bo);
+    if (PyErr_Occurred())
         return NULL;
     int rc;
     if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
-        rc = psd_push(&a->map, slot, clock, batch, loss, scale);
+        rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
     } else {
-        Py_BEGIN_ALLOW_THREADS rc = psd_push(&a->map, slot, clock, batch, loss, scale);
+        Py_BEGIN_ALLOW_THREADS rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
         Py_END_ALLOW_THREADS
     }
     if (rc)
@@ -608,17 +621,21 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* push_from(slot, clock, batch, loss, scale, ptrs, lens): copy the gradient
- * from the tensors at the addresses `ptrs` (0: zeros) of `lens` floats into
- * the entry at the tail, checking it on the way, and publish it. The caller
- * (Learner.step) keeps the tensors alive and vouches for the addresses. */
+/* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy
+ * the gradient from the tensors at the addresses `ptrs` (0: no gradient) of
+ * `lens` elements of `dtype` (enum psd_dtype) into the entry at the tail,
+ * checking it on the way, and publish it. `sparse` lists (k, rows_ptr, nnz,
+ * row_len) for the tensors whose gradient is nnz rows (ptrs[k] the values).
+ * `bufdelta` is the address of n_buffers doubles. The caller (Learner.step)
+ * keeps the tensors alive and vouches for the addresses. */
 static PyObject *arena_push_from(Arena *a, PyObject *args) {
-    unsigned int slot, batch;
+    unsigned int slot, batch, dtype = PSD_DTYPE_F32;
     unsigned long long clock;
     double loss;
     float scale;
-    PyObject *ptrs, *lens;
-    if (!PyArg_ParseTuple(args, "IKIdfOO", &slot, &clock, &batch, &loss, &scale, &ptrs, &lens) ||
+    PyObject *ptrs, *lens, *bo = Py_None, *sparse = Py_None;
+    if (!PyArg_ParseTuple(args, "IKIdfOO|IOO", &slot, &clock, &batch, &loss, &scale, &ptrs, &lens, &dtype, &bo,
+                          &sparse) ||
         check_slot(a, slot))
         return NULL;
     PyObject *p = PySequence_Fast(ptrs, "push_from: ptrs must be a sequence of addresses");
@@ -630,40 +647,65 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
         return NULL;
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(p);
-    const float **src = NULL;
-    uint64_t *len = NULL;
+    struct psd_src *src = NULL;
+    const double *bufdelta = NULL;
     int rc = 0;
-    if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count > psd_hdr(&a->map)->n_params) {
-        PyErr_SetString(PyExc_ValueError, "push_from: ptrs and lens must be as long as each other, and at most "
-                                          "one per parameter");
+    if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count != psd_hdr(&a->map)->n_pieces) {
+        PyErr_Format(PyExc_ValueError, "push_from: ptrs and lens must both have one item per trainable tensor (%llu)",
+                     (unsigned long long)psd_hdr(&a->map)->n_pieces);
         goto out;
     }
-    src = PyMem_Malloc(((size_t)count + 1) * sizeof *src);
-    len = PyMem_Malloc(((size_t)count + 1) * sizeof *len);
-    if (!src || !len) {
+    src = PyMem_Calloc((size_t)count + 1, sizeof *src);
+    if (!src) {
         PyErr_NoMemory();
         goto out;
     }
     for (Py_ssize_t k = 0; k < count; k++) {
-        src[k] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(p, k));
-        len[k] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(l, k));
+        src[k].data = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(p, k));
+        src[k].len = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(l, k));
+        if (PyErr_Occurred())
+            goto out;
+    }
+    if (bo != Py_None && !(bufdelta = PyLong_AsVoidPtr(bo)) && PyErr_Occurred())
+        goto out;
+    if (sparse != Py_None) {
+        PyObject *sp = PySequence_Fast(sparse, "push_from: sparse must be a sequence of (k, rows, nnz, row_len)");
+        if (!sp)
+            goto out;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(sp); i++) {
+            Py_ssize_t k;
+            PyObject *rows;
+            unsigned long long nnz, row_len;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(sp, i), "nOKK", &k, &rows, &nnz, &row_len))
+                break;
+            if (k < 0 || k >= count) {
+                PyErr_SetString(PyExc_IndexError, "push_from: sparse tensor index out of range");
+                break;
+            }
+            src[k].rows = PyLong_AsVoidPtr(rows);
+            src[k].nnz = nnz;
+            src[k].row_len = row_len;
+            if (PyErr_Occurred())
+                break;
+        }
+        Py_DECREF(sp);
         if (PyErr_Occurred())
             goto out;
     }
     if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
-        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, len, (uint32_t)count);
+        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
     } else {
-        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, len, (uint32_t)count);
+        Py_BEGIN_ALLOW_THREADS rc =
+            psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
         Py_END_ALLOW_THREADS
     }
     if (rc == EINVAL)
-        PyErr_Format(PyExc_ValueError, "push_from: the lengths do not add up to the job's %llu parameters",
-                     (unsigned long long)psd_hdr(&a->map)->n_params);
+        PyErr_Format(PyExc_ValueError, "push_from: the tensors do not match the job's %llu trainable elements, "
+                     "or a sparse gradient names rows outside its tensor", (unsigned long long)psd_hdr(&a->map)->n_train);
     else if (rc)
         raise_code(rc, "push gradient", a->name);
 out:
     PyMem_Free(src);
-    PyMem_Free(len);
     Py_DECREF(p);
     Py_DECREF(l);
     if (PyErr_Occurred())
@@ -902,9 +944,11 @@ static PyObject *arena_set_lr(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *arena_start_loop(Arena *a, PyObject *noargs) {
-    (void)noargs;
-    if (check_open(a))
+/* start_loop(pieces=None): pieces lists (len, row_len) of every trainable
+ * tensor in spec order (None: the model is one tensor). */
+static PyObject *arena_start_loop(Arena *a, PyObject *args) {
+    PyObject *po = Py_None;
+    if (!PyArg_ParseTuple(args, "|O", &po) || check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     if (a->loop) {
@@ -913,7 +957,36 @@ static PyObject *arena_start_loop(Arena *a, PyObject *noargs) {
     }
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return raise_code(PSD_ESTATE, "start update loop", a->name);
-    int rc = psd_loop_start(&a->map, h->threads, h->spin_us, &a->loop);
+    struct psd_piece_geom *pieces = NULL;
+    Py_ssize_t n = 0;
+    if (po != Py_None) {
+        PyObject *seq = PySequence_Fast(po, "start_loop: pieces must be a sequence of (len, row_len)");
+        if (!seq)
+            return NULL;
+        n = PySequence_Fast_GET_SIZE(seq);
+        pieces = PyMem_Calloc((size_t)n + 1, sizeof *pieces);
+        uint64_t off = 0;
+        for (Py_ssize_t k = 0; pieces && k < n; k++) {
+            unsigned long long len, row_len;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "KK", &len, &row_len))
+                break;
+            pieces[k] = (struct psd_piece_geom){off, len, row_len};
+            off += len;
+        }
+        Py_DECREF(seq);
+        if (!pieces)
+            return PyErr_NoMemory();
+        if (PyErr_Occurred()) {
+            PyMem_Free(pieces);
+            return NULL;
+        }
+    }
+    int rc = psd_loop_start(&a->map, h->threads, h->spin_us, pieces, (uint64_t)n, &a->loop);
+    PyMem_Free(pieces);
+    if (rc == EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "start_loop: the pieces do not tile the job's trainable weights");
+        return NULL;
+    }
     if (rc)
         return raise_code(rc, "start update loop", a->name);
     Py_RETURN_NONE;
@@ -1350,7 +1423,8 @@ static PyMethodDef arena_methods[] = {
     {"slot_info", (PyCFunction)arena_slot_info, METH_VARARGS, "One learner slot's fields, as a dict."},
     {"spec", (PyCFunction)arena_spec, METH_NOARGS, "The parameter spec bytes, or None before one was offered."},
     {"set_spec", (PyCFunction)arena_set_spec, METH_VARARGS,
-     "set_spec(data, hash, n_params, pid, start_time) -> bool: offer a spec; False if one was offered already."},
+     "set_spec(data, hash, (n_params, n_train, n_buffers, n_pieces), pid, start_time) -> bool: offer a spec; "
+     "False if one was offered already."},
     {"grow", (PyCFunction)arena_grow, METH_NOARGS, "Server: grow the arena for the offered spec."},
     {"remap", (PyCFunction)arena_remap, METH_NOARGS, "Map the arena at its current size."},
     {"set_state", (PyCFunction)arena_set_state, METH_VARARGS, "set_state(state, message=None)"},
@@ -1359,10 +1433,12 @@ static PyMethodDef arena_methods[] = {
     {"claim", (PyCFunction)arena_claim, METH_VARARGS, "claim(pid, start_time) -> (slot, claim)"},
     {"release", (PyCFunction)arena_release, METH_VARARGS, "release(slot, claim)"},
     {"push", (PyCFunction)arena_push, METH_VARARGS,
-     "push(slot, clock, batch, loss, scale=1): scale and check the entry at the tail, publish it."},
+     "push(slot, clock, batch, loss, scale=1, bufdelta=None): scale and check the entry at the tail (every tensor "
+     "dense), copy n_buffers doubles from the address bufdelta along, publish it."},
     {"push_from", (PyCFunction)arena_push_from, METH_VARARGS,
-     "push_from(slot, clock, batch, loss, scale, ptrs, lens): copy the gradient from float32 buffers at the "
-     "addresses ptrs (0: zeros) into the entry at the tail, scaled and checked, and publish it."},
+     "push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy the "
+     "gradient tensor by tensor from the addresses ptrs (0: none) into the entry at the tail, converted to float32, "
+     "scaled and checked, and publish it; sparse: (k, rows_ptr, nnz, row_len) per sparse tensor."},
     {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
@@ -1386,7 +1462,8 @@ static PyMethodDef arena_methods[] = {
      "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
      "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
-    {"start_loop", (PyCFunction)arena_start_loop, METH_NOARGS, "Server: start the native update loop."},
+    {"start_loop", (PyCFunction)arena_start_loop, METH_VARARGS,
+     "start_loop(pieces=None): Server: start the native update loop; pieces: (len, row_len) per trainable tensor."},
     {"stop_loop", (PyCFunction)arena_stop_loop, METH_NOARGS, "Server: stop the update loop and join it."},
     {"counters", (PyCFunction)arena_counters, METH_NOARGS, "pushed, applied, rejected, pending, clock."},
     {"grad_offset", (PyCFunction)arena_grad_offset, METH_VARARGS, "grad_offset(slot, k) -> byte offset"},
@@ -1445,7 +1522,8 @@ static PyMethodDef module_methods[] = {
     {"owner_alive", mod_owner_alive, METH_VARARGS,
      "owner_alive(pid, start_time) -> bool: that pid still names the process that started then"},
     {"arena_size", mod_arena_size, METH_VARARGS,
-     "arena_size(n_slots, ring_k, spec_cap, n_params) -> bytes the arena will take"},
+     "arena_size(n_slots, ring_k, spec_cap, n_params, vectors=0, n_train=n_params, n_buffers=0, n_pieces=1) "
+     "-> bytes the arena will take"},
     {"state_vectors", mod_state_vectors, METH_VARARGS,
      "state_vectors(optimizer, sync) -> weight-sized vectors of optimizer state (and accumulator) an arena holds"},
     {"omp_info", mod_omp_info, METH_NOARGS, "OpenMP's view of this machine: max_threads, num_procs"},
@@ -1478,6 +1556,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
     PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
     PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);
+    PyModule_AddIntConstant(m, "DTYPE_F32", PSD_DTYPE_F32);
+    PyModule_AddIntConstant(m, "DTYPE_BF16", PSD_DTYPE_BF16);
+    PyModule_AddIntConstant(m, "DTYPE_F16", PSD_DTYPE_F16);
+    PyModule_AddIntConstant(m, "PIECE_ABSENT", PSD_PIECE_ABSENT);
+    PyModule_AddIntConstant(m, "PIECE_DENSE", PSD_PIECE_DENSE);
+    PyModule_AddIntConstant(m, "PIECE_SPARSE", PSD_PIECE_SPARSE);
     PyModule_AddIntConstant(m, "KERNEL_SCALAR", PSD_KERNEL_SCALAR);
     PyModule_AddIntConstant(m, "KERNEL_VECTOR", PSD_KERNEL_VECTOR);
     PyModule_AddIntConstant(m, "KERNEL_UNROLL4", PSD_KERNEL_UNROLL4);

@@ -172,6 +172,7 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double stalenes
     if (t == 0 || staleness <= 0.0 || lr == 0.0)
         return 0; /* nothing to predict from yet */
     const float *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
+    n = h->n_train; /* the optimizer state covers the trainable weights; frozen ones never move */
     switch (h->optimizer) {
     case PSD_OPT_MOMENTUM:
     case PSD_OPT_NESTEROV: {
@@ -192,5 +193,75 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double stalenes
     }
     default:
         return PSD_ESTATE; /* sgd and adagrad publish no update direction */
+    }
+}
+
+bool psd_sparse_ok(const struct psd_header *h) {
+    return (h->optimizer == PSD_OPT_SGD || h->optimizer == PSD_OPT_ADAGRAD) && h->weight_decay == 0.0;
+}
+
+/* A sparse piece: a uint64 row count, the int64 row indices, then the rows
+ * (float32). Read with memcpy: the span is only 4-byte aligned. */
+static uint64_t sparse_count(const void *span) {
+    uint64_t nnz;
+    memcpy(&nnz, span, sizeof nnz);
+    return nnz;
+}
+
+static int64_t sparse_row(const void *span, uint64_t k) {
+    int64_t r;
+    memcpy(&r, (const uint8_t *)span + 8 + 8 * k, sizeof r);
+    return r;
+}
+
+static const float *sparse_values(const void *span, uint64_t nnz) {
+    return (const float *)((const uint8_t *)span + 8 + 8 * nnz);
+}
+
+int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t row_len) {
+    uint64_t nnz = sparse_count(span);
+    /* nnz <= rows and rows * row_len == cap < 2^40 bound every product below. */
+    if (row_len == 0 || nnz > rows || rows * row_len != cap || 8 + 8 * nnz + 4 * nnz * row_len > 4 * cap)
+        return -1;
+    for (uint64_t k = 0; k < nnz; k++) {
+        int64_t r = sparse_row(span, k);
+        if (r < 0 || (uint64_t)r >= rows)
+            return -1;
+    }
+    return (int64_t)nnz;
+}
+
+void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t row_len, float gscale,
+                     float *s0, double lr, uint64_t t) {
+    uint64_t nnz = sparse_count(span);
+    const float *v = sparse_values(span, nnz);
+    if (h->optimizer == PSD_OPT_ADAGRAD) {
+        /* torch's sparse Adagrad: sum[rows] += g^2; w[rows] -= clr * g / (sqrt(sum[rows]) + eps). */
+        float neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay)), eps = (float)h->eps;
+        for (uint64_t k = 0; k < nnz; k++) {
+            uint64_t base = (uint64_t)sparse_row(span, k) * row_len;
+            for (uint64_t j = 0; j < row_len; j++) {
+                float d = v[k * row_len + j] * gscale, s = s0[base + j] + d * d;
+                s0[base + j] = s;
+                w[base + j] = w[base + j] + neg_clr * (d / (sqrtf(s) + eps));
+            }
+        }
+        return;
+    }
+    float neg_lr = (float)-lr; /* torch's SGD: w[rows] += -lr * g */
+    for (uint64_t k = 0; k < nnz; k++) {
+        uint64_t base = (uint64_t)sparse_row(span, k) * row_len;
+        for (uint64_t j = 0; j < row_len; j++)
+            w[base + j] = w[base + j] + neg_lr * (v[k * row_len + j] * gscale);
+    }
+}
+
+void psd_sparse_add(float *acc, const void *span, uint64_t row_len) {
+    uint64_t nnz = sparse_count(span);
+    const float *v = sparse_values(span, nnz);
+    for (uint64_t k = 0; k < nnz; k++) {
+        float *row = acc + (uint64_t)sparse_row(span, k) * row_len;
+        for (uint64_t j = 0; j < row_len; j++)
+            row[j] += v[k * row_len + j];
     }
 }

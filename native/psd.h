@@ -67,14 +67,31 @@ static inline struct psd_entry *psd_entry_at(const struct psd_map *m, uint32_t i
 static inline float *psd_entry_grad(struct psd_entry *e) {
     return (float *)((uint8_t *)e + sizeof(struct psd_entry));
 }
+/* Bytes of an entry's gradient span, rounded so the buffer deltas after it are 8-aligned. */
+static inline uint64_t psd_grad_span(uint64_t n_train) { return (n_train * sizeof(float) + 7) / 8 * 8; }
+static inline double *psd_entry_bufdelta(const struct psd_header *h, struct psd_entry *e) {
+    return (double *)((uint8_t *)psd_entry_grad(e) + psd_grad_span(h->n_train));
+}
+static inline uint8_t *psd_entry_pieces(const struct psd_header *h, struct psd_entry *e) {
+    return (uint8_t *)(psd_entry_bufdelta(h, e) + h->n_buffers);
+}
+static inline double *psd_buffers(const struct psd_map *m) {
+    return (double *)(m->base + psd_hdr(m)->buffers_off);
+}
+static inline struct psd_piece *psd_piece_at(const struct psd_map *m, uint64_t k) {
+    return (struct psd_piece *)(m->base + psd_hdr(m)->pieces_off) + k;
+}
 static inline float *psd_weights(const struct psd_map *m) {
     return (float *)(m->base + psd_hdr(m)->weights_off);
 }
-/* Optimizer-state vector i (see psd_state_vectors); the bsp / kasync
- * accumulator is the last one. */
+/* Optimizer-state vector i (see psd_state_vectors), n_train floats; the bsp /
+ * kasync accumulator is the last one. */
+static inline uint64_t psd_state_stride(uint64_t n_train) {
+    return (n_train * sizeof(float) + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
+}
 static inline float *psd_state(const struct psd_map *m, uint32_t i) {
     const struct psd_header *h = psd_hdr(m);
-    uint64_t stride = (h->weights_bytes + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
+    uint64_t stride = psd_state_stride(h->n_train);
     return (float *)(m->base + h->optstate_off + i * stride);
 }
 /* bsp / kasync: the sum of the round's gradients, the last state vector. */
@@ -109,17 +126,28 @@ void psd_cond_broadcast(struct psd_cond *c);
 void psd_cond_broadcast_if_waiters(struct psd_cond *c);
 
 /* arena.c */
+/* What a model needs of an arena (from its spec). */
+struct psd_model {
+    uint64_t n_params;  /* float32 weights, trainable and frozen */
+    uint64_t n_train;   /* the trainable prefix, 1..n_params */
+    uint64_t n_buffers; /* float64 buffer elements */
+    uint64_t n_pieces;  /* trainable tensors, 1..n_train */
+};
+/* Where everything of an arena sized for a model lies. */
+struct psd_geom {
+    uint64_t total_size, weights_off, optstate_off, buffers_off, pieces_off, slots_off, slot_stride, entry_stride;
+};
 size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap);
-int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, uint64_t n_params,
-                 uint32_t state_vectors, uint64_t *total_size, uint64_t *weights_off, uint64_t *slots_off,
-                 uint64_t *slot_stride, uint64_t *entry_stride);
+/* Overflow-checked: EINVAL for a geometry out of range or too large to address. */
+int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const struct psd_model *model,
+                 uint32_t state_vectors, struct psd_geom *g);
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version);
 int psd_arena_open(struct psd_map *m, const char *shm_name);
 int psd_arena_remap(struct psd_map *m);
 void psd_arena_close(struct psd_map *m);
 int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
-                       uint64_t n_params, pid_t pid, uint64_t start_time);
+                       const struct psd_model *model, pid_t pid, uint64_t start_time);
 int psd_arena_grow(struct psd_map *m);
 void psd_arena_set_state(struct psd_map *m, uint32_t state);
 int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns);
@@ -128,16 +156,28 @@ int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
                    uint64_t *claim);
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
-/* Publish the entry at the tail. The gradient is first multiplied by `scale`
- * (unless 1) and checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and
- * the update loop rejects it. */
-int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale);
-/* Copy a gradient given in `count` pieces (src[k], len[k] floats; a NULL
- * src is zeros) into the entry at the tail, times `scale`, checking it in the
- * same pass, and publish it. The lengths must add up to n_params (EINVAL).
- * Gradients of PSD_STREAM_BYTES or more are written with non-temporal stores. */
+/* Publish the entry at the tail, whose gradient was written in place (every
+ * piece dense). The gradient is first multiplied by `scale` (unless 1) and
+ * checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and the update
+ * loop rejects it. `bufdelta` (n_buffers doubles, or NULL) is copied along. */
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
+             const double *bufdelta);
+/* One trainable tensor's gradient, for psd_push_from. */
+struct psd_src {
+    const void *data;    /* dense: len elements; sparse: nnz rows of row_len; NULL: no gradient */
+    const int64_t *rows; /* sparse: nnz row indices (NULL: dense) */
+    uint64_t len;        /* the tensor's elements */
+    uint64_t nnz;        /* sparse: rows given */
+    uint64_t row_len;    /* sparse: elements per row (divides len) */
+};
+/* Copy a gradient given tensor by tensor (`count` == n_pieces, in spec
+ * order, elements of `dtype`) into the entry at the tail as float32, times
+ * `scale`, checking it in the same pass, and publish it. A sparse tensor is
+ * stored as rows when they take less room than the dense tensor, else
+ * scattered densely. The lengths must be the job's (EINVAL). Dense float32
+ * gradients of PSD_STREAM_BYTES or more are written with non-temporal stores. */
 int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
-                  const float *const *src, const uint64_t *len, uint32_t count);
+                  const struct psd_src *src, uint32_t count, uint32_t dtype, const double *bufdelta);
 #define PSD_STREAM_BYTES (UINT64_C(1) << 20)
 /* bsp: wait until more than `rounds` rounds are complete. */
 int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t rounds, uint64_t timeout_ns);
@@ -175,7 +215,15 @@ void psd_puller_stop(struct psd_puller *P);
 
 /* update.c: the server's update loop */
 struct psd_loop;
-int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct psd_loop **out);
+/* A trainable tensor as the update loop sees it: `len` elements from `off`
+ * in the trainable prefix, rows of `row_len` (sparse gradients). The server
+ * derives these from the spec and hands the loop its own copy. */
+struct psd_piece_geom {
+    uint64_t off, len, row_len;
+};
+/* `pieces` (n_pieces of them, adding up to n_train; NULL: one tensor of n_train). */
+int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,
+                   uint64_t n_pieces, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);
@@ -189,6 +237,17 @@ double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
  * 1-based step (Adam's bias correction, the momentum buffer's first step). */
 void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
                         uint64_t n, double lr, uint64_t t, int threads);
+/* Whether the configured optimizer takes sparse gradients (as torch.optim:
+ * sgd and adagrad, without weight decay). */
+bool psd_sparse_ok(const struct psd_header *h);
+/* Check a sparse piece stored in `span` (cap float32 of room) of a tensor of
+ * rows x row_len; returns its row count, or -1 if it is malformed. */
+int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t row_len);
+/* One update of the rows given in a sparse piece (already checked). */
+void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t row_len, float gscale,
+                     float *s0, double lr, uint64_t t);
+/* acc (a tensor of rows x row_len) += the sparse piece's rows. */
+void psd_sparse_add(float *acc, const void *span, uint64_t row_len);
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness);
 

@@ -11,14 +11,21 @@
  *   [0, PSD_HEADER_SIZE)            struct psd_header
  *   [ranks_off, +n_slots lines)      struct psd_rank per learner rank (progress)
  *   [spec_off, +spec_cap)            parameter spec, JSON text (names, shapes, dtypes)
- *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned
+ *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned: the n_train
+ *                                     trainable elements first (n_pieces tensors, the
+ *                                     ones gradients cover), then the frozen ones
  *   [optstate_off, +optstate_bytes)  optimizer state: psd_state_vectors() vectors of
- *                                     n_params floats, each PSD_PAGE aligned (momentum
+ *                                     n_train floats, each PSD_PAGE aligned (momentum
  *                                     buffer; Adam's m, v; Adagrad's sum; then the
  *                                     gradient accumulator of bsp / kasync)
+ *   [buffers_off, +n_buffers*8)      the model's buffers (BatchNorm statistics, counters),
+ *                                     float64, merged from the learners' deltas
+ *   [pieces_off, +16*n_pieces)       struct psd_piece: per trainable tensor, its own
+ *                                     optimizer step count and bsp/kasync round mark
  *   [slots_off + i*slot_stride, ...) learner slot i: struct psd_slot, then its
  *                                     ring of ring_k entries, each a
- *                                     struct psd_entry followed by the gradient
+ *                                     struct psd_entry followed by the payload
+ *                                     (see psd_entry)
  *
  * Field comments say who writes a field, who reads it, and what always holds.
  * Each atomic operation in the .c files names the operation it pairs with.
@@ -41,7 +48,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 2
+#define PSD_LAYOUT_VERSION 3
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -109,10 +116,16 @@ struct psd_header {
      *    spec, before the store-release of state INIT_WEIGHTS/READY; readers
      *    load-acquire state first. */
     alignas(PSD_CACHELINE) uint64_t total_size;
-    uint64_t n_params;      /* float32 elements */
+    uint64_t n_params;      /* float32 weight elements, trainable and frozen */
     uint64_t weights_off, weights_bytes;
     uint64_t optstate_off, optstate_bytes;
     uint64_t slots_off, slot_stride, entry_stride;
+    uint64_t buffers_off, pieces_off;
+    /* -- model shape, from the spec: written with it (under `admission`),
+     *    fixed once state >= INIT_WEIGHTS. */
+    uint64_t n_train;       /* trainable float32 elements: a prefix of the weights */
+    uint64_t n_buffers;     /* float64 buffer elements */
+    uint64_t n_pieces;      /* trainable tensors (entries of the piece map) */
 
     /* -- spec: written by the offering learner (or the server given initial
      *    weights) under `admission`; fixed once state >= INIT_WEIGHTS. */
@@ -280,9 +293,16 @@ struct psd_slot {
     _Atomic uint64_t round_joined;   /* bsp: rounds + 1 of the round it last contributed to */
 };
 
-/* Header of one ring entry; the gradient follows at offset PSD_CACHELINE.
- * Written by the learner before it store-releases the tail past it; read by
- * the update loop after it load-acquired that tail. */
+/* Header of one ring entry. Written by the learner before it store-releases
+ * the tail past it; read by the update loop after it load-acquired that tail.
+ * The payload follows at offset PSD_CACHELINE (see psd_entry_* in psd.h):
+ *   gradient    n_train float32, in spec order; the span of piece k holds
+ *               either its dense gradient, or (PSD_PIECE_SPARSE) a uint64
+ *               row count r, r int64 row indices, then r rows of float32
+ *   bufdelta    n_buffers float64 (8-aligned): how much the learner's buffers
+ *               moved since it last pulled them (PSD_ENTRY_BUFFERS)
+ *   piece map   n_pieces bytes, enum psd_piece_kind: which tensors have a
+ *               gradient in this entry, and how it is stored */
 struct psd_entry {
     alignas(PSD_CACHELINE) uint64_t seq; /* the tail value this entry was published with */
     uint64_t clock;      /* weights clock the gradient was computed from */
@@ -300,6 +320,31 @@ struct psd_entry {
 
 /* psd_entry.flags, set by the learner. */
 #define PSD_ENTRY_NONFINITE 1u /* the gradient holds a NaN or an infinity: never applied */
+#define PSD_ENTRY_BUFFERS 2u   /* bufdelta is filled in: add it to the job's buffers */
+
+/* The piece map: what one entry holds for each trainable tensor. A tensor
+ * without a gradient (frozen this step, or unused) gets no update at all. */
+enum psd_piece_kind {
+    PSD_PIECE_ABSENT = 0,
+    PSD_PIECE_DENSE = 1,
+    PSD_PIECE_SPARSE = 2, /* rows of a 2-D (or wider) tensor: sgd and adagrad only */
+};
+
+/* Per trainable tensor, written only by the update loop (or a server
+ * restoring a checkpoint before READY); in checkpoints. As in torch.optim,
+ * each tensor counts its own steps (Adam's bias correction, the momentum
+ * buffer's first step), so a tensor without a gradient is not moved. */
+struct psd_piece {
+    uint64_t steps; /* optimizer updates this tensor received */
+    uint64_t round; /* bsp / kasync: rounds + 1 of the round whose sum it is in */
+};
+
+/* Element types of a learner's gradients; the arena keeps float32. */
+enum psd_dtype {
+    PSD_DTYPE_F32 = 0,
+    PSD_DTYPE_BF16 = 1,
+    PSD_DTYPE_F16 = 2,
+};
 
 /* psd_entry.outcome, set by the update loop. */
 enum psd_outcome {
@@ -355,6 +400,7 @@ _Static_assert(sizeof(struct psd_entry) == PSD_CACHELINE, "entry header is one l
 _Static_assert(sizeof(struct psd_rank) == PSD_CACHELINE, "a rank is one line");
 _Static_assert(sizeof(pthread_mutex_t) <= PSD_CACHELINE, "a mutex fits its line");
 _Static_assert(sizeof(struct psd_slot) % PSD_CACHELINE == 0, "slot is whole lines");
+_Static_assert(sizeof(struct psd_piece) == 16, "a piece is two words");
 
 /* What a layout built by another compiler or ABI would disagree on. */
 static inline uint32_t psd_fingerprint(void) {
@@ -363,7 +409,8 @@ static inline uint32_t psd_fingerprint(void) {
         sizeof(struct psd_header), sizeof(struct psd_slot), sizeof(struct psd_entry),
         sizeof(pthread_mutex_t),   sizeof(struct psd_cond), PSD_CACHELINE,
         offsetof(struct psd_header, admission), offsetof(struct psd_slot, mutex),
-        offsetof(struct psd_slot, head),
+        offsetof(struct psd_slot, head),   sizeof(struct psd_piece),
+        offsetof(struct psd_header, n_pieces),
     };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         h ^= parts[i];

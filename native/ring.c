@@ -110,35 +110,71 @@ static bool scale_and_check(float *g, uint64_t n, float scale) {
     return !bad;
 }
 
-/* dst = src * scale (src NULL: zeros), checking finiteness in the same pass;
- * returns nonzero if any value is inf or nan. */
-static uint32_t copy_check(float *restrict dst, const float *restrict src, uint64_t n, float scale) {
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t b = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+/* IEEE half to single, exact (subnormals, infinities and NaNs included). */
+static inline float f16_to_f32(uint16_t v) {
+    const uint32_t shifted_exp = UINT32_C(0x7c00) << 13;
+    uint32_t o = ((uint32_t)v & 0x7fffu) << 13, exp = shifted_exp & o;
+    float f;
+    o += (uint32_t)(127 - 15) << 23;
+    if (exp == shifted_exp) {
+        o += (uint32_t)(128 - 16) << 23; /* inf or nan */
+    } else if (exp == 0) {               /* zero or subnormal: renormalise */
+        o += UINT32_C(1) << 23;
+        memcpy(&f, &o, sizeof f);
+        f -= 6.103515625e-05f; /* 2^-14 */
+        memcpy(&o, &f, sizeof o);
+    }
+    o |= ((uint32_t)v & 0x8000u) << 16;
+    memcpy(&f, &o, sizeof f);
+    return f;
+}
+
+static inline size_t dtype_size(uint32_t dtype) { return dtype == PSD_DTYPE_F32 ? 4 : 2; }
+
+/* dst = src * scale, src of `dtype` (NULL: zeros), checking finiteness in the
+ * same pass; returns nonzero if any value is inf or nan. */
+static uint32_t copy_check(float *restrict dst, const void *restrict src, uint64_t n, float scale, uint32_t dtype) {
     uint32_t bad = 0;
     if (!src) {
         memset(dst, 0, n * sizeof(float));
         return 0;
     }
-    for (uint64_t i = 0; i < n; i++) {
-        float v = src[i] * scale;
-        uint32_t b;
-        memcpy(&b, &v, sizeof b);
-        bad |= nonfinite(b);
-        dst[i] = v;
+    const float *f = src;
+    const uint16_t *half = src;
+#define PSD_CONVERT_LOOP(expr)                                                                                     \
+    for (uint64_t i = 0; i < n; i++) {                                                                             \
+        float v = (expr) * scale;                                                                                  \
+        uint32_t b;                                                                                                \
+        memcpy(&b, &v, sizeof b);                                                                                  \
+        bad |= nonfinite(b);                                                                                       \
+        dst[i] = v;                                                                                                \
     }
+    if (dtype == PSD_DTYPE_F32)
+        PSD_CONVERT_LOOP(f[i])
+    else if (dtype == PSD_DTYPE_BF16)
+        PSD_CONVERT_LOOP(bf16_to_f32(half[i]))
+    else
+        PSD_CONVERT_LOOP(f16_to_f32(half[i]))
+#undef PSD_CONVERT_LOOP
     return bad;
 }
 
 #ifdef PSD_HAVE_STREAM
-/* As copy_check, with non-temporal stores: the entry goes to memory without
- * first being read into this core's cache (the update loop, on another core,
- * reads it from memory anyway once it is larger than the caches). */
+/* As copy_check for float32, with non-temporal stores: the entry goes to
+ * memory without first being read into this core's cache (the update loop, on
+ * another core, reads it from memory anyway once it is larger than the caches). */
 static uint32_t copy_check_stream(float *restrict dst, const float *restrict src, uint64_t n, float scale) {
-    if (!src)
-        return copy_check(dst, src, n, scale);
     uint64_t i = 0;
     uint32_t bad = 0;
     for (; i < n && ((uintptr_t)(dst + i) & 15); i++) /* up to a 16-byte boundary */
-        bad |= copy_check(dst + i, src + i, 1, scale);
+        bad |= copy_check(dst + i, src + i, 1, scale, PSD_DTYPE_F32);
     const __m128 k = _mm_set1_ps(scale);
     const __m128i exp = _mm_set1_epi32((int)PSD_EXP_MASK);
     __m128i acc = _mm_setzero_si128();
@@ -150,9 +186,21 @@ static uint32_t copy_check_stream(float *restrict dst, const float *restrict src
         _mm_stream_ps(dst + i + 4, b);
     }
     bad |= (uint32_t)_mm_movemask_epi8(acc) != 0;
-    return bad | copy_check(dst + i, src + i, n - i, scale);
+    return bad | copy_check(dst + i, src + i, n - i, scale, PSD_DTYPE_F32);
 }
 #endif
+
+/* dst = src (n doubles), checking finiteness; nonzero if any is inf or nan. */
+static uint32_t copy_check_f64(double *restrict dst, const double *restrict src, uint64_t n) {
+    uint32_t bad = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b;
+        memcpy(&b, &src[i], sizeof b);
+        bad |= (b & UINT64_C(0x7ff0000000000000)) == UINT64_C(0x7ff0000000000000);
+        dst[i] = src[i];
+    }
+    return bad;
+}
 
 /* The entry at the tail, if the slot is this learner's and the ring has room. */
 static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, uint64_t *tail) {
@@ -170,12 +218,12 @@ static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, ui
 
 /* Fill in the entry's metadata and move the tail past it. */
 static void publish(struct psd_map *m, struct psd_slot *s, struct psd_entry *e, uint64_t tail, uint64_t clock,
-                    uint32_t batch, double loss, bool finite) {
+                    uint32_t batch, double loss, uint32_t flags) {
     struct psd_header *h = psd_hdr(m);
     e->seq = tail;
     e->clock = clock;
     e->batch_size = batch;
-    e->flags = finite ? 0 : PSD_ENTRY_NONFINITE;
+    e->flags = flags;
     e->loss = loss;
     e->applied_clock = 0;
     e->outcome = PSD_OUTCOME_PENDING;
@@ -189,27 +237,80 @@ static void publish(struct psd_map *m, struct psd_slot *s, struct psd_entry *e, 
         psd_cond_broadcast_if_waiters(&h->sync_cond); /* a learner waiting for us may go on */
 }
 
-int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale) {
+/* Copy the buffer deltas (if any) into the entry; the entry flags they add. */
+static uint32_t put_buffers(const struct psd_header *h, struct psd_entry *e, const double *bufdelta) {
+    if (!bufdelta || !h->n_buffers)
+        return 0;
+    return PSD_ENTRY_BUFFERS | (copy_check_f64(psd_entry_bufdelta(h, e), bufdelta, h->n_buffers) ? PSD_ENTRY_NONFINITE : 0);
+}
+
+int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
+             const double *bufdelta) {
+    struct psd_header *h = psd_hdr(m);
     struct psd_entry *e;
     uint64_t tail;
     int rc = tail_entry(m, slot, &e, &tail);
     if (rc)
         return rc;
-    bool finite = scale_and_check(psd_entry_grad(e), psd_hdr(m)->n_params, scale);
-    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, finite);
+    bool finite = scale_and_check(psd_entry_grad(e), h->n_train, scale);
+    memset(psd_entry_pieces(h, e), PSD_PIECE_DENSE, h->n_pieces);
+    uint32_t flags = put_buffers(h, e, bufdelta) | (finite ? 0 : PSD_ENTRY_NONFINITE);
+    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, flags);
     return 0;
 }
 
+/* A sparse gradient's rows must name rows of its tensor. */
+static bool sparse_src_ok(const struct psd_src *p) {
+    if (p->row_len == 0 || p->len % p->row_len || p->nnz > p->len / p->row_len || !p->rows)
+        return false;
+    uint64_t rows = p->len / p->row_len;
+    for (uint64_t k = 0; k < p->nnz; k++)
+        if (p->rows[k] < 0 || (uint64_t)p->rows[k] >= rows)
+            return false;
+    return true;
+}
+
+/* Store a sparse gradient in its tensor's span: as rows (count, indices,
+ * values) when they take less room, else scattered densely. Returns the
+ * piece kind, and ORs a non-finite value into *bad. */
+static uint8_t put_sparse(float *span, const struct psd_src *p, float scale, uint32_t dtype, uint32_t *bad) {
+    uint64_t nnz = p->nnz, rl = p->row_len;
+    const uint8_t *vals = p->data;
+    if (8 + 8 * nnz + 4 * nnz * rl <= 4 * p->len) {
+        uint8_t *b = (uint8_t *)span;
+        memcpy(b, &nnz, sizeof nnz);
+        memcpy(b + 8, p->rows, 8 * nnz);
+        *bad |= copy_check((float *)(b + 8 + 8 * nnz), vals, nnz * rl, scale, dtype);
+        return PSD_PIECE_SPARSE;
+    }
+    memset(span, 0, p->len * sizeof(float));
+    float row[256];
+    for (uint64_t k = 0; k < nnz; k++) {
+        float *dst = span + (uint64_t)p->rows[k] * rl;
+        for (uint64_t j = 0; j < rl; j += 256) {
+            uint64_t n = rl - j < 256 ? rl - j : 256;
+            *bad |= copy_check(row, vals + (k * rl + j) * dtype_size(dtype), n, scale, dtype);
+            for (uint64_t i = 0; i < n; i++)
+                dst[j + i] += row[i]; /* rows may repeat: they add up */
+        }
+    }
+    return PSD_PIECE_DENSE;
+}
+
 int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
-                  const float *const *src, const uint64_t *len, uint32_t count) {
+                  const struct psd_src *src, uint32_t count, uint32_t dtype, const double *bufdelta) {
     struct psd_header *h = psd_hdr(m);
+    if (count != h->n_pieces || dtype > PSD_DTYPE_F16)
+        return EINVAL;
     uint64_t total = 0;
     for (uint32_t k = 0; k < count; k++) {
-        if (len[k] > h->n_params - total)
+        if (src[k].len > h->n_train - total)
             return EINVAL; /* more than the model (checked piece by piece: a sum could wrap) */
-        total += len[k];
+        if (src[k].data && src[k].rows && !sparse_src_ok(&src[k]))
+            return EINVAL;
+        total += src[k].len;
     }
-    if (total != h->n_params)
+    if (total != h->n_train)
         return EINVAL;
     struct psd_entry *e;
     uint64_t tail;
@@ -217,19 +318,33 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
     if (rc)
         return rc;
     float *dst = psd_entry_grad(e);
+    uint8_t *map = psd_entry_pieces(h, e);
     uint32_t bad = 0;
 #ifdef PSD_HAVE_STREAM
-    if (total * sizeof(float) >= PSD_STREAM_BYTES) {
-        for (uint32_t k = 0; k < count; dst += len[k], k++)
-            bad |= copy_check_stream(dst, src[k], len[k], scale);
-        _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
-        publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, !bad);
-        return 0;
-    }
+    bool stream = dtype == PSD_DTYPE_F32 && total * sizeof(float) >= PSD_STREAM_BYTES;
 #endif
-    for (uint32_t k = 0; k < count; dst += len[k], k++)
-        bad |= copy_check(dst, src[k], len[k], scale);
-    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, !bad);
+    for (uint32_t k = 0; k < count; dst += src[k].len, k++) {
+        if (!src[k].data) {
+            map[k] = PSD_PIECE_ABSENT;
+        } else if (src[k].rows) {
+            map[k] = put_sparse(dst, &src[k], scale, dtype, &bad);
+        } else {
+            map[k] = PSD_PIECE_DENSE;
+#ifdef PSD_HAVE_STREAM
+            if (stream) {
+                bad |= copy_check_stream(dst, src[k].data, src[k].len, scale);
+                continue;
+            }
+#endif
+            bad |= copy_check(dst, src[k].data, src[k].len, scale, dtype);
+        }
+    }
+#ifdef PSD_HAVE_STREAM
+    if (stream)
+        _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
+#endif
+    uint32_t flags = put_buffers(h, e, bufdelta) | (bad ? PSD_ENTRY_NONFINITE : 0);
+    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, flags);
     return 0;
 }
 

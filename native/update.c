@@ -29,6 +29,11 @@ struct psd_loop {
     uint32_t threads;
     uint32_t cpus;
     uint64_t spin_ns;
+    /* The trainable tensors, the loop's own copy (never read back from shared
+     * memory), and a piece map of its own for applying the bsp / kasync sum. */
+    uint64_t n_pieces;
+    struct psd_piece_geom *pieces;
+    uint8_t *round_map;
 };
 
 /* The same update written four ways, for `psd bench` to measure what
@@ -150,9 +155,36 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entr
     PSD_ADD_RLX(&h->staleness_hist[bucket < PSD_HIST_BUCKETS ? bucket : PSD_HIST_BUCKETS - 1], 1);
 }
 
+/* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
+ * says have one, each at its own step count. Runs of dense tensors at the same
+ * step go to the optimizer as one range (one call for a whole dense model). */
+static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double lr) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    float *w = psd_weights(m), *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
+    for (uint64_t k = 0; k < L->n_pieces;) {
+        const struct psd_piece_geom *pg = &L->pieces[k];
+        uint64_t t = psd_piece_at(m, k)->steps + 1;
+        if (map[k] == PSD_PIECE_ABSENT) {
+            k++;
+        } else if (map[k] == PSD_PIECE_SPARSE) {
+            psd_sparse_step(h, w + pg->off, g + pg->off, pg->row_len, gscale, s0 + pg->off, lr, t);
+            psd_piece_at(m, k++)->steps = t;
+        } else {
+            uint64_t j = k + 1;
+            while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && psd_piece_at(m, j)->steps + 1 == t)
+                j++;
+            uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
+            psd_optimizer_step(h, w + lo, g + lo, gscale, s0 + lo, s1 + lo, hi - lo, lr, t, (int)L->threads);
+            for (; k < j; k++)
+                psd_piece_at(m, k)->steps = t;
+        }
+    }
+}
+
 /* One optimizer update of the weights with g * gscale, at the scheduled lr
  * (divided by the staleness with --staleness-lr); advances the clock. */
-static void update_weights(struct psd_loop *L, const float *g, float gscale, double staleness) {
+static void update_weights(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double staleness) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint64_t t = PSD_LOAD_RLX(&h->opt_steps) + 1; /* only this thread writes it */
@@ -161,13 +193,52 @@ static void update_weights(struct psd_loop *L, const float *g, float gscale, dou
     memcpy(&lr_bits, &lr, sizeof lr_bits);
     if ((h->cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
-    psd_optimizer_step(h, psd_weights(m), g, gscale, psd_state(m, 0), psd_state(m, 1), h->n_params, lr, t,
-                       (int)L->threads);
+    apply_pieces(L, g, map, gscale, lr);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
     /* Pairs with the load-acquire of opt_steps in psd_predict. */
     PSD_STORE_REL(&h->opt_steps, t);
     /* Pairs with the load-acquire of clock before a learner's pull. */
     PSD_STORE_REL(&h->clock, PSD_LOAD_RLX(&h->clock) + 1);
+}
+
+/* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
+ * a tensor's first gradient of the round replaces what the sum held. */
+static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    float *acc = psd_accumulator(m);
+    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
+    for (uint64_t k = 0; k < L->n_pieces; k++) {
+        const struct psd_piece_geom *pg = &L->pieces[k];
+        struct psd_piece *ps = psd_piece_at(m, k);
+        bool first = ps->round != mark;
+        if (map[k] == PSD_PIECE_DENSE && first)
+            memcpy(acc + pg->off, g + pg->off, pg->len * sizeof(float));
+        else if (map[k] == PSD_PIECE_DENSE)
+            psd_apply_sgd(acc + pg->off, g + pg->off, pg->len, -1.0f, (int)L->threads); /* acc += g */
+        if (map[k] == PSD_PIECE_SPARSE) {
+            if (first)
+                memset(acc + pg->off, 0, pg->len * sizeof(float));
+            psd_sparse_add(acc + pg->off, g + pg->off, pg->row_len);
+        }
+        if (map[k] != PSD_PIECE_ABSENT)
+            ps->round = mark;
+    }
+}
+
+/* Whether an entry's piece map (written by a learner) can be used: known
+ * kinds, and sparse pieces only where the optimizer takes them, well formed. */
+static bool pieces_valid(struct psd_loop *L, const float *g, const uint8_t *map) {
+    const struct psd_header *h = psd_hdr(L->m);
+    for (uint64_t k = 0; k < L->n_pieces; k++) {
+        const struct psd_piece_geom *pg = &L->pieces[k];
+        if (map[k] > PSD_PIECE_SPARSE)
+            return false;
+        if (map[k] == PSD_PIECE_SPARSE &&
+            (!psd_sparse_ok(h) || psd_sparse_rows(g + pg->off, pg->len, pg->len / pg->row_len, pg->row_len) < 0))
+            return false;
+    }
+    return true;
 }
 
 /* bsp: whether learner slot `s` already gave the current round its gradient. */
@@ -182,7 +253,10 @@ static void finish_round(struct psd_loop *L) {
     uint64_t count = PSD_LOAD_RLX(&h->acc_count);
     if (count) {
         double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
-        update_weights(L, psd_accumulator(m), 1.0f / (float)count, staleness);
+        uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
+        for (uint64_t k = 0; k < L->n_pieces; k++)
+            L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
+        update_weights(L, psd_accumulator(m), L->round_map, 1.0f / (float)count, staleness);
     }
     PSD_STORE_RLX(&h->acc_count, 0);
     PSD_STORE_RLX(&h->acc_members, 0);
@@ -200,9 +274,11 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     struct psd_entry *e = psd_entry_at(m, i, head);
     uint64_t clock = PSD_LOAD_RLX(&h->clock); /* only this thread writes it */
     uint64_t staleness = clock > e->clock ? clock - e->clock : 0;
-    bool accumulate = h->sync_mode == PSD_SYNC_BSP || h->sync_mode == PSD_SYNC_KASYNC;
+    bool summed = h->sync_mode == PSD_SYNC_BSP || h->sync_mode == PSD_SYNC_KASYNC;
     uint32_t outcome = PSD_OUTCOME_APPLIED;
-    if (e->flags & PSD_ENTRY_NONFINITE) {
+    const float *g = psd_entry_grad(e);
+    const uint8_t *map = psd_entry_pieces(h, e);
+    if ((e->flags & PSD_ENTRY_NONFINITE) || !pieces_valid(L, g, map)) {
         outcome = PSD_OUTCOME_REJECTED;
         PSD_ADD_RLX(&s->rejected, 1);
         PSD_ADD_RLX(&h->rejected, 1);
@@ -210,21 +286,24 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
         outcome = PSD_OUTCOME_DROPPED;
         PSD_ADD_RLX(&s->dropped, 1);
         PSD_ADD_RLX(&h->dropped, 1);
-    } else if (!accumulate) {
-        update_weights(L, psd_entry_grad(e), 1.0f, (double)staleness);
+    } else if (!summed) {
+        update_weights(L, g, map, 1.0f, (double)staleness);
     } else {
-        float *acc = psd_accumulator(m);
-        const float *g = psd_entry_grad(e);
-        uint64_t n = h->n_params;
-        if (PSD_LOAD_RLX(&h->acc_count) == 0)
-            memcpy(acc, g, n * sizeof(float));
-        else
-            psd_apply_sgd(acc, g, n, -1.0f, (int)L->threads); /* acc += g */
+        accumulate(L, g, map);
         PSD_ADD_RLX(&h->acc_staleness, staleness);
         PSD_ADD_RLX(&h->acc_count, 1);
     }
-    if (outcome == PSD_OUTCOME_APPLIED)
+    if (outcome == PSD_OUTCOME_APPLIED) {
+        if (e->flags & PSD_ENTRY_BUFFERS) {
+            /* The learner's buffers moved by this much since it last pulled them: the job's
+             * buffers move by the same, so they follow every learner's batches in turn. */
+            double *b = psd_buffers(m);
+            const double *d = psd_entry_bufdelta(h, e);
+            for (uint64_t i = 0; i < h->n_buffers; i++)
+                b[i] += d[i];
+        }
         count_applied(m, s, e, staleness);
+    }
     if (h->sync_mode == PSD_SYNC_BSP) {
         PSD_STORE_RLX(&s->round_joined, PSD_LOAD_RLX(&h->rounds) + 1);
         PSD_ADD_RLX(&h->acc_members, 1);
@@ -429,10 +508,41 @@ static void *loop_main(void *arg) {
     return NULL;
 }
 
-int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct psd_loop **out) {
+static void loop_free(struct psd_loop *L) {
+    free(L->pieces);
+    free(L->round_map);
+    free(L);
+}
+
+int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,
+                   uint64_t n_pieces, struct psd_loop **out) {
+    const struct psd_header *h = psd_hdr(m);
+    const struct psd_piece_geom whole = {0, h->n_train, 1};
+    if (!pieces) {
+        pieces = &whole;
+        n_pieces = 1;
+    }
+    /* The pieces must tile the trainable prefix exactly, as the header says. */
+    uint64_t off = 0;
+    for (uint64_t k = 0; k < n_pieces; k++) {
+        if (pieces[k].off != off || pieces[k].len == 0 || pieces[k].len > h->n_train - off ||
+            pieces[k].row_len == 0 || pieces[k].len % pieces[k].row_len)
+            return EINVAL;
+        off += pieces[k].len;
+    }
+    if (off != h->n_train || n_pieces != h->n_pieces)
+        return EINVAL;
     struct psd_loop *L = calloc(1, sizeof *L);
     if (!L)
         return ENOMEM;
+    L->pieces = malloc(n_pieces * sizeof *L->pieces);
+    L->round_map = malloc(n_pieces);
+    if (!L->pieces || !L->round_map) {
+        loop_free(L);
+        return ENOMEM;
+    }
+    memcpy(L->pieces, pieces, n_pieces * sizeof *L->pieces);
+    L->n_pieces = n_pieces;
     L->m = m;
     L->threads = threads ? threads : 1;
     L->spin_ns = (uint64_t)spin_us * 1000;
@@ -442,7 +552,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, struct
     PSD_STORE_RLX(&psd_hdr(m)->heartbeat_ns, psd_now_ns());
     int rc = pthread_create(&L->thread, NULL, loop_main, L);
     if (rc) {
-        free(L);
+        loop_free(L);
         return rc;
     }
     *out = L;
@@ -453,6 +563,6 @@ int psd_loop_stop(struct psd_loop *L) {
     atomic_store_explicit(&L->stop, 1, memory_order_release);
     psd_cond_broadcast(&psd_hdr(L->m)->doorbell);
     int rc = pthread_join(L->thread, NULL);
-    free(L);
+    loop_free(L);
     return rc;
 }

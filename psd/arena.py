@@ -28,7 +28,9 @@ __all__ = [
     "encode_spec",
     "first_difference",
     "list_jobs",
+    "model_sizes",
     "open_job",
+    "piece_geometry",
     "shm_name",
     "shm_path",
     "wait_for_job",
@@ -119,11 +121,16 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of a model: its name, shape and dtype."""
+    """One tensor of a model's state: its name, shape, dtype, and kind.
+
+    ``kind`` is ``param`` (trained), ``frozen`` (a parameter with ``requires_grad=False``: held and
+    exported, never updated) or ``buffer`` (a persistent buffer, such as BatchNorm's statistics).
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
+    kind: str = "param"
 
     @property
     def numel(self) -> int:
@@ -135,8 +142,11 @@ class ParamSpec:
 
 def encode_spec(spec: Iterable[ParamSpec]) -> tuple[bytes, int]:
     """The spec as stored in the arena (canonical JSON) and its 64-bit hash."""
+    # A trained parameter's entry has no "kind": specs of models without frozen parameters or buffers
+    # (and their hashes) read as they did before kinds existed.
     data = json.dumps(
-        [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in spec],
+        [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, **({"kind": p.kind} if p.kind != "param" else {})}
+         for p in spec],
         separators=(",", ":"),
     ).encode()
     return data, int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
@@ -144,7 +154,27 @@ def encode_spec(spec: Iterable[ParamSpec]) -> tuple[bytes, int]:
 
 def decode_spec(data: bytes) -> list[ParamSpec]:
     """Inverse of encode_spec."""
-    return [ParamSpec(d["name"], tuple(d["shape"]), d["dtype"]) for d in json.loads(data)]
+    return [ParamSpec(d["name"], tuple(d["shape"]), d["dtype"], d.get("kind", "param")) for d in json.loads(data)]
+
+
+def model_sizes(spec: Iterable[ParamSpec]) -> tuple[int, int, int, int]:
+    """(n_params, n_train, n_buffers, n_pieces): float32 weights, trainable ones, float64 buffer elements,
+    trainable tensors."""
+    spec = list(spec)
+    n_train = sum(p.numel for p in spec if p.kind == "param")
+    n_params = n_train + sum(p.numel for p in spec if p.kind == "frozen")
+    n_buffers = sum(p.numel for p in spec if p.kind == "buffer")
+    return n_params, n_train, n_buffers, sum(1 for p in spec if p.kind == "param")
+
+
+def piece_geometry(spec: Iterable[ParamSpec]) -> list[tuple[int, int]]:
+    """(elements, elements per row) of each trainable tensor: what the update loop needs for sparse rows."""
+    return [(p.numel, p.numel // p.shape[0] if p.shape and p.shape[0] else 1)
+            for p in spec if p.kind == "param"]
+
+
+def _kind_note(a: ParamSpec, b: ParamSpec) -> str:
+    return f" ({a.kind})" if a.kind != b.kind else ""
 
 
 def first_difference(job: str, ours: list[ParamSpec], theirs: list[ParamSpec]) -> SpecMismatch | None:
@@ -152,15 +182,16 @@ def first_difference(job: str, ours: list[ParamSpec], theirs: list[ParamSpec]) -
     for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         if a != b:
             return SpecMismatch(
-                f"model does not match job {job!r}: parameter #{i} is {a.name!r} {list(a.shape)} "
-                f"{a.dtype} in this model but {b.name!r} {list(b.shape)} {b.dtype} in the job; attach "
-                f"the same model the job was started with, or start a new job"
+                f"model does not match job {job!r}: tensor #{i} is {a.name!r} {list(a.shape)} {a.dtype}"
+                f"{_kind_note(a, b)} in this model but {b.name!r} {list(b.shape)} {b.dtype}{_kind_note(b, a)} in "
+                f"the job; attach "
+                f"the same model (same frozen parameters and dtype) the job was started with, or start a new job"
             )
     if len(ours) != len(theirs):
         extra = ours[len(theirs)] if len(ours) > len(theirs) else theirs[len(ours)]
         where = "this model" if len(ours) > len(theirs) else "the job"
         return SpecMismatch(
-            f"model does not match job {job!r}: this model has {len(ours)} parameters and the job "
+            f"model does not match job {job!r}: this model has {len(ours)} tensors and the job "
             f"{len(theirs)}; the first one only {where} has is {extra.name!r} {list(extra.shape)}"
         )
     return None

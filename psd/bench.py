@@ -125,7 +125,7 @@ def update_loop(n: int, threads: int, rounds: int = 4, learners: int = 2, ring: 
     a = _native.create(name, 0o600, learners, ring, 1 << 16, __version__)
     try:
         me, start = os.getpid(), _native.proc_start_time(os.getpid())
-        a.set_spec(b"[]", 0, n, me, start)
+        a.set_spec(b"[]", 0, (n, n, 0, 1), me, start)
         a.grow()
         a.become_server(me, start, 0.01, threads, 50)
         a.set_state(_native.ARENA_READY)
@@ -536,7 +536,7 @@ def idle_cpu(seconds: float = 1.0) -> float:
     server.start()
     me = os.getpid()
     spec, digest = encode_spec([ParamSpec("w", (1024,))])
-    server.arena.set_spec(spec, digest, 1024, me, _native.proc_start_time(me))
+    server.arena.set_spec(spec, digest, (1024, 1024, 0, 1), me, _native.proc_start_time(me))
     server.poll()  # grows the arena for the spec
     server.arena.set_state(_native.ARENA_READY)
     server.poll()  # starts the update loop

@@ -396,15 +396,17 @@ def _export(args: argparse.Namespace) -> int:
     import torch
 
     if args.checkpoint:
+        from psd.state import in_model_dtypes
         from psd.watchdog import checkpoint
 
-        state, src = checkpoint.load(args.checkpoint).weights, args.checkpoint
+        ckpt = checkpoint.load(args.checkpoint)
+        state, src = in_model_dtypes(ckpt.spec, ckpt.weights), args.checkpoint
     else:
         from psd.learner import pull_state_dict
 
         state, src = pull_state_dict(args.job), f"job {args.job!r}"
     torch.save({k: v.clone() for k, v in state.items()}, args.out)
-    print(f"wrote {args.out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters from "
+    print(f"wrote {args.out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} values from "
           f"{src}; load it with model.load_state_dict(torch.load({args.out!r}))")
     return 0
 

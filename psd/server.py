@@ -30,7 +30,9 @@ from psd.arena import (
     decode_spec,
     default_job,
     encode_spec,
+    model_sizes,
     open_job,
+    piece_geometry,
     shm_name,
     shm_path,
 )
@@ -187,7 +189,8 @@ def _load_initial_weights(path: str) -> tuple[list[ParamSpec], dict]:
     spec = []
     for name, t in tensors.items():
         if str(t.dtype) != "torch.float32":
-            raise SpecError(f"--init {path}: tensor {name!r} is {t.dtype}; psd holds float32 weights")
+            raise SpecError(f"--init {path}: tensor {name!r} is {t.dtype}; --init takes the float32 parameters of "
+                            f"a model without buffers (for any other model, let its first learner bring it)")
         spec.append(ParamSpec(name, tuple(t.shape)))
     return spec, tensors
 
@@ -256,9 +259,9 @@ class Server:
         cfg = self.config
         check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, 0), f"job {cfg.job!r}")
         if spec is not None:
-            n = sum(p.numel for p in spec)
-            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n, cfg.state_vectors()),
-                        f"job {cfg.job!r}")
+            n_params, n_train, n_buffers, n_pieces = model_sizes(spec)
+            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n_params, cfg.state_vectors(),
+                                           n_train, n_buffers, n_pieces), f"job {cfg.job!r}")
         try:
             self.arena = _native.create(shm_name(cfg.job), 0o600, cfg.learners, cfg.slots, SPEC_CAPACITY,
                                         __version__)
@@ -310,20 +313,15 @@ class Server:
                     cfg.job, h["server_pid"], h["clock"], a.counters()["pending"])
 
     def _load_weights(self, spec: list[ParamSpec], tensors: dict, ckpt=None) -> None:
-        import torch
+        from psd.state import buffers_view, weights_view, write_state
 
         data, digest = encode_spec(spec)
-        n = sum(p.numel for p in spec)
+        sizes = model_sizes(spec)
         me = os.getpid()
-        self.arena.set_spec(data, digest, n, me, _native.proc_start_time(me))
+        self.arena.set_spec(data, digest, sizes, me, _native.proc_start_time(me))
         self.arena.grow()
         h = self.arena.header()
-        w = torch.frombuffer(self.arena, dtype=torch.float32, count=n, offset=h["weights_off"])
-        off = 0
-        for p in spec:
-            w[off:off + p.numel].copy_(tensors[p.name].reshape(-1))
-            off += p.numel
-        del w
+        write_state(spec, tensors, weights_view(self.arena, h), buffers_view(self.arena, h))
         if ckpt is not None:
             from psd.watchdog.checkpoint import restore_optimizer_state
 
@@ -340,7 +338,7 @@ class Server:
                                 "starts afresh", self.config.job, ckpt.path, ckpt.optim.get("optimizer", "sgd"),
                                 ckpt.optim.get("sync", "asp"))
         self.arena.set_state(_native.ARENA_READY)
-        log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, n, len(spec),
+        log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, sizes[0], len(spec),
                  ckpt.path if ckpt is not None else self.config.init)
 
     def poll(self) -> None:
@@ -360,7 +358,7 @@ class Server:
             a.beat()  # the update loop beats once it runs; until then, this thread does
         if st == _native.ARENA_READY:
             if not self._loop_running:
-                a.start_loop()
+                a.start_loop(piece_geometry(decode_spec(a.spec())))
                 self._loop_running = True
                 log.info("job %r: ready, %d parameters; update loop running", self.config.job,
                          a.header()["n_params"])
@@ -376,9 +374,14 @@ class Server:
         h = a.header()
         try:
             spec = decode_spec(a.spec())
-            if sum(p.numel for p in spec) != h["n_params"] or not spec:
+            sizes = model_sizes(spec)
+            if sizes != tuple(h[k] for k in ("n_params", "n_train", "n_buffers", "n_pieces")) or not sizes[1]:
                 raise SpecError("the offered spec is inconsistent (its sizes do not add up)")
-            size = _native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, h["n_params"], cfg.state_vectors())
+            if any(p.kind not in ("param", "frozen", "buffer") for p in spec):
+                raise SpecError("the offered spec names a kind of tensor this psd does not know; use the same psd "
+                                "version for the server and its learners")
+            size = _native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, *sizes[:1], cfg.state_vectors(),
+                                      *sizes[1:])
             check_space(size - h["mapped_size"], f"job {cfg.job!r} with {h['n_params']:,} parameters")
             a.grow()
         except (Error, ValueError) as e:

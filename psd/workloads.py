@@ -1,9 +1,13 @@
-"""Workloads that ship with psd: a generated classification data set and a model for it.
+"""Workloads that ship with psd: data sets and the models trained on them.
 
-The demo, the convergence tests and the benchmarks train the same thing, so it
-lives in one place. The data are generated from a seed (no downloads): each of
-the classes is a mixture of two Gaussian clusters in ``dim`` dimensions, so a
-linear model is not enough and a small MLP reaches a high, stable accuracy.
+The demo, the convergence tests, the examples and the benchmarks train the same
+things, so they live in one place. The generated classification data come from
+a seed (no downloads): each of the classes is a mixture of two Gaussian clusters
+in ``dim`` dimensions, so a linear model is not enough and a small MLP reaches a
+high, stable accuracy. The 8x8 digit images are real (the UCI handwritten
+digits, as shipped inside scikit-learn: ``pip install psd[examples]``); a small
+ResNet-style CNN with BatchNorm trains on them. Generated utterances (intent
+detection, GaDei's own workload) feed the text models.
 """
 
 from __future__ import annotations
@@ -12,7 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Dataset", "evaluate", "make_classification", "make_mlp", "shard", "train_single"]
+__all__ = [
+    "INTENTS",
+    "Dataset",
+    "evaluate",
+    "load_digits",
+    "make_classification",
+    "make_mlp",
+    "make_resnet",
+    "make_utterances",
+    "shard",
+    "train_single",
+]
 
 
 @dataclass
@@ -82,3 +97,60 @@ def train_single(data: Dataset, epochs: int, batch_size: int, lr: float, seed: i
             torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
             opt.step()
     return model
+
+
+def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
+    """The 1,797 real 8x8 digit images (scikit-learn's copy of the UCI set), scaled to [0, 1], as
+    (N, 1, 8, 8), split into train and test by a seeded permutation."""
+    try:
+        from sklearn.datasets import load_digits as _load
+    except ImportError:
+        raise ImportError("the digits workload needs scikit-learn: pip install 'psd[examples]' "
+                          "(or pip install scikit-learn)") from None
+    d = _load()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(x) * test_fraction)
+    te, tr = order[:n_test], order[n_test:]
+    return Dataset(x[tr], y[tr], x[te], y[te], 10)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(c)
+        self.conv2 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(h)))
+
+
+def make_resnet(channels: int = 16, classes: int = 10, seed: int = 0) -> torch.nn.Module:
+    """A small ResNet-style CNN with BatchNorm for 8x8 images: a stem, two residual blocks, pooling."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, channels, 3, padding=1, bias=False), torch.nn.BatchNorm2d(channels), torch.nn.ReLU(),
+        _Block(channels), _Block(channels),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(channels, classes),
+    )
+
+
+INTENTS = ["balance", "transfer", "card_lost", "open_account", "loan", "address_change", "complaint", "hours"]
+
+
+def make_utterances(seed: int, n: int, vocab: int = 500, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """n generated utterances of ``length`` word ids and their intent labels: each intent has six
+    keywords (ids 1..48), and every utterance mixes two or three of them into filler words."""
+    g = torch.Generator().manual_seed(seed)
+    keywords = torch.arange(len(INTENTS) * 6).view(len(INTENTS), 6) + 1
+    y = torch.randint(len(INTENTS), (n,), generator=g)
+    words = torch.randint(len(INTENTS) * 6 + 1, vocab, (n, length), generator=g)
+    k = 2 + torch.randint(2, (n,), generator=g)
+    for i in range(n):
+        pos = torch.randperm(length, generator=g)[: k[i]]
+        words[i, pos] = keywords[y[i], torch.randint(6, (int(k[i]),), generator=g)]
+    return words, y

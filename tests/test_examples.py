@@ -11,19 +11,42 @@ import pytest
 from conftest import ROOT, child_env
 
 
-def psd_run(job: str, tmp, learners: int, lr: str, *command: str) -> str:
+def psd_run(job: str, tmp, learners: int, flags: list[str], *command: str) -> str:
     r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", str(learners),
-                        "--lr", lr, "--checkpoint-dir", str(tmp), "--", sys.executable, *command],
+                        *flags, "--checkpoint-dir", str(tmp), "--", sys.executable, *command],
                        capture_output=True, text=True, env=child_env(), timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
 
-@pytest.mark.parametrize("script, lr, pattern", [
-    ("text_classifier.py", "0.5", r"intent accuracy (\d\.\d+)"),
-    ("gpu_learner.py", "0.03", r"accuracy (\d\.\d+)"),
+@pytest.mark.parametrize("script, flags, epochs, pattern", [
+    ("text_classifier.py", ["--lr", "0.5"], 2, r"intent accuracy (\d\.\d+)"),
+    ("gpu_learner.py", ["--lr", "0.03"], 2, r"accuracy (\d\.\d+)"),
+    ("transformer_text.py", ["--optimizer", "adagrad", "--lr", "0.05"], 1, r"intent accuracy (\d\.\d+)"),
 ])
-def test_example_learns(job, tmp_path, script, lr, pattern):
-    out = psd_run(job, tmp_path, 2, lr, str(ROOT / "examples" / script), "--epochs", "2")
+def test_example_learns(job, tmp_path, script, flags, epochs, pattern):
+    out = psd_run(job, tmp_path, 2, flags, str(ROOT / "examples" / script), "--epochs", str(epochs))
     accs = [float(a) for a in re.findall(pattern, out)]
     assert len(accs) == 2 and min(accs) > 0.9, out
+
+
+def test_batchnorm_cnn_exports_a_model_that_loads_strictly_and_scores(job, tmp_path):
+    """The trained job, exported from its last checkpoint with `psd export`, loads into a fresh model with
+    strict=True (BatchNorm buffers included) and scores (one process: 0.95 after 2 epochs)."""
+    import torch
+
+    from psd.watchdog import checkpoint
+    from psd.workloads import evaluate, load_digits, make_resnet
+
+    psd_run(job, tmp_path / "ckpt", 2, ["--optimizer", "sgd", "--lr", "0.05"],
+            str(ROOT / "examples" / "resnet_digits.py"), "--epochs", "2")
+    last = checkpoint.list_checkpoints(tmp_path / "ckpt")[0]
+    out = tmp_path / "digits.pt"
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "export", "--checkpoint", str(last), "--out", str(out)],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    model = make_resnet(seed=1)
+    model.load_state_dict(torch.load(out))  # strict
+    assert model[1].num_batches_tracked.item() > 300  # both learners' batches
+    model.eval()
+    assert evaluate(model, load_digits()) > 0.8  # with the initial BatchNorm statistics: 0.34

@@ -129,7 +129,7 @@ def test_push_from_refuses_lengths_that_are_not_the_model(job, serve):
     serve(job, "--learners", "1")
     with learner.attach(Flat(), job=job) as ps:
         a = ps._arena
-        for lens in ([2**64 - 1, 68], [64], [64, 3, 1], [0] * 68):
+        for lens in ([2**64 - 1, 68], [63], [65], [2**64 - 1], [64, 3, 1], [0] * 68):
             with pytest.raises(ValueError):
                 a.push_from(ps.slot, 0, 1, 0.0, 1.0, [0] * len(lens), lens)
         assert a.tail(ps.slot) == 0  # nothing was published

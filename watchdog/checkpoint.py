@@ -1,7 +1,8 @@
 """Checkpoints: consistent snapshots of a job's arena, written so that a crash never leaves a torn one.
 
 A checkpoint is one safetensors file (no pickle; safe to load from anyone;
-memory-mappable) holding every parameter under its own name, plus metadata:
+memory-mappable) holding every tensor of the job's state under its own name
+(parameters as the float32 master weights, buffers as float64), plus metadata:
 format, psd version, weights clock, generation, spec and its hash, config,
 per-rank progress, counters, and a SHA-256 of the tensor data. It is written
 to a temporary file, fsynced, renamed into place and the directory fsynced
@@ -40,9 +41,11 @@ __all__ = [
     "write",
 ]
 
-FORMAT = "psd-checkpoint/1"
+FORMAT = "psd-checkpoint/2"
+_READABLE = ("psd-checkpoint/1", FORMAT)  # /1: no buffers, no per-tensor state
 SUFFIX = ".safetensors"
 OPTSTATE = "__psd_optstate__"  # the tensor holding the optimizer state vectors
+PIECES = "__psd_pieces__"  # the update loop's per-tensor state: (optimizer steps, bsp round mark) each
 log = logging.getLogger("psd.watchdog")
 
 
@@ -58,7 +61,8 @@ def default_dir(job: str) -> Path:
 
 @dataclass
 class Checkpoint:
-    """A snapshot of a job: weights by parameter name, and where training stood."""
+    """A snapshot of a job: its state by tensor name (float32 parameters, float64 buffers), and where
+    training stood."""
 
     weights: dict[str, torch.Tensor]
     spec: list[ParamSpec]
@@ -74,6 +78,7 @@ class Checkpoint:
     # state: the arena's state vectors (momentum; Adam's m, v; the bsp/kasync accumulator), each n_params long.
     optim: dict = field(default_factory=dict)
     optstate: torch.Tensor | None = None
+    pieces: torch.Tensor | None = None  # int64 (n_pieces, 2): per trainable tensor, steps and round mark
 
     @property
     def spec_hash(self) -> int:
@@ -85,7 +90,7 @@ def _digest(weights: dict[str, torch.Tensor], spec: list[ParamSpec]) -> str:
 
     h = hashlib.sha256()
     for p in spec:
-        h.update(weights[p.name].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(weights[p.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -102,26 +107,28 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
 
     Learners keep pushing meanwhile; the pause lasts one memory copy of the weights.
     """
-    import torch
+    from psd.state import buffers_view, pieces_view, split, weights_view
 
     me = os.getpid()
     h = arena.header()
     spec = decode_spec(arena.spec())
     arena.pause(me, _native.proc_start_time(me), pause_timeout)
     try:
-        flat = torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"], offset=h["weights_off"]).clone()
+        flat = weights_view(arena, h).clone()
+        bufs = buffers_view(arena, h).clone()
+        pieces = pieces_view(arena, h).clone()
         clock = arena.clock()
         ranks = arena.ranks()
         counters = arena.counters()
         optim, optstate = _optimizer_state(arena)
     finally:
         arena.resume()
-    weights, off = {}, 0
-    for p in spec:
-        weights[p.name] = flat[off:off + p.numel].view(p.shape)
-        off += p.numel
+    tensors = [p for p in spec if p.kind != "buffer"]
+    buffers = [p for p in spec if p.kind == "buffer"]
+    weights = dict(zip((p.name for p in tensors), split(flat, tensors), strict=True))
+    weights.update(zip((p.name for p in buffers), split(bufs, buffers), strict=True))
     return Checkpoint(weights, spec, clock, h["generation"], ranks, dict(config or {}, lr=h["lr"]),
-                      counters, job, time.time_ns(), optim=optim, optstate=optstate)
+                      counters, job, time.time_ns(), optim=optim, optstate=optstate, pieces=pieces)
 
 
 def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
@@ -141,22 +148,30 @@ def _state_views(arena: _native.Arena, h: dict) -> list[torch.Tensor]:
 
     k = h["state_vectors"]
     stride = h["optstate_bytes"] // k if k else 0
-    return [torch.frombuffer(arena, dtype=torch.float32, count=h["n_params"], offset=h["optstate_off"] + i * stride)
+    return [torch.frombuffer(arena, dtype=torch.float32, count=h["n_train"], offset=h["optstate_off"] + i * stride)
             for i in range(k)]
 
 
 def restore_optimizer_state(arena: _native.Arena, ckpt: Checkpoint) -> bool:
     """Put a checkpoint's optimizer state into a (not yet READY) arena if it was made for the same
     optimizer and sync mode; returns whether it did."""
+    from psd.state import pieces_view
+
     h = arena.header()
     made = arena.training()
     optim = ckpt.optim
     same = optim and (optim.get("optimizer"), optim.get("sync")) == (made["optimizer"], made["sync"])
     k = h["state_vectors"]
-    if not same or (k and (ckpt.optstate is None or tuple(ckpt.optstate.shape) != (k, h["n_params"]))):
+    if not same or (k and (ckpt.optstate is None or tuple(ckpt.optstate.shape) != (k, h["n_train"]))):
         return False
     for dst, src in zip(_state_views(arena, h), ckpt.optstate if k else [], strict=True):
         dst.copy_(src)
+    pieces = pieces_view(arena, h)
+    if ckpt.pieces is not None and tuple(ckpt.pieces.shape) == tuple(pieces.shape):
+        pieces.copy_(ckpt.pieces)
+    else:  # written before tensors counted their own steps: every tensor had every step
+        pieces[:, 0] = optim.get("opt_steps", 0)
+        pieces[:, 1] = optim.get("rounds", 0) + 1 if optim.get("acc_count") else 0
     return True
 
 
@@ -187,6 +202,9 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
     if ckpt.optstate is not None:
         tensors[OPTSTATE] = ckpt.optstate.contiguous()
         meta["optstate_sha256"] = hashlib.sha256(ckpt.optstate.contiguous().numpy().tobytes()).hexdigest()
+    if ckpt.pieces is not None:
+        tensors[PIECES] = ckpt.pieces.contiguous()
+        meta["pieces_sha256"] = hashlib.sha256(ckpt.pieces.contiguous().numpy().tobytes()).hexdigest()
     tmp = d / f".{name}.tmp-{os.getpid()}"
     try:
         save_file(tensors, str(tmp), metadata=meta)
@@ -224,27 +242,32 @@ def load(path: str | os.PathLike) -> Checkpoint:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
+            if meta.get("format") not in _READABLE:
                 raise CorruptCheckpoint(f"{path}: not a psd checkpoint (format {meta.get('format')!r})")
             spec = decode_spec(meta["spec"].encode())
             weights = {p.name: f.get_tensor(p.name) for p in spec}
             optstate = f.get_tensor(OPTSTATE) if OPTSTATE in f.keys() else None
+            pieces = f.get_tensor(PIECES) if PIECES in f.keys() else None
     except CorruptCheckpoint:
         raise
     except Exception as e:  # safetensors raises its own error types for torn files
         raise CorruptCheckpoint(f"{path}: unreadable ({type(e).__name__}: {e})") from None
     for p in spec:
-        if tuple(weights[p.name].shape) != p.shape or weights[p.name].dtype != torch.float32:
+        dtype = torch.float64 if p.kind == "buffer" else torch.float32
+        if tuple(weights[p.name].shape) != p.shape or weights[p.name].dtype != dtype:
             raise CorruptCheckpoint(f"{path}: tensor {p.name!r} does not match the spec")
     if _digest(weights, spec) != meta.get("sha256"):
         raise CorruptCheckpoint(f"{path}: checksum mismatch (the file is damaged)")
     if optstate is not None and \
             hashlib.sha256(optstate.contiguous().numpy().tobytes()).hexdigest() != meta.get("optstate_sha256"):
         raise CorruptCheckpoint(f"{path}: optimizer-state checksum mismatch (the file is damaged)")
+    if pieces is not None and \
+            hashlib.sha256(pieces.contiguous().numpy().tobytes()).hexdigest() != meta.get("pieces_sha256"):
+        raise CorruptCheckpoint(f"{path}: per-tensor state checksum mismatch (the file is damaged)")
     return Checkpoint(weights, spec, int(meta["clock"]), int(meta["generation"]), json.loads(meta["ranks"]),
                       json.loads(meta["config"]), json.loads(meta["counters"]), meta.get("job", ""),
                       int(meta["created_unix_ns"]), path, optim=json.loads(meta.get("optim", "{}")),
-                      optstate=optstate)
+                      optstate=optstate, pieces=pieces)
 
 
 def latest(directory: str | os.PathLike) -> Checkpoint | None:

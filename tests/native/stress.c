@@ -43,6 +43,9 @@ static int passed, failed;
 enum { SLOTS = 4, RING = 4, N = 257, PUSHES = 20000 };
 
 static struct psd_map map = {.fd = -1};
+/* The model as three tensors: the slots' own elements, a middle nobody pushes, the shared last one. */
+static const struct psd_model model = {N, N, 0, 3};
+static const struct psd_piece_geom pieces[] = {{0, SLOTS, 1}, {SLOTS, N - SLOTS - 1, 1}, {N - 1, 1, 1}};
 static char name[64];
 
 static void setup(void) {
@@ -51,7 +54,7 @@ static void setup(void) {
     CHECK(rc == 0, "create: %s", psd_strerror(rc));
     const char spec[] = "[]";
     pid_t me = getpid();
-    rc = psd_arena_set_spec(&map, spec, sizeof spec, 1, N, me, psd_proc_start_time(me));
+    rc = psd_arena_set_spec(&map, spec, sizeof spec, 1, &model, me, psd_proc_start_time(me));
     CHECK(rc == 0, "set_spec: %s", psd_strerror(rc));
     rc = psd_arena_grow(&map);
     CHECK(rc == 0, "grow: %s", psd_strerror(rc));
@@ -130,15 +133,14 @@ static void *produce(void *arg) {
             return NULL;
         }
         if (p->slot % 2) {
-            /* Odd slots push from private pieces (what Learner.step does): a zero piece, the
-             * piece with this slot's 1, and the last float. */
-            float mine[N - 1];
-            memset(mine, 0, sizeof mine);
-            mine[0] = 1.0f;
+            /* Odd slots push from private tensors (what Learner.step does): the slots' piece
+             * with this slot's 1, no gradient for the middle, and the last float. */
+            float mine[SLOTS] = {0};
+            mine[p->slot] = 1.0f;
             float last = 1.0f;
-            const float *src[] = {NULL, mine, &last};
-            const uint64_t len[] = {p->slot, N - 1 - p->slot, 1};
-            rc = psd_push_from(&map, p->slot, i, 1, 0.0, 1.0f, src, len, 3);
+            const struct psd_src src[] = {{mine, NULL, SLOTS, 0, 0}, {NULL, NULL, N - SLOTS - 1, 0, 0},
+                                          {&last, NULL, 1, 0, 0}};
+            rc = psd_push_from(&map, p->slot, i, 1, 0.0, 1.0f, src, 3, PSD_DTYPE_F32, NULL);
         } else {
             struct psd_slot *s = psd_slot_at(&map, p->slot);
             float *g =
@@ -146,7 +148,7 @@ static void *produce(void *arg) {
             memset(g, 0, N * sizeof(float));
             g[p->slot] = 1.0f;
             g[N - 1] = 1.0f;
-            rc = psd_push(&map, p->slot, i, 1, 0.0, 1.0f);
+            rc = psd_push(&map, p->slot, i, 1, 0.0, 1.0f, NULL);
         }
         if (rc) {
             p->rc = rc;
@@ -159,7 +161,7 @@ static void *produce(void *arg) {
 
 static void test_rings(void) {
     struct psd_loop *loop;
-    int rc = psd_loop_start(&map, 1, 20, &loop);
+    int rc = psd_loop_start(&map, 1, 20, pieces, 3, &loop);
     CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
     struct producer prods[SLOTS];
     pid_t me = getpid();
@@ -235,7 +237,7 @@ static void setup_sync(struct psd_map *m, char *nm, size_t len, uint32_t mode, u
     h->sync_param = param;
     const char spec[] = "[]";
     pid_t me = getpid();
-    rc = psd_arena_set_spec(m, spec, sizeof spec, 1, N, me, psd_proc_start_time(me));
+    rc = psd_arena_set_spec(m, spec, sizeof spec, 1, &model, me, psd_proc_start_time(me));
     CHECK(rc == 0, "set_spec: %s", psd_strerror(rc));
     rc = psd_arena_grow(m);
     CHECK(rc == 0, "grow: %s", psd_strerror(rc));
@@ -270,7 +272,7 @@ static void *sync_learn(void *arg) {
         memset(g, 0, N * sizeof(float));
         g[p->slot] = 1.0f;
         g[N - 1] = 1.0f;
-        if ((p->rc = psd_push(p->m, p->slot, atomic_load(&h->clock), 1, 0.0, 1.0f)))
+        if ((p->rc = psd_push(p->m, p->slot, atomic_load(&h->clock), 1, 0.0, 1.0f, NULL)))
             break;
         if (h->sync_mode == PSD_SYNC_BSP)
             p->rc = psd_wait_round(p->m, p->slot, p->claim, rounds, 5 * second);
@@ -304,7 +306,7 @@ static void test_sync_mode(uint32_t mode) {
     char nm[96];
     setup_sync(&m, nm, sizeof nm, mode, 1);
     struct psd_loop *loop;
-    int rc = psd_loop_start(&m, 1, 20, &loop);
+    int rc = psd_loop_start(&m, 1, 20, pieces, 3, &loop);
     CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
     struct sync_learner ls[SLOTS];
     pid_t me = getpid();
