@@ -419,10 +419,14 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     uint64_t lr_bits = atomic_load(&h->lr_bits);
     double lr_now;
     memcpy(&lr_now, &lr_bits, sizeof lr_now);
-    o = Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d}", "momentum", h->momentum, "dampening",
+    uint64_t avg_bits = atomic_load(&h->staleness_avg_bits);
+    double staleness_avg;
+    memcpy(&staleness_avg, &avg_bits, sizeof staleness_avg);
+    U64(d, "async_momentum", h->async_momentum);
+    o = Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:d}", "momentum", h->momentum, "dampening",
                       h->dampening, "beta1", h->beta1, "beta2", h->beta2, "eps", h->eps, "weight_decay",
                       h->weight_decay, "lr_decay", h->lr_decay, "gamma", h->gamma, "eta_min", h->eta_min,
-                      "lr_now", lr_now);
+                      "lr_now", lr_now, "staleness_avg", staleness_avg, "momentum_now", psd_async_momentum(h));
     if (!o || PyDict_Update(d, o)) {
         Py_XDECREF(o);
         Py_DECREF(d);
@@ -805,17 +809,17 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "sync", "sync_param", "push_every", "schedule", "staleness_lr",
                              "predict", "momentum", "dampening", "beta1", "beta2", "eps", "weight_decay",
                              "lr_decay", "gamma", "eta_min", "step_size", "t_max", "warmup", "max_staleness",
-                             NULL};
+                             "async_momentum", NULL};
     const char *opt = "sgd", *sync = "asp", *sched = "constant";
-    unsigned int sync_param = 0, push_every = 1;
+    unsigned int sync_param = 0, push_every = 1, async_momentum = 0;
     int staleness_lr = 0, predict = 0;
     double momentum = 0, dampening = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0, lr_decay = 0,
            gamma = 0.1, eta_min = 0;
     unsigned long long step_size = 0, t_max = 0, warmup = 0, max_staleness = UINT64_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKK", kwlist, &opt, &sync, &sync_param,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKI", kwlist, &opt, &sync, &sync_param,
                                      &push_every, &sched, &staleness_lr, &predict, &momentum, &dampening,
                                      &beta1, &beta2, &eps, &wd, &lr_decay, &gamma, &eta_min, &step_size,
-                                     &t_max, &warmup, &max_staleness) ||
+                                     &t_max, &warmup, &max_staleness, &async_momentum) ||
         check_open(a))
         return NULL;
     int o = name_index("optimizer", opt, optimizer_names, 6), y = name_index("sync mode", sync, sync_names, 4),
@@ -830,6 +834,7 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     h->schedule = (uint32_t)c;
     h->cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0);
     h->momentum = momentum;
+    h->async_momentum = async_momentum;
     h->dampening = dampening;
     h->beta1 = beta1;
     h->beta2 = beta2;

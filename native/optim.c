@@ -46,6 +46,26 @@ double psd_scheduled_lr(const struct psd_header *h, uint64_t t) {
     return lr;
 }
 
+/* The momentum factor of the next update. With --async-momentum auto, the implicit momentum that
+ * asynchrony adds (Mitliagkas et al., "Asynchrony begets momentum", 2016: 1 - 1/M with M workers; for
+ * a mean staleness tau, tau / (1 + tau)) is taken off the configured momentum, down to 0, so that the
+ * two together come near the configured momentum alone. tau is the running mean of the staleness the
+ * update loop measured (staleness_avg_bits); it is 0 without staleness (one learner, bsp), and then
+ * this is the configured momentum exactly. (Measured against 1 - (1 - mu) / (1 - implicit), and
+ * against either with the lr scaled to keep lr / (1 - mu): this form alone stayed stable; README.) */
+double psd_async_momentum(const struct psd_header *h) {
+    double mu = h->momentum;
+    if (h->async_momentum != PSD_ASYNC_MOMENTUM_AUTO)
+        return mu;
+    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits);
+    double tau;
+    memcpy(&tau, &bits, sizeof tau);
+    if (!(tau > 0.0))
+        return mu;
+    double eff = mu - tau / (1.0 + tau);
+    return eff > 0.0 ? eff : 0.0;
+}
+
 /* torch.lerp's float formula: exact at both ends. */
 static inline float lerp(float a, float b, float w) {
     return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
@@ -133,7 +153,7 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, fl
     k.lr = (float)lr;
     k.neg_lr = (float)-lr;
     k.wd = (float)h->weight_decay;
-    k.mom = (float)h->momentum;
+    k.mom = (float)psd_async_momentum(h);
     k.one_minus_damp = (float)(1.0 - h->dampening);
     k.first = t == 1;
     k.b1_weight = (float)(1.0 - h->beta1);

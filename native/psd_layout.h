@@ -151,6 +151,7 @@ struct psd_header {
     double gamma, eta_min;              /* step: lr *= gamma every step_size; cosine: floor */
     uint64_t step_size, t_max, warmup;  /* in optimizer steps */
     uint64_t max_staleness;             /* drop gradients staler than this; UINT64_MAX: never */
+    uint32_t async_momentum;            /* enum psd_async_momentum */
 
     /* -- optimizer progress, written only by the update loop (or by a server
      *    restoring a checkpoint before READY); in checkpoints. */
@@ -163,6 +164,8 @@ struct psd_header {
     /* signalled by the loop when a round completes, and by ssp learners when
      * they push, each only when a waiter announced itself. */
     struct psd_cond sync_cond;
+    _Atomic uint64_t staleness_avg_bits; /* double: running mean of the staleness of the last
+                                          * ~PSD_STALENESS_WINDOW updates (--async-momentum reads it) */
 
     /* -- life cycle: `state` is store-released by whoever makes a transition
      *    (see enum psd_arena_state), load-acquired by everyone. */
@@ -376,6 +379,15 @@ enum psd_schedule {
     PSD_SCHED_STEP = 1,   /* lr * gamma^(t / step_size) */
     PSD_SCHED_COSINE = 2, /* eta_min + (lr - eta_min) (1 + cos(pi min(t, t_max) / t_max)) / 2 */
 };
+
+/* psd_header.async_momentum: the explicit momentum of momentum / nesterov, less the implicit
+ * momentum that asynchrony adds (Mitliagkas et al. 2016), estimated from the measured staleness. */
+enum psd_async_momentum {
+    PSD_ASYNC_MOMENTUM_OFF = 0,  /* the configured momentum, as torch.optim */
+    PSD_ASYNC_MOMENTUM_AUTO = 1, /* max(0, momentum - tau / (1 + tau)), tau: the mean staleness */
+};
+/* Updates the running mean of staleness spans (an exponential moving average). */
+#define PSD_STALENESS_WINDOW 64.0
 
 #define PSD_CFG_STALENESS_LR 1u /* divide the lr by max(1, staleness) */
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */

@@ -155,6 +155,16 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entr
     PSD_ADD_RLX(&h->staleness_hist[bucket < PSD_HIST_BUCKETS ? bucket : PSD_HIST_BUCKETS - 1], 1);
 }
 
+/* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads. */
+static void note_staleness(struct psd_header *h, double staleness) {
+    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits); /* only this thread writes it */
+    double avg;
+    memcpy(&avg, &bits, sizeof avg);
+    avg += (staleness - avg) / PSD_STALENESS_WINDOW;
+    memcpy(&bits, &avg, sizeof bits);
+    PSD_STORE_RLX(&h->staleness_avg_bits, bits);
+}
+
 /* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
  * says have one, each at its own step count. Runs of dense tensors at the same
  * step go to the optimizer as one range (one call for a whole dense model). */
@@ -183,7 +193,8 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
 }
 
 /* One optimizer update of the weights with g * gscale, at the scheduled lr
- * (divided by the staleness with --staleness-lr); advances the clock. */
+ * (divided by the staleness with --staleness-lr; the momentum less asynchrony's implicit momentum
+ * with --async-momentum auto); advances the clock. */
 static void update_weights(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double staleness) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
@@ -193,6 +204,8 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     memcpy(&lr_bits, &lr, sizeof lr_bits);
     if ((h->cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
+    if (h->async_momentum == PSD_ASYNC_MOMENTUM_AUTO)
+        note_staleness(h, staleness);
     apply_pieces(L, g, map, gscale, lr);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
     /* Pairs with the load-acquire of opt_steps in psd_predict. */

@@ -20,7 +20,7 @@ from pathlib import Path
 from psd import __version__, _native, events
 from psd.arena import default_job, list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
-from psd.server import OPTIMIZERS, SCHEDULES, ServeConfig, Server
+from psd.server import ASYNC_MOMENTUM, OPTIMIZERS, SCHEDULES, ServeConfig, Server
 from psd.status import all_jobs, format_job, job_status
 
 __all__ = ["get_args_parser", "main"]
@@ -196,6 +196,10 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
     t.add_argument("--predict", action="store_true", default=_env("predict", False, _flag),
                    help="learners train on weights extrapolated by their staleness along the optimizer's "
                         "update direction (PipeOptim); needs momentum, nesterov, adam or adamw")
+    t.add_argument("--async-momentum", default=_env("async-momentum", "auto"), choices=ASYNC_MOMENTUM,
+                   help="momentum / nesterov: auto takes the implicit momentum that asynchrony adds (estimated "
+                        "from the measured staleness) off --momentum; off applies --momentum as given, as "
+                        "torch.optim (default: %(default)s)")
     s.add_argument("--init", default=_env("init", None),
                    help="start from these weights (.safetensors) instead of the first learner's")
     s.add_argument("--resume", nargs="?", const="", default=_env("resume", None), metavar="DIR",
@@ -229,7 +233,7 @@ def _watchdog_config(args: argparse.Namespace):
                         weight_decay=args.weight_decay, lr_decay=args.lr_decay, schedule=args.schedule,
                         step_size=args.step_size, gamma=args.gamma, t_max=args.t_max, eta_min=args.eta_min,
                         warmup=args.warmup, staleness_lr=args.staleness_lr, max_staleness=args.max_staleness,
-                        predict=args.predict,
+                        predict=args.predict, async_momentum=args.async_momentum,
                         event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
     try:
         serve.validate()

@@ -45,6 +45,8 @@ log = logging.getLogger("psd.server")
 
 SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
+# --async-momentum, in the order of enum psd_async_momentum (psd_layout.h)
+ASYNC_MOMENTUM = ("off", "auto")
 SCHEDULES = ("constant", "step", "cosine")
 
 
@@ -90,6 +92,7 @@ class ServeConfig:
     staleness_lr: bool = False
     max_staleness: int | None = None
     predict: bool = False
+    async_momentum: str = "auto"
 
     def sync_mode(self) -> tuple[str, int]:
         """``--sync`` parsed: ('asp', 0), ('ssp', S), ('bsp', 0) or ('kasync', K)."""
@@ -115,7 +118,8 @@ class ServeConfig:
                     momentum=momentum, dampening=self.dampening, beta1=self.betas[0], beta2=self.betas[1],
                     eps=eps, weight_decay=wd, lr_decay=self.lr_decay, gamma=self.gamma, eta_min=self.eta_min,
                     step_size=self.step_size, t_max=self.t_max, warmup=self.warmup,
-                    max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness)
+                    max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness,
+                    async_momentum=ASYNC_MOMENTUM.index(self.async_momentum))
 
     def state_vectors(self) -> int:
         """Vectors the size of the weights that the optimizer state and accumulator take."""
@@ -135,6 +139,7 @@ class ServeConfig:
             if value is not None:
                 out += [flag, repr(value)]
         out += ["--staleness-lr"] * self.staleness_lr + ["--predict"] * self.predict
+        out += ["--async-momentum", self.async_momentum]
         return out
 
     def validate(self) -> None:
@@ -154,6 +159,9 @@ class ServeConfig:
         if self.predict and self.optimizer not in ("momentum", "nesterov", "adam", "adamw"):
             raise ValueError(f"--predict needs an optimizer with an update direction to extrapolate: momentum, "
                              f"nesterov, adam or adamw (not {self.optimizer})")
+        if self.async_momentum not in ASYNC_MOMENTUM:
+            raise ValueError(f"--async-momentum must be one of {', '.join(ASYNC_MOMENTUM)}, "
+                             f"not {self.async_momentum!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be 0 or more, not {self.max_staleness}")
         b1, b2 = self.betas
