@@ -314,6 +314,18 @@ static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
         Py_DECREF(o_);                                                                             \
     } while (0)
 
+/* The server's current learning rate: the scheduled lr of the last update (before any, that of the
+ * first one), as `psd status` and a learner's Optimizer.param_groups show it. */
+static double current_lr(struct psd_header *h) {
+    /* Pairs with the store-release of opt_steps in update_weights, which follows that of lr_bits. */
+    if (PSD_LOAD_ACQ(&h->opt_steps) == 0)
+        return psd_scheduled_lr(h, 0);
+    uint64_t bits = PSD_LOAD_RLX(&h->lr_bits);
+    double lr;
+    memcpy(&lr, &bits, sizeof lr);
+    return lr;
+}
+
 static PyObject *arena_header(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
@@ -416,9 +428,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "acc_staleness", atomic_load(&h->acc_staleness));
     U64(d, "dropped", atomic_load(&h->dropped));
     U64(d, "state_vectors", psd_state_vectors(h->optimizer, h->sync_mode));
-    uint64_t lr_bits = atomic_load(&h->lr_bits);
-    double lr_now;
-    memcpy(&lr_now, &lr_bits, sizeof lr_now);
+    double lr_now = current_lr(h);
     uint64_t avg_bits = atomic_load(&h->staleness_avg_bits);
     double staleness_avg;
     memcpy(&staleness_avg, &avg_bits, sizeof staleness_avg);
@@ -1069,6 +1079,13 @@ static PyObject *arena_clock(Arena *a, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock));
 }
 
+static PyObject *arena_lr_now(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    return PyFloat_FromDouble(current_lr(psd_hdr(&a->map)));
+}
+
 static PyObject *arena_generation(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
@@ -1475,6 +1492,8 @@ static PyMethodDef arena_methods[] = {
     {"tail", (PyCFunction)arena_tail, METH_VARARGS, "tail(slot) -> the slot's producer index"},
     {"head", (PyCFunction)arena_head, METH_VARARGS, "head(slot) -> the slot's consumer index"},
     {"clock", (PyCFunction)arena_clock, METH_NOARGS, "The weights clock (load-acquire)."},
+    {"lr_now", (PyCFunction)arena_lr_now, METH_NOARGS,
+     "The server's current learning rate: the scheduled lr of the last update (before any, of the first)."},
     {"generation", (PyCFunction)arena_generation, METH_NOARGS, "Servers started on this arena so far."},
     {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
     {"pause", (PyCFunction)arena_pause, METH_VARARGS,
