@@ -25,6 +25,7 @@ import torch
 from psd import _native
 from psd.arena import (
     ParamSpec,
+    buffers_set,
     decode_spec,
     default_job,
     encode_spec,
@@ -162,7 +163,8 @@ class Learner:
         self._bgroups = []
         self._bcur = torch.empty(self.n_buffers, dtype=torch.float64)  # this learner's values now
         self._bbase = torch.empty(self.n_buffers, dtype=torch.float64)  # ... when it last pulled them
-        self._bdelta = torch.empty(self.n_buffers, dtype=torch.float64)  # the difference, pushed
+        self._bdelta = torch.empty(self.n_buffers, dtype=torch.float64)  # what is pushed
+        self._bset = buffers_set(spec)
         specs = [p for p in spec if p.kind == "buffer"]
         i = 0
         for lo, hi, dt in buffer_groups(spec):  # the spec lists buffers grouped by dtype
@@ -184,11 +186,13 @@ class Learner:
         return self._bcur
 
     def _buffer_delta(self) -> int | None:
-        """The address of how far the buffers moved since they were last pulled (None: no buffers).
-        The job adds it to its buffers, so they follow every learner's batches in turn."""
+        """The address of this learner's buffers as pushed (None: no buffers): the values of the
+        real-valued ones (they become the job's), then how far the counters moved since they were
+        last pulled (the job adds that, so counters count every learner's batches)."""
         if not self.n_buffers:
             return None
         torch.sub(self._buffers_now(), self._bbase, out=self._bdelta)
+        self._bdelta[:self._bset].copy_(self._bcur[:self._bset])
         self._bbase.copy_(self._bcur)
         return self._bdelta.data_ptr()
 

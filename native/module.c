@@ -959,11 +959,13 @@ static PyObject *arena_set_lr(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* start_loop(pieces=None): pieces lists (len, row_len) of every trainable
- * tensor in spec order (None: the model is one tensor). */
+/* start_loop(pieces=None, buffers_set=0): pieces lists (len, row_len) of
+ * every trainable tensor in spec order (None: the model is one tensor);
+ * buffers_set: leading buffer elements that entries set rather than add to. */
 static PyObject *arena_start_loop(Arena *a, PyObject *args) {
     PyObject *po = Py_None;
-    if (!PyArg_ParseTuple(args, "|O", &po) || check_open(a))
+    unsigned long long buffers_set = 0;
+    if (!PyArg_ParseTuple(args, "|OK", &po, &buffers_set) || check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     if (a->loop) {
@@ -996,7 +998,7 @@ static PyObject *arena_start_loop(Arena *a, PyObject *args) {
             return NULL;
         }
     }
-    int rc = psd_loop_start(&a->map, h->threads, h->spin_us, pieces, (uint64_t)n, &a->loop);
+    int rc = psd_loop_start(&a->map, h->threads, h->spin_us, pieces, (uint64_t)n, buffers_set, &a->loop);
     PyMem_Free(pieces);
     if (rc == EINVAL) {
         PyErr_SetString(PyExc_ValueError, "start_loop: the pieces do not tile the job's trainable weights");
@@ -1485,7 +1487,8 @@ static PyMethodDef arena_methods[] = {
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
      "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
     {"start_loop", (PyCFunction)arena_start_loop, METH_VARARGS,
-     "start_loop(pieces=None): Server: start the native update loop; pieces: (len, row_len) per trainable tensor."},
+     "start_loop(pieces=None, buffers_set=0): Server: start the native update loop; pieces: (len, row_len) per "
+     "trainable tensor; buffers_set: leading buffer elements that entries set (the rest they add to)."},
     {"stop_loop", (PyCFunction)arena_stop_loop, METH_NOARGS, "Server: stop the update loop and join it."},
     {"counters", (PyCFunction)arena_counters, METH_NOARGS, "pushed, applied, rejected, pending, clock."},
     {"grad_offset", (PyCFunction)arena_grad_offset, METH_VARARGS, "grad_offset(slot, k) -> byte offset"},

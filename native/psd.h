@@ -221,9 +221,11 @@ struct psd_loop;
 struct psd_piece_geom {
     uint64_t off, len, row_len;
 };
-/* `pieces` (n_pieces of them, adding up to n_train; NULL: one tensor of n_train). */
+/* `pieces` (n_pieces of them, adding up to n_train; NULL: one tensor of n_train). The first
+ * `buffers_set` buffer elements of an entry are values that replace the job's (real-valued
+ * statistics); the rest are deltas added to them (counters). */
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,
-                   uint64_t n_pieces, struct psd_loop **out);
+                   uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);

@@ -302,8 +302,9 @@ struct psd_slot {
  *   gradient    n_train float32, in spec order; the span of piece k holds
  *               either its dense gradient, or (PSD_PIECE_SPARSE) a uint64
  *               row count r, r int64 row indices, then r rows of float32
- *   bufdelta    n_buffers float64 (8-aligned): how much the learner's buffers
- *               moved since it last pulled them (PSD_ENTRY_BUFFERS)
+ *   buffers     n_buffers float64 (8-aligned, PSD_ENTRY_BUFFERS): the learner's
+ *               real-valued buffers (they replace the job's), then how far its
+ *               integer buffers (counters) moved since it last pulled them (added)
  *   piece map   n_pieces bytes, enum psd_piece_kind: which tensors have a
  *               gradient in this entry, and how it is stored */
 struct psd_entry {
@@ -323,7 +324,7 @@ struct psd_entry {
 
 /* psd_entry.flags, set by the learner. */
 #define PSD_ENTRY_NONFINITE 1u /* the gradient holds a NaN or an infinity: never applied */
-#define PSD_ENTRY_BUFFERS 2u   /* bufdelta is filled in: add it to the job's buffers */
+#define PSD_ENTRY_BUFFERS 2u   /* the buffers are filled in: merge them into the job's */
 
 /* The piece map: what one entry holds for each trainable tensor. A tensor
  * without a gradient (frozen this step, or unused) gets no update at all. */

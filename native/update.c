@@ -34,6 +34,7 @@ struct psd_loop {
     uint64_t n_pieces;
     struct psd_piece_geom *pieces;
     uint8_t *round_map;
+    uint64_t buffers_set; /* leading buffer elements an entry sets; the rest it adds to */
 };
 
 /* The same update written four ways, for `psd bench` to measure what
@@ -308,11 +309,15 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     }
     if (outcome == PSD_OUTCOME_APPLIED) {
         if (e->flags & PSD_ENTRY_BUFFERS) {
-            /* The learner's buffers moved by this much since it last pulled them: the job's
-             * buffers move by the same, so they follow every learner's batches in turn. */
+            /* Real-valued statistics: the learner's running average, which started from the job's
+             * value it last pulled, becomes the job's (adding its change instead would feed the
+             * learners' delays back into the average, which then oscillates). Counters: the
+             * learner's increments add up, so they count every learner's batches. */
             double *b = psd_buffers(m);
             const double *d = psd_entry_bufdelta(h, e);
-            for (uint64_t i = 0; i < h->n_buffers; i++)
+            uint64_t set = L->buffers_set < h->n_buffers ? L->buffers_set : h->n_buffers;
+            memcpy(b, d, set * sizeof *b);
+            for (uint64_t i = set; i < h->n_buffers; i++)
                 b[i] += d[i];
         }
         count_applied(m, s, e, staleness);
@@ -528,7 +533,7 @@ static void loop_free(struct psd_loop *L) {
 }
 
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,
-                   uint64_t n_pieces, struct psd_loop **out) {
+                   uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out) {
     const struct psd_header *h = psd_hdr(m);
     const struct psd_piece_geom whole = {0, h->n_train, 1};
     if (!pieces) {
@@ -543,7 +548,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
             return EINVAL;
         off += pieces[k].len;
     }
-    if (off != h->n_train || n_pieces != h->n_pieces)
+    if (off != h->n_train || n_pieces != h->n_pieces || buffers_set > h->n_buffers)
         return EINVAL;
     struct psd_loop *L = calloc(1, sizeof *L);
     if (!L)
@@ -556,6 +561,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     }
     memcpy(L->pieces, pieces, n_pieces * sizeof *L->pieces);
     L->n_pieces = n_pieces;
+    L->buffers_set = buffers_set;
     L->m = m;
     L->threads = threads ? threads : 1;
     L->spin_ns = (uint64_t)spin_us * 1000;

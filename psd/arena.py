@@ -20,8 +20,10 @@ from psd.errors import ArenaCorrupt, ArenaIncomplete, InvalidJobName, JobNotFoun
 
 __all__ = [
     "DEFAULT_JOB",
+    "SET_BUFFER_DTYPES",
     "SHM_DIR",
     "ParamSpec",
+    "buffers_set",
     "check_space",
     "decode_spec",
     "default_job",
@@ -175,6 +177,16 @@ def piece_geometry(spec: Iterable[ParamSpec]) -> list[tuple[int, int]]:
 
 def _kind_note(a: ParamSpec, b: ParamSpec) -> str:
     return f" ({a.kind})" if a.kind != b.kind else ""
+
+
+# Buffers of these dtypes are statistics or flags: an entry's value replaces the job's. Integer buffers are
+# counters: an entry's increment is added. The spec lists the first kind first.
+SET_BUFFER_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16", "bool"})
+
+
+def buffers_set(spec: Iterable[ParamSpec]) -> int:
+    """How many leading buffer elements entries set (real-valued and boolean buffers); the rest add up."""
+    return sum(p.numel for p in spec if p.kind == "buffer" and p.dtype in SET_BUFFER_DTYPES)
 
 
 def first_difference(job: str, ours: list[ParamSpec], theirs: list[ParamSpec]) -> SpecMismatch | None:

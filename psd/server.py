@@ -26,6 +26,7 @@ from pathlib import Path
 from psd import __version__, _native
 from psd.arena import (
     ParamSpec,
+    buffers_set,
     check_space,
     decode_spec,
     default_job,
@@ -366,7 +367,8 @@ class Server:
             a.beat()  # the update loop beats once it runs; until then, this thread does
         if st == _native.ARENA_READY:
             if not self._loop_running:
-                a.start_loop(piece_geometry(decode_spec(a.spec())))
+                spec = decode_spec(a.spec())
+                a.start_loop(piece_geometry(spec), buffers_set(spec))
                 self._loop_running = True
                 log.info("job %r: ready, %d parameters; update loop running", self.config.job,
                          a.header()["n_params"])

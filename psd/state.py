@@ -4,7 +4,8 @@ A job holds a model's whole ``state_dict``: the trainable parameters (float32 ma
 model's own dtype), the frozen ones (``requires_grad=False``: kept, exported, never updated, and never in a
 gradient), and the persistent buffers (BatchNorm statistics, counters: float64 in the arena, so integers are
 exact up to 2^53). The spec lists them in arena order: trainable parameters, frozen parameters, then buffers
-grouped by dtype, so that each group is one contiguous range the learner can copy in one call.
+grouped by dtype (real-valued and boolean ones first: an entry sets those, and adds to the integer
+counters after them), so that each group is one contiguous range the learner can copy in one call.
 
 The learner client, the server, the checkpoints and ``psd export`` all go from spec to tensors through here.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from psd import _native
-from psd.arena import ParamSpec
+from psd.arena import SET_BUFFER_DTYPES, ParamSpec
 from psd.errors import SpecError
 
 __all__ = [
@@ -92,7 +93,8 @@ def model_spec(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.Tens
     order = {}
     for _, b, _, _ in bufs:
         order.setdefault(b.dtype, len(order))
-    bufs.sort(key=lambda x: order[x[1].dtype])  # stable: grouped by dtype, model order within a group
+    # Grouped by dtype (model order within a group), the buffers entries set before the counters they add to.
+    bufs.sort(key=lambda x: (_dtype_name(x[1].dtype) not in SET_BUFFER_DTYPES, order[x[1].dtype]))
     spec += [ParamSpec(n, tuple(b.shape), _dtype_name(b.dtype), "buffer") for n, b, _, _ in bufs]
     return spec, params, [(mod, attr) for _, _, mod, attr in bufs]
 

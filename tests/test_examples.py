@@ -32,13 +32,16 @@ def test_example_learns(job, tmp_path, script, flags, epochs, pattern):
 
 def test_batchnorm_cnn_exports_a_model_that_loads_strictly_and_scores(job, tmp_path):
     """The trained job, exported from its last checkpoint with `psd export`, loads into a fresh model with
-    strict=True (BatchNorm buffers included) and scores (one process: 0.95 after 2 epochs)."""
+    strict=True (BatchNorm buffers included) and scores as trained. The learning rate decays to 0 over the
+    run (2 learners x 2 epochs x 90 mini-batches), as it must for running statistics to describe the final
+    weights: one process trained so scores 0.87-0.96 over seeds (at a constant lr its running statistics
+    score 0.42-0.94 against 0.95-0.975 for statistics recomputed on the same weights)."""
     import torch
 
     from psd.watchdog import checkpoint
     from psd.workloads import evaluate, load_digits, make_resnet
 
-    psd_run(job, tmp_path / "ckpt", 2, ["--optimizer", "sgd", "--lr", "0.05"],
+    psd_run(job, tmp_path / "ckpt", 2, ["--optimizer", "sgd", "--lr", "0.05", "--schedule", "cosine", "--t-max", "360"],
             str(ROOT / "examples" / "resnet_digits.py"), "--epochs", "2")
     last = checkpoint.list_checkpoints(tmp_path / "ckpt")[0]
     out = tmp_path / "digits.pt"

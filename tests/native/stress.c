@@ -161,7 +161,7 @@ static void *produce(void *arg) {
 
 static void test_rings(void) {
     struct psd_loop *loop;
-    int rc = psd_loop_start(&map, 1, 20, pieces, 3, &loop);
+    int rc = psd_loop_start(&map, 1, 20, pieces, 3, 0, &loop);
     CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
     struct producer prods[SLOTS];
     pid_t me = getpid();
@@ -306,7 +306,7 @@ static void test_sync_mode(uint32_t mode) {
     char nm[96];
     setup_sync(&m, nm, sizeof nm, mode, 1);
     struct psd_loop *loop;
-    int rc = psd_loop_start(&m, 1, 20, pieces, 3, &loop);
+    int rc = psd_loop_start(&m, 1, 20, pieces, 3, 0, &loop);
     CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
     struct sync_learner ls[SLOTS];
     pid_t me = getpid();
