@@ -257,7 +257,9 @@ def test_non_finite_gradients_are_rejected_counted_and_reported(job, serve):
 @pytest.mark.parametrize("opt", ["momentum", "adam"])
 def test_prediction_equals_the_weights_s_steps_later(job, serve, opt):
     """Constant gradient, settled optimizer: w - lr*s*dw is where s more updates take the weights."""
-    served = serve(job, "--learners", "1", "--optimizer", opt, "--lr", "0.01", "--momentum", "0.5")
+    # --async-momentum off: the ring's staleness would otherwise lower the momentum the loop applies
+    served = serve(job, "--learners", "1", "--optimizer", opt, "--lr", "0.01", "--momentum", "0.5",
+                   "--async-momentum", "off")
     g = torch.linspace(-2, 3, 32)
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(32))
@@ -296,6 +298,7 @@ def test_prediction_brings_the_weights_computed_on_closer_to_those_applied_to(jo
         # One ring entry per learner: staleness then follows the other learners' pace; deep rings let
         # a learner queue several gradients computed on the same weights.
         served = serve(job, "--learners", "8", "--slots", "1", "--optimizer", "momentum", "--momentum", "0.9",
+                       "--async-momentum", "off",
                        "--lr", "0.001", *(["--predict"] if predict else []))
         # Each step spends 2 ms of CPU time computing, as a mini-batch would: with steps much shorter
         # than a scheduler time slice, 8 learners on 2 cores run in bursts and staleness is erratic.
