@@ -9,10 +9,25 @@ same data, model, initial weights and mini-batch for the same epochs.
 
 Part 2 (stress): a setting where plain `asp` loses accuracy (8 learners at mini-batch 8,
 momentum SGD at a large learning rate: the stale momentum overshoots), run
-again with each staleness control: --staleness-lr, ssp, --predict, bsp.
+again with each staleness control: --staleness-lr, ssp, --predict, bsp (each
+with --async-momentum off, as measured before that default existed), and
+with the default (--async-momentum auto).
 
 The data ship with psd (psd.workloads: generated from a seed). Results go to
 benchmarks/results/convergence.{json,md,png}; every figure is a test accuracy.
+
+    python benchmarks/convergence.py --optimizers [--quick]   # only part 3 (about 15 minutes; --quick 3)
+
+Part 3 (optimizers): momentum, nesterov and adam with psd's default flags
+(asp, --async-momentum auto) against one process running torch.optim at the
+same learning rate, mini-batch and epochs, x learners x mini-batch, on two
+workloads: the MLP above and a BatchNorm CNN on scikit-learn's 8x8 digits
+(benchmarks/convergence_learner.py; needs scikit-learn). The CNN is evaluated
+with each learner's own model after its last pull (eval mode, its own
+BatchNorm statistics: the server holds parameters only), the median learner
+reported; the MLP with the server's weights. Momentum runs again with
+--async-momentum off, to show what the default changes. Results go to
+benchmarks/results/convergence_optimizers.{json,md}.
 """
 
 from __future__ import annotations
@@ -36,14 +51,21 @@ OUT = ROOT / "benchmarks" / "results"
 EPOCHS = 3
 LR = {1: 0.005, 2: 0.01, 4: 0.015, 8: 0.025}  # as tests/test_convergence.py: stable final iterates
 STRESS = {"learners": 8, "batch": 8, "lr": 0.02, "momentum": 0.9}
+OFF = ["--async-momentum", "off"]
 STRESS_RUNS = [
-    ("asp", []),
-    ("asp --staleness-lr", ["--staleness-lr"]),
-    ("ssp:1", ["--sync", "ssp:1"]),
-    ("asp --predict", ["--predict"]),
-    ("ssp:1 --predict", ["--sync", "ssp:1", "--predict"]),
-    ("bsp", ["--sync", "bsp"]),
+    ("asp", OFF),
+    ("asp --staleness-lr", [*OFF, "--staleness-lr"]),
+    ("ssp:1", [*OFF, "--sync", "ssp:1"]),
+    ("asp --predict", [*OFF, "--predict"]),
+    ("ssp:1 --predict", [*OFF, "--sync", "ssp:1", "--predict"]),
+    ("bsp", [*OFF, "--sync", "bsp"]),
+    ("asp, default --async-momentum auto", []),
 ]
+# Part 3: the learning rate one process uses, per workload, optimizer and mini-batch; epochs per workload.
+OPT_EPOCHS = {"mlp": 3, "cnn": 5}
+OPT_LR = {("mlp", "momentum"): {2: 0.005, 8: 0.02}, ("mlp", "nesterov"): {2: 0.005, 8: 0.02},
+          ("mlp", "adam"): {2: 0.001, 8: 0.002}, ("cnn", "momentum"): {2: 0.02, 8: 0.05},
+          ("cnn", "nesterov"): {2: 0.02, 8: 0.05}, ("cnn", "adam"): {2: 0.001, 8: 0.002}}
 
 
 def train_psd(job: str, learners: int, batch: int, lr: float, flags: list[str], epochs: int = EPOCHS) -> dict:
@@ -77,12 +99,107 @@ def train_psd(job: str, learners: int, batch: int, lr: float, flags: list[str], 
         server.wait(timeout=60)
 
 
+def run_learners(job: str, workload: str, learners: int, batch: int, epochs: int, lr: float, optimizer: str,
+                 flags: list[str], seed: int = 0) -> dict:
+    """One part-3 run: a server and `learners` processes of benchmarks/convergence_learner.py."""
+    import statistics
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import convergence_learner as cl
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", "--quiet", "--job", job,
+                               "--learners", str(learners), "--lr", repr(lr), "--optimizer", optimizer, *flags],
+                              env=env)
+    try:
+        wait_for_job(job, timeout=30, server_pid=server.pid)
+        procs = [subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "convergence_learner.py"), "--job", job,
+                                   "--rank", str(r), "--world", str(learners), "--workload", workload, "--epochs",
+                                   str(epochs), "--batch-size", str(batch), "--seed", str(seed)],
+                                  stdout=subprocess.PIPE, text=True, env=env) for r in range(learners)]
+        accs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=1800)
+            if p.returncode != 0:
+                raise SystemExit(f"a learner failed (exit {p.returncode}):\n{out}")
+            accs.append(json.loads(out.strip().splitlines()[-1])["accuracy"])
+        from psd.status import job_status
+
+        st = job_status(job)
+        if workload == "mlp":  # no buffers: the server's weights are the model
+            data, model = cl.workload(workload, seed)
+            model.load_state_dict(learner.pull_state_dict(job))
+            acc = cl.accuracy(model, data)
+        else:
+            acc = statistics.median(accs)
+        return {"accuracy": round(acc, 4), "learner_min": round(min(accs), 4),
+                "staleness_mean": round(st["staleness_mean"], 2)}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def optimizer_table(quick: bool) -> dict:
+    """Part 3: psd's default against one process, optimizer x learners x mini-batch, on both workloads."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import convergence_learner as cl
+
+    optimizers = ["momentum"] if quick else ["momentum", "nesterov", "adam"]
+    # (learners, mini-batch): 8 learners only at mini-batch 8, the slowest settings being too slow for 2 cores
+    settings = [(4, 8)] if quick else [(4, 2), (2, 8), (4, 8), (8, 8)]
+    job = f"convergence-opt-{os.getpid()}"
+    rows, singles = [], {}
+    for workload in ("mlp", "cnn"):
+        epochs = OPT_EPOCHS[workload]
+        for opt in optimizers:
+            for n, b in settings:
+                lr = OPT_LR[(workload, opt)][b]
+                if (workload, opt, b) not in singles:
+                    singles[(workload, opt, b)] = cl.train_single(workload, opt, lr, b, epochs)
+                single = singles[(workload, opt, b)]
+                row = {"workload": workload, "optimizer": opt, "learners": n, "batch": b, "lr": lr,
+                       "epochs": epochs, "single": round(single, 4)}
+                r = run_learners(job, workload, n, b, epochs, lr, opt, [])
+                row.update(default=r["accuracy"], gap=round(r["accuracy"] - single, 4),
+                           learner_min=r["learner_min"], staleness_mean=r["staleness_mean"])
+                if opt == "momentum":
+                    off = run_learners(job, workload, n, b, epochs, lr, opt, OFF)
+                    row.update(off=off["accuracy"], off_gap=round(off["accuracy"] - single, 4))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return {"cpus": os.cpu_count(), "rows": rows}
+
+
+def optimizer_tables(r: dict) -> str:
+    lines = [f"# Convergence by optimizer: psd's default flags against one process ({r['cpus']} CPUs)", "",
+             "asp with `--async-momentum auto` (the default); one process runs torch.optim at the same lr, "
+             "mini-batch and epochs. MLP: the server's weights; CNN (BatchNorm, sklearn digits): the median "
+             "learner's own model (min in brackets). `off`: momentum with `--async-momentum off`.", "",
+             "| workload | optimizer | mini-batch | lr | learners | one process | psd default | vs one process "
+             "| off | staleness mean |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        off = f"{x['off']:.4f} ({x['off_gap']:+.4f})" if "off" in x else ""
+        lines.append(f"| {x['workload']} ({x['epochs']} epochs) | {x['optimizer']} | {x['batch']} | {x['lr']} | "
+                     f"{x['learners']} | {x['single']:.4f} | {x['default']:.4f}"
+                     + (f" (min {x['learner_min']:.4f})" if x["workload"] == "cnn" else "")
+                     + f" | {x['gap']:+.4f} | {off} | {x['staleness_mean']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="learners 1 and 4, mini-batch 1 and 4, one stress run each")
+    p.add_argument("--optimizers", action="store_true", help="only part 3, the optimizer table")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.optimizers:
+        r = optimizer_table(args.quick)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "convergence_optimizers.json").write_text(json.dumps(r, indent=1) + "\n")
+        (args.out / "convergence_optimizers.md").write_text(optimizer_tables(r))
+        print(optimizer_tables(r))
+        return 0
     learners_set, batches = ([1, 4], [1, 4]) if args.quick else ([1, 2, 4, 8], [1, 2, 4, 8])
     data = make_classification(0)
     job = f"convergence-{os.getpid()}"
