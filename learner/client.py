@@ -120,6 +120,8 @@ class Learner:
     def __init__(self, model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
                  slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0) -> None:
         self.job = job or default_job()
+        inner = getattr(model, "_orig_mod", None)  # a torch.compile'd model trains the module it wraps
+        model = inner if isinstance(inner, torch.nn.Module) else model
         self.model = model
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout

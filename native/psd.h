@@ -100,7 +100,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     return psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
 }
 
-/* time.c / proc */
+/* sync.c: clocks and process identity */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
 uint64_t psd_proc_start_time(pid_t pid); /* 0 if no such process */
 bool psd_owner_alive(pid_t pid, uint64_t start_time);

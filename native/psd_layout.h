@@ -61,7 +61,8 @@
  *   SPEC_OFFERED  -> WAITING_SPEC  server refused the spec (fail_msg says why)
  *   INIT_WEIGHTS  -> READY         the offering learner wrote the initial weights
  *   INIT_WEIGHTS  -> WAITING_SPEC  the offering learner died first; server resets
- *   (created with initial weights) READY
+ *   SPEC_OFFERED  -> READY         the server wrote weights it loaded itself (--init, a checkpoint)
+ *   STOPPED       -> READY / WAITING_SPEC  a new server took over a stopping server's arena
  *   READY         -> STOPPED       server stopped cleanly (and unlinks the arena)
  */
 enum psd_arena_state {
@@ -393,7 +394,7 @@ enum psd_async_momentum {
 #define PSD_CFG_STALENESS_LR 1u /* divide the lr by max(1, staleness) */
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */
 
-/* Optimizer state vectors (n_params floats each) an arena holds. */
+/* Optimizer state vectors (n_train floats each) an arena holds. */
 static inline uint32_t psd_state_vectors(uint32_t optimizer, uint32_t sync_mode) {
     uint32_t v = optimizer == PSD_OPT_MOMENTUM || optimizer == PSD_OPT_NESTEROV || optimizer == PSD_OPT_ADAGRAD ? 1
                  : optimizer == PSD_OPT_ADAM || optimizer == PSD_OPT_ADAMW                                   ? 2

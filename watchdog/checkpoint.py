@@ -75,7 +75,7 @@ class Checkpoint:
     created_unix_ns: int = 0
     path: Path | None = None
     # Optimizer progress (optimizer, sync, opt_steps, rounds, acc_count, acc_staleness, lr_now) and its
-    # state: the arena's state vectors (momentum; Adam's m, v; the bsp/kasync accumulator), each n_params long.
+    # state: the arena's state vectors (momentum; Adam's m, v; the bsp/kasync accumulator), each n_train long.
     optim: dict = field(default_factory=dict)
     optstate: torch.Tensor | None = None
     pieces: torch.Tensor | None = None  # int64 (n_pieces, 2): per trainable tensor, steps and round mark
