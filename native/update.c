@@ -372,7 +372,9 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
         PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
     }
     psd_mutex_unlock(&s->mutex);
-    psd_cond_broadcast_if_waiters(&s->not_full); /* a detaching learner waits for this */
+    /* Unconditionally: the waiter count was just cleared (a dead waiter's announcement), so a
+     * detaching learner waiting for this would otherwise sleep out its whole wait slice. */
+    psd_cond_broadcast(&s->not_full);
 }
 
 /* One round over all rings; returns how many gradients it applied, and in
