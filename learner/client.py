@@ -35,7 +35,17 @@ from psd.arena import (
     piece_geometry,
     shm_path,
 )
-from psd.errors import ArenaBusy, Error, NoFreeSlot, OutOfSharedMemory, ServerGone, SpecError, StateError, Timeout
+from psd.errors import (
+    ArenaBusy,
+    Error,
+    NoFreeSlot,
+    OutOfSharedMemory,
+    ServerGone,
+    SlotLost,
+    SpecError,
+    StateError,
+    Timeout,
+)
 from psd.state import (
     PARAM_DTYPES,
     buffer_groups,
@@ -585,7 +595,12 @@ class Learner:
         try:
             if flush:
                 self.flush()
-            self._arena.release(self.slot, self._claim_token)
+            try:
+                self._arena.release(self.slot, self._claim_token)
+            except SlotLost:
+                log.warning("job %r: slot %d was taken back by the server (see its log); nothing to release",
+                            self.job, self.slot)
+                return
             if flush:  # the slot is usable by the next learner when close() returns
                 self._with_server(self._arena.wait_freed, self.slot, self._claim_token, self.timeout)
         finally:

@@ -390,6 +390,9 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "staleness_max", atomic_load(&h->staleness_max));
     U64(d, "reclaimed", atomic_load(&h->reclaimed));
     U64(d, "lock_recoveries", atomic_load(&h->lock_recoveries));
+    U64(d, "evicted", atomic_load(&h->evicted));
+    U64(d, "evicted_pid", (uint32_t)atomic_load(&h->evicted_pid));
+    U64(d, "evicted_rule", atomic_load(&h->evicted_rule));
     U64(d, "ranks_off", h->ranks_off);
     U64(d, "pause_req", atomic_load(&h->pause_req));
     U64(d, "paused", atomic_load(&h->paused));
@@ -1583,6 +1586,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
     PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
     PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);
+    PyModule_AddIntConstant(m, "SLOT_RANK_OFFSET", (long)offsetof(struct psd_slot, rank));
+    PyModule_AddIntConstant(m, "SLOT_TAIL_OFFSET", (long)offsetof(struct psd_slot, tail));
+    PyModule_AddIntConstant(m, "ENTRY_SEQ_OFFSET", (long)offsetof(struct psd_entry, seq));
     PyModule_AddIntConstant(m, "DTYPE_F32", PSD_DTYPE_F32);
     PyModule_AddIntConstant(m, "DTYPE_BF16", PSD_DTYPE_BF16);
     PyModule_AddIntConstant(m, "DTYPE_F16", PSD_DTYPE_F16);

@@ -201,6 +201,9 @@ struct psd_header {
     _Atomic uint64_t dropped;        /* older than --max-staleness, not applied */
     _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
     _Atomic uint64_t lock_recoveries; /* mutexes taken over from a dead owner (any process) */
+    _Atomic uint64_t evicted;        /* learners evicted for breaking a rule of their slot */
+    _Atomic int32_t evicted_pid;     /* the last one's pid, and the rule (enum psd_rule) */
+    _Atomic uint32_t evicted_rule;   /* written before `evicted` is bumped (release) */
 
     /* -- staleness histogram, written only by the update loop (relaxed):
      *    bucket 0 counts staleness 0, bucket i > 0 counts [2^(i-1), 2^i), the
@@ -321,6 +324,14 @@ struct psd_entry {
     uint64_t applied_clock;
     uint32_t outcome;    /* enum psd_outcome */
     uint32_t pad;
+};
+
+/* What the update loop checks of a slot a learner writes; breaking a rule evicts the learner. */
+enum psd_rule {
+    PSD_RULE_NONE = 0,
+    PSD_RULE_TAIL = 1, /* tail - head must be at most ring_k */
+    PSD_RULE_SEQ = 2,  /* an entry's seq must be the index it was published at */
+    PSD_RULE_RANK = 3, /* rank must be -1 or a rank of this job */
 };
 
 /* psd_entry.flags, set by the learner. */

@@ -147,8 +147,8 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entr
     PSD_ADD_RLX(&s->staleness_sum, staleness);
     atomic_max(&s->staleness_max, staleness);
     PSD_ADD_RLX(&h->applied, 1);
-    int32_t rank = PSD_LOAD_RLX(&s->rank);
-    if (rank >= 0)
+    int32_t rank = PSD_LOAD_RLX(&s->rank); /* checked by slot_rule before the entry was taken */
+    if (rank >= 0 && (uint32_t)rank < h->n_slots)
         PSD_ADD_RLX(&psd_rank_at(m, (uint32_t)rank)->applied, 1);
     PSD_ADD_RLX(&h->staleness_sum, staleness);
     atomic_max(&h->staleness_max, staleness);
@@ -377,6 +377,45 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
     psd_cond_broadcast(&s->not_full);
 }
 
+/* The rule a slot breaks (enum psd_rule), checked before each entry is taken:
+ * every value a learner writes and the loop uses is checked first. */
+static uint32_t slot_rule(struct psd_map *m, uint32_t i, struct psd_slot *s, uint64_t head, uint64_t tail) {
+    const struct psd_header *h = psd_hdr(m);
+    if (tail - head > h->ring_k)
+        return PSD_RULE_TAIL;
+    int32_t rank = PSD_LOAD_RLX(&s->rank);
+    if (rank < -1 || (rank >= 0 && (uint32_t)rank >= h->n_slots))
+        return PSD_RULE_RANK;
+    if (head != tail && psd_entry_at(m, i, head)->seq != head)
+        return PSD_RULE_SEQ;
+    return PSD_RULE_NONE;
+}
+
+/* A learner broke a rule of its slot: free the slot at once, without taking
+ * anything more from its ring (its tail cannot be trusted; what it pushed and
+ * was applied stays counted: pushed == applied + rejected + dropped holds for
+ * the others). Its next push fails with PSD_ESLOT. */
+static void evict(struct psd_map *m, struct psd_slot *s, uint32_t rule) {
+    struct psd_header *h = psd_hdr(m);
+    if (!psd_locked(psd_mutex_lock(h, &s->mutex)))
+        return; /* try again next round */
+    uint64_t head = PSD_LOAD_RLX(&s->head);
+    PSD_ADD_RLX(&h->retired_pushed, head);
+    PSD_STORE_RLX(&h->evicted_pid, PSD_LOAD_RLX(&s->pid));
+    PSD_STORE_RLX(&h->evicted_rule, rule);
+    PSD_STORE_RLX(&s->tail, 0);
+    PSD_STORE_RLX(&s->head, 0);
+    PSD_STORE_RLX(&s->pid, 0);
+    PSD_STORE_RLX(&s->rank, -1);
+    PSD_STORE_RLX(&s->start_time, 0);
+    PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
+    /* Pairs with the load-acquire of evicted in the server's watch (evicted_pid and _rule). */
+    PSD_STORE_REL(&h->evicted, PSD_LOAD_RLX(&h->evicted) + 1);
+    psd_mutex_unlock(&s->mutex);
+    psd_cond_broadcast(&s->not_full);
+    psd_cond_broadcast(&h->sync_cond); /* a learner waiting on this one's progress goes on */
+}
+
 /* One round over all rings; returns how many gradients it applied, and in
  * *busy how many learner slots are in use. */
 static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
@@ -394,7 +433,13 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
         ++*busy;
         uint64_t head = PSD_LOAD_RLX(&s->head); /* only this thread writes it */
         /* Pairs with the store of tail in psd_push: the entry is whole. */
-        if (head != PSD_LOAD_ACQ(&s->tail)) {
+        uint64_t tail = PSD_LOAD_ACQ(&s->tail);
+        uint32_t rule = slot_rule(m, i, s, head, tail);
+        if (rule != PSD_RULE_NONE) {
+            evict(m, s, rule);
+            continue;
+        }
+        if (head != tail) {
             /* bsp: one gradient per learner per round; the rest wait for the next. */
             if (bsp && joined_this_round(h, s))
                 continue;

@@ -45,6 +45,10 @@ __all__ = ["OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server", "auto_threads"]
 log = logging.getLogger("psd.server")
 
 SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
+# enum psd_rule: why the update loop evicted a learner.
+EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of the head",
+                  2: "a ring entry's sequence number was not the index it was published at",
+                  3: "its rank was outside the job's ranks"}
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # --async-momentum, in the order of enum psd_async_momentum (psd_layout.h)
 ASYNC_MOMENTUM = ("off", "auto")
@@ -217,6 +221,7 @@ class Server:
         self._owners: dict[int, int] = {}  # slot -> pid last seen
         self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
         self._dropped: dict[int, int] = {}  # slot -> dropped count last seen
+        self._evicted = 0  # evictions logged so far
         self._stopped = False
         self.events = EventLog(config.event_log, config.job, "server")
 
@@ -410,8 +415,16 @@ class Server:
         a.set_state(_native.ARENA_WAITING_SPEC, msg)
 
     def _watch_slots(self) -> None:
-        """Log admissions and rejected gradients, which the native side only counts."""
+        """Log admissions, evictions and rejected gradients, which the native side only counts."""
         a = self.arena
+        h = a.header()
+        if h["evicted"] != self._evicted:
+            self._evicted = h["evicted"]
+            rule = EVICTION_RULES.get(h["evicted_rule"], f"rule {h['evicted_rule']}")
+            log.error("job %r: evicted learner pid %d: %s (a stray write into its slot?); its slot is free, "
+                      "nothing more of its ring was applied, and the job goes on", self.config.job,
+                      h["evicted_pid"], rule)
+            self.events.emit("learner_evicted", learner_pid=h["evicted_pid"], rule=rule, evicted=h["evicted"])
         for i in range(a.header()["n_slots"]):
             info = a.slot_info(i)
             pid = info["pid"] if info["state"] == _native.SLOT_ACTIVE else 0
