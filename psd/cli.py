@@ -1,4 +1,4 @@
-"""The ``psd`` command line: serve, run, status, top, stop, checkpoint, export, inspect, clean, doctor.
+"""The ``psd`` command line: serve, run, status, top, stop, checkpoint, export, inspect, clean, doctor, bench, chaos.
 
 Shape follows torch's distributed/run.py: get_args_parser() -> parse_args()
 -> a config object -> run(config). Every flag can also come from a
@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from psd import __version__, _native, events
+from psd import __version__, _native, chaos, events
 from psd.arena import default_job, list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
 from psd.server import ASYNC_MOMENTUM, OPTIMIZERS, SCHEDULES, ServeConfig, Server
@@ -133,6 +133,12 @@ def get_args_parser() -> argparse.ArgumentParser:
                    "is reported (default: 3)")
     b.add_argument("--no-peers", action="store_true", help="psd alone")
     b.add_argument("--no-training", action="store_true", help="skip the training workload")
+
+    ch = sub.add_parser("chaos", help="kill parts of a live job at random intervals, to test its fault tolerance",
+                        description="Signal a job's learners, server or watchdog (pids read from its arena, so "
+                        "only that job's processes) at random intervals; each kill is printed as a JSON line. "
+                        "Stops after --count kills, after --duration seconds, or when the job is gone.")
+    chaos.add_arguments(ch)
 
     d = sub.add_parser("doctor", help="check this machine for psd, and say what to change")
     d.add_argument("--learners", type=int, default=None, help="learners the job will run")
@@ -465,6 +471,17 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    cfg = chaos.config_from_args(args)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise SystemExit(f"psd chaos: {e}") from None
+    kills = chaos.run(cfg, out=lambda line: print(line, flush=True))
+    print(f"psd chaos: {kills} kill(s) in job {cfg.job!r}", file=sys.stderr)
+    return 0
+
+
 def _clean(args: argparse.Namespace) -> int:
     removed = 0
     for job in list_jobs():
@@ -498,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"serve": _serve, "run": _run, "status": _status, "top": _top, "stop": _stop,
                 "checkpoint": _checkpoint, "export": _export, "inspect": _inspect, "clean": _clean,
-                "doctor": _doctor, "bench": _bench}[args.command](args)
+                "doctor": _doctor, "bench": _bench, "chaos": _chaos}[args.command](args)
     except Error as e:
         print(f"psd {args.command}: {e}", file=sys.stderr)
         return 1
