@@ -225,7 +225,7 @@ static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     int rc = psd_geometry(n_slots, ring_k, spec_cap, &model, vectors, &g);
     if (rc) {
         PyErr_Format(PyExc_ValueError,
-                     "bad arena geometry: learners must be 1..%d, slots a power of two 1..%d, "
+                     "bad arena geometry: learners must be 1..%d, the ring depth a power of two 1..%d, "
                      "the model non-empty and the arena addressable",
                      PSD_MAX_SLOTS, PSD_MAX_RING);
         return NULL;

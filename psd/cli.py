@@ -50,6 +50,30 @@ def _flag(raw: str) -> bool:
 _flag.__name__ = "on/off value (1, 0, true, false)"
 
 
+def _deprecated(old: str, new: str) -> None:
+    print(f"psd: {old} is deprecated and will be removed; use {new} instead", file=sys.stderr)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's dest and warns on stderr, naming the new flag."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _deprecated(str(option_string), self.new)
+        setattr(namespace, self.dest, values)
+
+
+def _ring_depth_default() -> int:
+    """--ring-depth's default: $PSD_RING_DEPTH, else the deprecated $PSD_SLOTS, else 4."""
+    if "PSD_RING_DEPTH" not in os.environ and "PSD_SLOTS" in os.environ:
+        _deprecated("PSD_SLOTS", "PSD_RING_DEPTH")
+        return _env("slots", 4, int)
+    return _env("ring-depth", 4, int)
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     """The parser for every psd subcommand."""
     p = argparse.ArgumentParser(prog="psd", description="psd: a shared-memory parameter server.")
@@ -144,7 +168,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     d.add_argument("--learners", type=int, default=None, help="learners the job will run")
     d.add_argument("--threads", type=int, default=None, help="update-loop threads the job will use")
     d.add_argument("--params", type=int, default=None, help="model parameters, to size the arena")
-    d.add_argument("--slots", type=int, default=4, help="ring entries per learner (default: %(default)s)")
+    d.add_argument("--ring-depth", type=int, default=4,
+                   help="ring entries per learner: gradients each may have in flight (default: %(default)s)")
+    d.add_argument("--slots", dest="ring_depth", type=int, action=_DeprecatedAlias, new="--ring-depth")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -155,8 +181,10 @@ def _serve_flags(s: argparse.ArgumentParser) -> None:
                    help="learner slots: how many learners may attach at once (default: %(default)s)")
     s.add_argument("--lr", type=float, default=_env("lr", 0.01, float),
                    help="base learning rate of the server's optimizer (default: %(default)s)")
-    s.add_argument("--slots", type=int, default=_env("slots", 4, int),
-                   help="ring entries per learner, a power of two (default: %(default)s)")
+    s.add_argument("--ring-depth", type=int, default=_ring_depth_default(), metavar="K",
+                   help="ring entries per learner, a power of two: gradients a learner may have in flight "
+                        "(default: %(default)s)")
+    s.add_argument("--slots", dest="ring_depth", type=int, action=_DeprecatedAlias, new="--ring-depth")
     s.add_argument("--threads", type=int, default=_env("threads", 0, int),
                    help="update-loop threads; 0 = a quarter of the cores, 1..8 (default: %(default)s)")
     s.add_argument("--spin-us", type=int, default=_env("spin-us", 50, int),
@@ -231,7 +259,7 @@ def _watchdog_config(args: argparse.Namespace):
     from psd.watchdog.supervisor import WatchdogConfig
 
     ckpt_dir = args.checkpoint_dir or args.resume or None
-    serve = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, slots=args.slots,
+    serve = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, ring_depth=args.ring_depth,
                         threads=args.threads, spin_us=args.spin_us, init=args.init,
                         resume=None if args.resume is None else (ckpt_dir or ""),
                         sync=args.sync, push_every=args.push_every, optimizer=args.optimizer,
@@ -460,7 +488,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from psd.doctor import as_dicts, run_checks
 
-    checks = run_checks(args.learners, args.threads, args.params, args.slots)
+    checks = run_checks(args.learners, args.threads, args.params, args.ring_depth)
     if args.json:
         print(json.dumps(as_dicts(checks), indent=2))
     else:
