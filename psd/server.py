@@ -62,7 +62,8 @@ def auto_threads() -> int:
 
 @dataclass
 class ServeConfig:
-    """What ``psd serve`` is asked to do. Every field has a CLI flag and a PSD_<FLAG> variable."""
+    """What ``psd serve`` is asked to do. Every field but poll_interval has a flag and a PSD_<FLAG> variable,
+    declared in psd.flags.FLAGS."""
 
     job: str = field(default_factory=default_job)
     learners: int = 8
@@ -128,20 +129,9 @@ class ServeConfig:
 
     def argv(self) -> list[str]:
         """These settings as ``psd serve`` flags (for the processes the watchdog and launcher start)."""
-        out = ["--job", self.job, "--learners", str(self.learners), "--lr", repr(self.lr), "--ring-depth",
-               str(self.ring_depth), "--threads", str(self.threads), "--spin-us", str(self.spin_us),
-               "--sync", self.sync, "--push-every", str(self.push_every), "--optimizer", self.optimizer,
-               "--dampening", repr(self.dampening), "--betas", repr(self.betas[0]), repr(self.betas[1]),
-               "--lr-decay", repr(self.lr_decay), "--schedule", self.schedule, "--step-size", str(self.step_size),
-               "--gamma", repr(self.gamma), "--t-max", str(self.t_max), "--eta-min", repr(self.eta_min),
-               "--warmup", str(self.warmup)]
-        for flag, value in (("--momentum", self.momentum), ("--eps", self.eps),
-                            ("--weight-decay", self.weight_decay), ("--max-staleness", self.max_staleness)):
-            if value is not None:
-                out += [flag, repr(value)]
-        out += ["--staleness-lr"] * self.staleness_lr + ["--predict"] * self.predict
-        out += ["--async-momentum", self.async_momentum]
-        return out
+        from psd.flags import serve_argv
+
+        return serve_argv(self)
 
     def validate(self) -> None:
         """Raise ValueError with a fix for each bad value."""
