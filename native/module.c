@@ -904,17 +904,6 @@ static PyObject *arena_wait_ssp(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *arena_ssp_clocks(Arena *a, PyObject *args) {
-    unsigned int slot;
-    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
-        return NULL;
-    uint64_t mine, slowest;
-    psd_ssp_clocks(&a->map, slot, true, &mine, &slowest);
-    if (slowest == UINT64_MAX)
-        return Py_BuildValue("(KO)", (unsigned long long)mine, Py_None);
-    return Py_BuildValue("(KK)", (unsigned long long)mine, (unsigned long long)slowest);
-}
-
 static PyObject *arena_predict_into(Arena *a, PyObject *args) {
     Py_buffer dst;
     double staleness;
@@ -949,14 +938,6 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
     return Py_BuildValue("{s:K,s:K,s:K,s:I,s:I}", "seq", (unsigned long long)e->seq, "clock",
                          (unsigned long long)e->clock, "applied_clock", (unsigned long long)e->applied_clock,
                          "outcome", e->outcome, "flags", e->flags);
-}
-
-static PyObject *arena_set_lr(Arena *a, PyObject *args) {
-    double lr;
-    if (!PyArg_ParseTuple(args, "d", &lr) || check_open(a))
-        return NULL;
-    psd_hdr(&a->map)->lr = lr;
-    Py_RETURN_NONE;
 }
 
 /* start_loop(pieces=None, buffers_set=0): pieces lists (len, row_len) of
@@ -1471,7 +1452,6 @@ static PyMethodDef arena_methods[] = {
     {"server_alive", (PyCFunction)arena_server_alive, METH_VARARGS, "server_alive(stale_s=0) -> bool"},
     {"become_server", (PyCFunction)arena_become_server, METH_VARARGS,
      "become_server(pid, start_time, lr, threads, spin_us) -> generation"},
-    {"set_lr", (PyCFunction)arena_set_lr, METH_VARARGS, "set_lr(lr)"},
     {"configure", (PyCFunction)(void (*)(void))arena_configure, METH_VARARGS | METH_KEYWORDS,
      "Server: the training configuration (optimizer, sync mode, schedule, staleness control)."},
     {"training", (PyCFunction)arena_training, METH_NOARGS, "optimizer, sync mode and schedule, by name."},
@@ -1480,8 +1460,6 @@ static PyMethodDef arena_methods[] = {
      "wait_round(slot, claim, rounds, timeout): bsp, until more than `rounds` rounds are complete"},
     {"wait_ssp", (PyCFunction)arena_wait_ssp, METH_VARARGS,
      "wait_ssp(slot, claim, timeout): ssp, until this learner is at most S pushes ahead of the slowest"},
-    {"ssp_clocks", (PyCFunction)arena_ssp_clocks, METH_VARARGS,
-     "ssp_clocks(slot) -> (this learner's clock, the slowest other live learner's or None)"},
     {"predict_into", (PyCFunction)arena_predict_into, METH_VARARGS,
      "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
