@@ -137,7 +137,7 @@ class Learner:
         self.reconnect_timeout = reconnect_timeout
         self.rank = _default_rank() if rank is None else rank
         self.device = next(iter(model.parameters()), torch.empty(0)).device
-        threads = os.environ.get("PSD_THREADS")  # set by `psd run` so N learners share the cores
+        threads = os.environ.get("PSD_LEARNER_THREADS")  # set by `psd run` so N learners share the cores
         if threads and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
         spec, params, owners = model_spec(model)

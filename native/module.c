@@ -225,7 +225,7 @@ static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     int rc = psd_geometry(n_slots, ring_k, spec_cap, &model, vectors, &g);
     if (rc) {
         PyErr_Format(PyExc_ValueError,
-                     "bad arena geometry: learners must be 1..%d, slots a power of two 1..%d, "
+                     "bad arena geometry: learners must be 1..%d, the ring depth a power of two 1..%d, "
                      "the model non-empty and the arena addressable",
                      PSD_MAX_SLOTS, PSD_MAX_RING);
         return NULL;
@@ -907,17 +907,6 @@ static PyObject *arena_wait_ssp(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *arena_ssp_clocks(Arena *a, PyObject *args) {
-    unsigned int slot;
-    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
-        return NULL;
-    uint64_t mine, slowest;
-    psd_ssp_clocks(&a->map, slot, true, &mine, &slowest);
-    if (slowest == UINT64_MAX)
-        return Py_BuildValue("(KO)", (unsigned long long)mine, Py_None);
-    return Py_BuildValue("(KK)", (unsigned long long)mine, (unsigned long long)slowest);
-}
-
 static PyObject *arena_predict_into(Arena *a, PyObject *args) {
     Py_buffer dst;
     double staleness;
@@ -952,14 +941,6 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
     return Py_BuildValue("{s:K,s:K,s:K,s:I,s:I}", "seq", (unsigned long long)e->seq, "clock",
                          (unsigned long long)e->clock, "applied_clock", (unsigned long long)e->applied_clock,
                          "outcome", e->outcome, "flags", e->flags);
-}
-
-static PyObject *arena_set_lr(Arena *a, PyObject *args) {
-    double lr;
-    if (!PyArg_ParseTuple(args, "d", &lr) || check_open(a))
-        return NULL;
-    psd_hdr(&a->map)->lr = lr;
-    Py_RETURN_NONE;
 }
 
 /* start_loop(pieces=None, buffers_set=0): pieces lists (len, row_len) of
@@ -1474,7 +1455,6 @@ static PyMethodDef arena_methods[] = {
     {"server_alive", (PyCFunction)arena_server_alive, METH_VARARGS, "server_alive(stale_s=0) -> bool"},
     {"become_server", (PyCFunction)arena_become_server, METH_VARARGS,
      "become_server(pid, start_time, lr, threads, spin_us) -> generation"},
-    {"set_lr", (PyCFunction)arena_set_lr, METH_VARARGS, "set_lr(lr)"},
     {"configure", (PyCFunction)(void (*)(void))arena_configure, METH_VARARGS | METH_KEYWORDS,
      "Server: the training configuration (optimizer, sync mode, schedule, staleness control)."},
     {"training", (PyCFunction)arena_training, METH_NOARGS, "optimizer, sync mode and schedule, by name."},
@@ -1483,8 +1463,6 @@ static PyMethodDef arena_methods[] = {
      "wait_round(slot, claim, rounds, timeout): bsp, until more than `rounds` rounds are complete"},
     {"wait_ssp", (PyCFunction)arena_wait_ssp, METH_VARARGS,
      "wait_ssp(slot, claim, timeout): ssp, until this learner is at most S pushes ahead of the slowest"},
-    {"ssp_clocks", (PyCFunction)arena_ssp_clocks, METH_VARARGS,
-     "ssp_clocks(slot) -> (this learner's clock, the slowest other live learner's or None)"},
     {"predict_into", (PyCFunction)arena_predict_into, METH_VARARGS,
      "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,

@@ -87,7 +87,7 @@ def check_space(needed: int, what: str) -> None:
         raise OutOfSharedMemory(
             f"{what} needs {needed / _MIB:,.1f} MiB of shared memory but {SHM_DIR} has only "
             f"{free / _MIB:,.1f} MiB free (of {st.f_blocks * st.f_frsize / _MIB:,.1f} MiB): "
-            f"remove stale arenas with `psd clean`, use fewer --learners or --slots, or enlarge "
+            f"remove stale arenas with `psd clean`, use fewer --learners or a smaller --ring-depth, or enlarge "
             f"{SHM_DIR} (e.g. `mount -o remount,size=32G {SHM_DIR}`; in Docker, --shm-size)"
         )
 

@@ -268,7 +268,7 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
     for n in cfg.sizes:
         for k in cfg.learners:
             job = f"bench-gpu-{os.getpid()}-{n}-{k}"
-            server = Server(ServeConfig(job=job, learners=k, lr=LR, slots=4, threads=1))
+            server = Server(ServeConfig(job=job, learners=k, lr=LR, ring_depth=4, threads=1))
             server.start()
             stop = _server_thread(server)
             try:
@@ -326,7 +326,7 @@ def _psd_round_trip(n: int, learners: int, duration: float) -> dict:
     from psd.server import ServeConfig, Server
 
     job = f"bench-{os.getpid()}-{n}-{learners}"
-    server = Server(ServeConfig(job=job, learners=learners, lr=LR, slots=4, threads=1))
+    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1))
     server.start()
     stop = _server_thread(server)
     try:

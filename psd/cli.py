@@ -1,8 +1,9 @@
-"""The ``psd`` command line: serve, run, status, top, stop, checkpoint, export, inspect, clean, doctor.
+"""The ``psd`` command line: serve, run, status, top, stop, checkpoint, export, inspect, clean, doctor, bench, chaos.
 
 Shape follows torch's distributed/run.py: get_args_parser() -> parse_args()
--> a config object -> run(config). Every flag can also come from a
-PSD_<FLAG> environment variable (flag in upper case, dashes as underscores).
+-> a config object -> run(config). The flags are declared once, in
+psd.flags.FLAGS; each can also come from its PSD_<FLAG> environment variable
+(flag in upper case, dashes as underscores; psd bench's are PSD_BENCH_<FLAG>).
 """
 
 from __future__ import annotations
@@ -17,37 +18,14 @@ import threading
 import time
 from pathlib import Path
 
-from psd import __version__, _native, events
-from psd.arena import default_job, list_jobs, open_job, shm_name, shm_path
+from psd import __version__, _native, chaos, events
+from psd.arena import list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
-from psd.server import ASYNC_MOMENTUM, OPTIMIZERS, SCHEDULES, ServeConfig, Server
+from psd.flags import add_flags, serve_fields
+from psd.server import ServeConfig, Server
 from psd.status import all_jobs, format_job, job_status
 
 __all__ = ["get_args_parser", "main"]
-
-
-def _env(flag: str, default, kind=str):
-    """Default for --flag: $PSD_FLAG if set, else ``default``."""
-    raw = os.environ.get("PSD_" + flag.upper().replace("-", "_"))
-    if raw is None:
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SystemExit(f"psd: PSD_{flag.upper().replace('-', '_')}={raw!r} is not a valid {kind.__name__}") from None
-
-
-def _flag(raw: str) -> bool:
-    """A PSD_<FLAG> value for an on/off flag."""
-    v = raw.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
-
-
-_flag.__name__ = "on/off value (1, 0, true, false)"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -61,50 +39,28 @@ def get_args_parser() -> argparse.ArgumentParser:
         "The model comes from the first learner to attach, from --init, or from a checkpoint (--resume). "
         "A watchdog restarts the server if it dies or hangs and writes checkpoints. Stop with Ctrl-C or "
         "SIGTERM: a last checkpoint is written and the arena removed. SIGUSR1 asks for a checkpoint now."))
-    _serve_flags(s)
-    s.add_argument("--no-watchdog", action="store_true",
-                   help="run the bare server in this process, without restarts or checkpoints")
-    s.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    add_flags(s, "serve")
 
     r = sub.add_parser("run", help="launch a whole job: watchdog, server and N learners (like torchrun)",
                        description="Start the watchdog and server, then N copies of COMMAND as learners "
                        "(PSD_JOB, PSD_RANK, PSD_WORLD tell each its job and rank). A learner that dies is "
                        "restarted alone; so is the server. Exits with the learners' status.",
                        usage="psd run --learners N [serve options] -- COMMAND [ARGS...]")
-    _serve_flags(r)
-    r.add_argument("--max-restarts", type=int, default=_env("max-restarts", 5, int),
-                   help="a learner that dies this many times in a row without progress fails the job "
-                        "(default: %(default)s)")
-    r.add_argument("--learner-threads", type=int, default=_env("learner-threads", 0, int),
-                   help="torch threads per learner; 0: the cores divided among the learners, at least 1 "
-                        "(default: %(default)s)")
-    r.add_argument("--gpus", default=_env("gpus", ""), metavar="LIST",
-                   help="GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK %% len(LIST)] "
-                        "(more learners than GPUs share them)")
-    r.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    add_flags(r, "run")
     r.add_argument("learner_command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the learner command, after --")
 
     st = sub.add_parser("status", help="a job's figures, read straight from its arena (works on a hung job)")
-    st.add_argument("--job", default=_env("job", None), help="job name (default: every job on the machine)")
-    st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.add_argument("--sample", type=float, default=0.25,
-                    help="seconds over which rates (gradients/s, GB/s) are measured; 0: none (default: %(default)s)")
+    add_flags(st, "status")
 
     t = sub.add_parser("top", help="psd status, live, refreshing in the terminal (Ctrl-C to leave)")
-    t.add_argument("--job", default=_env("job", None), help="job name (default: every job)")
-    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
-    t.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: never)")
+    add_flags(t, "top")
 
     so = sub.add_parser("stop", help="stop a job cleanly (last checkpoint, arena removed), hung or not")
-    so.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
-    so.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default: %(default)s)")
+    add_flags(so, "stop")
 
     ck = sub.add_parser("checkpoint", help="write a checkpoint of a job now")
-    ck.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
-    ck.add_argument("--checkpoint-dir", default=_env("checkpoint-dir", None),
-                    help="where to write it when the job has no watchdog (default: the job's checkpoint dir)")
-    ck.add_argument("--timeout", type=float, default=30.0, help="seconds to wait (default: %(default)s)")
+    add_flags(ck, "checkpoint")
 
     ex = sub.add_parser("export", help="write a job's or a checkpoint's weights as a plain PyTorch state_dict")
     src = ex.add_mutually_exclusive_group(required=True)
@@ -113,128 +69,36 @@ def get_args_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="output file, loaded with torch.load + model.load_state_dict")
 
     ins = sub.add_parser("inspect", help="a job's arena header, field by field, and its learner slots")
-    ins.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
-    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    add_flags(ins, "inspect")
 
     c = sub.add_parser("clean", help="remove arenas whose server is dead")
-    c.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    add_flags(c, "clean")
 
     b = sub.add_parser("bench", help="measure psd on this machine, beside Hogwild and DDP over gloo",
                        description="The update kernel's limit, the update loop, round trips with null learners, "
                        "and training, with torch.multiprocessing Hogwild and DDP's all_reduce over gloo in the same "
                        "run; ratios are psd/peer.")
-    b.add_argument("--quick", action="store_true", help="a smoke test: small sizes, short runs")
-    b.add_argument("--json", action="store_true", help="print the results as JSON (progress goes to stderr)")
-    b.add_argument("--sizes", type=int, nargs="+", help="model sizes in parameters (default: 1e4 .. 1e7)")
-    b.add_argument("--learners", type=int, nargs="+", help="learner counts (default: 1 2 4 8)")
-    b.add_argument("--batches", type=int, nargs="+", help="mini-batch sizes for training (default: 1 2 4 8)")
-    b.add_argument("--duration", type=float, help="seconds per round-trip measurement (default: 1)")
-    b.add_argument("--reps", type=int, help="runs of each measurement, psd and peers taking turns; the median "
-                   "is reported (default: 3)")
-    b.add_argument("--no-peers", action="store_true", help="psd alone")
-    b.add_argument("--no-training", action="store_true", help="skip the training workload")
+    add_flags(b, "bench")
+
+    ch = sub.add_parser("chaos", help="kill parts of a live job at random intervals, to test its fault tolerance",
+                        description="Signal a job's learners, server or watchdog (pids read from its arena, so "
+                        "only that job's processes) at random intervals; each kill is printed as a JSON line. "
+                        "Stops after --count kills, after --duration seconds, or when the job is gone.")
+    chaos.add_arguments(ch)
 
     d = sub.add_parser("doctor", help="check this machine for psd, and say what to change")
-    d.add_argument("--learners", type=int, default=None, help="learners the job will run")
-    d.add_argument("--threads", type=int, default=None, help="update-loop threads the job will use")
-    d.add_argument("--params", type=int, default=None, help="model parameters, to size the arena")
-    d.add_argument("--slots", type=int, default=4, help="ring entries per learner (default: %(default)s)")
-    d.add_argument("--json", action="store_true", help="machine-readable output")
+    add_flags(d, "doctor")
     return p
-
-
-def _serve_flags(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--job", default=_env("job", default_job()), help="job name (default: %(default)s)")
-    s.add_argument("--learners", type=int, default=_env("learners", 8, int),
-                   help="learner slots: how many learners may attach at once (default: %(default)s)")
-    s.add_argument("--lr", type=float, default=_env("lr", 0.01, float),
-                   help="base learning rate of the server's optimizer (default: %(default)s)")
-    s.add_argument("--slots", type=int, default=_env("slots", 4, int),
-                   help="ring entries per learner, a power of two (default: %(default)s)")
-    s.add_argument("--threads", type=int, default=_env("threads", 0, int),
-                   help="update-loop threads; 0 = a quarter of the cores, 1..8 (default: %(default)s)")
-    s.add_argument("--spin-us", type=int, default=_env("spin-us", 50, int),
-                   help="how long the update loop spins for more work before sleeping (default: %(default)s)")
-    t = s.add_argument_group("training semantics (see the README's \"Training semantics\")")
-    t.add_argument("--sync", default=_env("sync", "asp"), metavar="MODE",
-                   help="asp (fully asynchronous), ssp:S (a learner computes only while at most S pushes ahead of "
-                        "the slowest live learner), bsp "
-                        "(average one gradient per learner, then update), kasync:K (average every K gradients) "
-                        "(default: %(default)s)")
-    t.add_argument("--push-every", type=int, default=_env("push-every", 1, int), metavar="W",
-                   help="learners sum W mini-batches into one push, a wave (default: %(default)s)")
-    t.add_argument("--optimizer", default=_env("optimizer", "sgd"), choices=OPTIMIZERS,
-                   help="server-side optimizer; its state lives in the arena (default: %(default)s)")
-    t.add_argument("--momentum", type=float, default=_env("momentum", None, float),
-                   help="momentum / nesterov factor (default: 0.9)")
-    t.add_argument("--dampening", type=float, default=_env("dampening", 0.0, float),
-                   help="momentum dampening (default: %(default)s)")
-    t.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
-                   help="adam / adamw moment decay rates (default: 0.9 0.999)")
-    t.add_argument("--eps", type=float, default=_env("eps", None, float),
-                   help="adam / adagrad epsilon (default: 1e-8; adagrad 1e-10)")
-    t.add_argument("--weight-decay", type=float, default=_env("weight-decay", None, float),
-                   help="L2 penalty (adamw: decoupled) (default: 0; adamw 0.01)")
-    t.add_argument("--lr-decay", type=float, default=_env("lr-decay", 0.0, float),
-                   help="adagrad learning-rate decay (default: %(default)s)")
-    t.add_argument("--schedule", default=_env("schedule", "constant"), choices=SCHEDULES,
-                   help="learning-rate schedule over optimizer steps (default: %(default)s)")
-    t.add_argument("--step-size", type=int, default=_env("step-size", 0, int),
-                   help="step schedule: multiply the lr by --gamma every N steps")
-    t.add_argument("--gamma", type=float, default=_env("gamma", 0.1, float),
-                   help="step schedule factor (default: %(default)s)")
-    t.add_argument("--t-max", type=int, default=_env("t-max", 0, int),
-                   help="cosine schedule: steps to anneal to --eta-min, then hold")
-    t.add_argument("--eta-min", type=float, default=_env("eta-min", 0.0, float),
-                   help="cosine schedule floor (default: %(default)s)")
-    t.add_argument("--warmup", type=int, default=_env("warmup", 0, int),
-                   help="linear warm-up over the first N optimizer steps (default: %(default)s)")
-    t.add_argument("--staleness-lr", action="store_true", default=_env("staleness-lr", False, _flag),
-                   help="divide the lr by each gradient's staleness (Zhang et al., IJCAI 2016)")
-    t.add_argument("--max-staleness", type=int, default=_env("max-staleness", None, int), metavar="D",
-                   help="drop (and count) gradients computed on weights more than D updates old")
-    t.add_argument("--predict", action="store_true", default=_env("predict", False, _flag),
-                   help="learners train on weights extrapolated by their staleness along the optimizer's "
-                        "update direction (PipeOptim); needs momentum, nesterov, adam or adamw")
-    t.add_argument("--async-momentum", default=_env("async-momentum", "auto"), choices=ASYNC_MOMENTUM,
-                   help="momentum / nesterov: auto takes the implicit momentum that asynchrony adds (estimated "
-                        "from the measured staleness) off --momentum; off applies --momentum as given, as "
-                        "torch.optim (default: %(default)s)")
-    s.add_argument("--init", default=_env("init", None),
-                   help="start from these weights (.safetensors) instead of the first learner's")
-    s.add_argument("--resume", nargs="?", const="", default=_env("resume", None), metavar="DIR",
-                   help="start from the newest valid checkpoint in DIR (default: the checkpoint dir)")
-    s.add_argument("--checkpoint-dir", default=_env("checkpoint-dir", None),
-                   help="where checkpoints go (default: the --resume DIR, else ~/.local/state/psd/checkpoints/JOB)")
-    s.add_argument("--checkpoint-every", type=float, default=_env("checkpoint-every", 60.0, float),
-                   help="seconds between checkpoints; 0: only on demand and at stop (default: %(default)s)")
-    s.add_argument("--keep", type=int, default=_env("keep", 3, int),
-                   help="checkpoints to keep (default: %(default)s)")
-    s.add_argument("--heartbeat-timeout", type=float, default=_env("heartbeat-timeout", 2.0, float),
-                   help="restart a server whose heartbeat is older than this, in seconds (default: %(default)s)")
-    s.add_argument("--event-log", default=_env("event-log", None), metavar="FILE",
-                   help="JSON-lines log of admissions, deaths, restarts, checkpoints, rejections "
-                        "(default: ~/.local/state/psd/events/JOB.jsonl; '' for none)")
-    s.add_argument("--metrics-port", type=int, default=_env("metrics-port", 0, int),
-                   help="serve Prometheus metrics on this port (0: off; default: %(default)s)")
-    s.add_argument("--metrics-host", default=_env("metrics-host", "127.0.0.1"),
-                   help="address the metrics endpoint binds to (default: %(default)s)")
 
 
 def _watchdog_config(args: argparse.Namespace):
     from psd.watchdog.supervisor import WatchdogConfig
 
     ckpt_dir = args.checkpoint_dir or args.resume or None
-    serve = ServeConfig(job=args.job, learners=args.learners, lr=args.lr, slots=args.slots,
-                        threads=args.threads, spin_us=args.spin_us, init=args.init,
-                        resume=None if args.resume is None else (ckpt_dir or ""),
-                        sync=args.sync, push_every=args.push_every, optimizer=args.optimizer,
-                        momentum=args.momentum, dampening=args.dampening, betas=tuple(args.betas), eps=args.eps,
-                        weight_decay=args.weight_decay, lr_decay=args.lr_decay, schedule=args.schedule,
-                        step_size=args.step_size, gamma=args.gamma, t_max=args.t_max, eta_min=args.eta_min,
-                        warmup=args.warmup, staleness_lr=args.staleness_lr, max_staleness=args.max_staleness,
-                        predict=args.predict, async_momentum=args.async_momentum,
-                        event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
+    values = {f.field: getattr(args, f.dest) for f in serve_fields()}
+    values.update(betas=tuple(args.betas), resume=None if args.resume is None else (ckpt_dir or ""),
+                  event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
+    serve = ServeConfig(**values)
     try:
         serve.validate()
         if args.keep < 1:
@@ -454,7 +318,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from psd.doctor import as_dicts, run_checks
 
-    checks = run_checks(args.learners, args.threads, args.params, args.slots)
+    checks = run_checks(args.learners, args.threads, args.params, args.ring_depth)
     if args.json:
         print(json.dumps(as_dicts(checks), indent=2))
     else:
@@ -463,6 +327,17 @@ def _doctor(args: argparse.Namespace) -> int:
             if c.fix:
                 print(f"       fix: {c.fix}")
     return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    cfg = chaos.config_from_args(args)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise SystemExit(f"psd chaos: {e}") from None
+    kills = chaos.run(cfg, out=lambda line: print(line, flush=True))
+    print(f"psd chaos: {kills} kill(s) in job {cfg.job!r}", file=sys.stderr)
+    return 0
 
 
 def _clean(args: argparse.Namespace) -> int:
@@ -498,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"serve": _serve, "run": _run, "status": _status, "top": _top, "stop": _stop,
                 "checkpoint": _checkpoint, "export": _export, "inspect": _inspect, "clean": _clean,
-                "doctor": _doctor, "bench": _bench}[args.command](args)
+                "doctor": _doctor, "bench": _bench, "chaos": _chaos}[args.command](args)
     except Error as e:
         print(f"psd {args.command}: {e}", file=sys.stderr)
         return 1

@@ -191,13 +191,13 @@ def _stale_arenas() -> Check:
 
 
 def run_checks(learners: int | None = None, threads: int | None = None, params: int | None = None,
-               slots: int = 4) -> list[Check]:
+               ring_depth: int = 4) -> list[Check]:
     """Every check, in order. ``params`` (and learners) size the arena the job would need."""
     needed = None
     if params:
         from psd.server import SPEC_CAPACITY
 
-        needed = _native.arena_size(learners or 8, slots, SPEC_CAPACITY, params)
+        needed = _native.arena_size(learners or 8, ring_depth, SPEC_CAPACITY, params)
     return [_shm(needed), _shm_huge_pages(), _remove_ipc(), _robust_mutex(), _openmp(), _cores(learners, threads),
             _memlock(needed), _stale_arenas()]
 

@@ -66,12 +66,13 @@ def auto_threads() -> int:
 
 @dataclass
 class ServeConfig:
-    """What ``psd serve`` is asked to do. Every field has a CLI flag and a PSD_<FLAG> variable."""
+    """What ``psd serve`` is asked to do. Every field but poll_interval has a flag and a PSD_<FLAG> variable,
+    declared in psd.flags.FLAGS."""
 
     job: str = field(default_factory=default_job)
     learners: int = 8
     lr: float = 0.01
-    slots: int = 4
+    ring_depth: int = 4
     threads: int = 0
     spin_us: int = 50
     init: str | None = None
@@ -132,20 +133,9 @@ class ServeConfig:
 
     def argv(self) -> list[str]:
         """These settings as ``psd serve`` flags (for the processes the watchdog and launcher start)."""
-        out = ["--job", self.job, "--learners", str(self.learners), "--lr", repr(self.lr), "--slots",
-               str(self.slots), "--threads", str(self.threads), "--spin-us", str(self.spin_us),
-               "--sync", self.sync, "--push-every", str(self.push_every), "--optimizer", self.optimizer,
-               "--dampening", repr(self.dampening), "--betas", repr(self.betas[0]), repr(self.betas[1]),
-               "--lr-decay", repr(self.lr_decay), "--schedule", self.schedule, "--step-size", str(self.step_size),
-               "--gamma", repr(self.gamma), "--t-max", str(self.t_max), "--eta-min", repr(self.eta_min),
-               "--warmup", str(self.warmup)]
-        for flag, value in (("--momentum", self.momentum), ("--eps", self.eps),
-                            ("--weight-decay", self.weight_decay), ("--max-staleness", self.max_staleness)):
-            if value is not None:
-                out += [flag, repr(value)]
-        out += ["--staleness-lr"] * self.staleness_lr + ["--predict"] * self.predict
-        out += ["--async-momentum", self.async_momentum]
-        return out
+        from psd.flags import serve_argv
+
+        return serve_argv(self)
 
     def validate(self) -> None:
         """Raise ValueError with a fix for each bad value."""
@@ -182,9 +172,9 @@ class ServeConfig:
         del mode
         if not 1 <= self.learners <= _native.MAX_SLOTS:
             raise ValueError(f"--learners must be 1..{_native.MAX_SLOTS}, not {self.learners}")
-        k = self.slots
+        k = self.ring_depth
         if not (1 <= k <= _native.MAX_RING and k & (k - 1) == 0):
-            raise ValueError(f"--slots must be a power of two from 1 to {_native.MAX_RING}, not {k}")
+            raise ValueError(f"--ring-depth must be a power of two from 1 to {_native.MAX_RING}, not {k}")
         if not (self.lr > 0 and self.lr < float("inf")):
             raise ValueError(f"--lr must be a positive number, not {self.lr}")
         if self.threads < 0:
@@ -259,7 +249,7 @@ class Server:
         self.arena.configure(**cfg.training())
         log.info(
             "job %r: arena %s, %d learner slots x %d ring entries, %s lr %g, sync %s, %d update thread(s), "
-            "generation %d", cfg.job, shm_path(cfg.job), cfg.learners, cfg.slots, cfg.optimizer, cfg.lr, cfg.sync,
+            "generation %d", cfg.job, shm_path(cfg.job), cfg.learners, cfg.ring_depth, cfg.optimizer, cfg.lr, cfg.sync,
             self.threads, self.generation,
         )
         self.events.emit("server_started", generation=self.generation, took_over=took_over,
@@ -271,13 +261,13 @@ class Server:
 
     def _create(self, spec: list[ParamSpec] | None) -> None:
         cfg = self.config
-        check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, 0), f"job {cfg.job!r}")
+        check_space(_native.arena_size(cfg.learners, cfg.ring_depth, SPEC_CAPACITY, 0), f"job {cfg.job!r}")
         if spec is not None:
             n_params, n_train, n_buffers, n_pieces = model_sizes(spec)
-            check_space(_native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, n_params, cfg.state_vectors(),
+            check_space(_native.arena_size(cfg.learners, cfg.ring_depth, SPEC_CAPACITY, n_params, cfg.state_vectors(),
                                            n_train, n_buffers, n_pieces), f"job {cfg.job!r}")
         try:
-            self.arena = _native.create(shm_name(cfg.job), 0o600, cfg.learners, cfg.slots, SPEC_CAPACITY,
+            self.arena = _native.create(shm_name(cfg.job), 0o600, cfg.learners, cfg.ring_depth, SPEC_CAPACITY,
                                         __version__)
         except FileExistsError:  # another server won the race to create it
             raise Error(f"job {cfg.job!r} was just started by another server; stop it first, "
@@ -302,9 +292,9 @@ class Server:
             if a.server_alive():
                 raise Error(f"job {cfg.job!r} already has a running server (pid {h['server_pid']}); stop it "
                             f"first, or choose another --job")
-            if (h["n_slots"], h["ring_k"]) != (cfg.learners, cfg.slots):
+            if (h["n_slots"], h["ring_k"]) != (cfg.learners, cfg.ring_depth):
                 raise Error(f"job {cfg.job!r} has an arena left by a dead server (pid {h['server_pid']}) made for "
-                            f"--learners {h['n_slots']} --slots {h['ring_k']}; start with those to recover it, or "
+                            f"--learners {h['n_slots']} --ring-depth {h['ring_k']}; start with those to recover it, or "
                             f"remove it with `psd clean`")
             made = a.training()
             if h["state"] >= _native.ARENA_INIT_WEIGHTS and h["n_params"] and \
@@ -395,7 +385,7 @@ class Server:
             if any(p.kind not in ("param", "frozen", "buffer") for p in spec):
                 raise SpecError("the offered spec names a kind of tensor this psd does not know; use the same psd "
                                 "version for the server and its learners")
-            size = _native.arena_size(cfg.learners, cfg.slots, SPEC_CAPACITY, *sizes[:1], cfg.state_vectors(),
+            size = _native.arena_size(cfg.learners, cfg.ring_depth, SPEC_CAPACITY, *sizes[:1], cfg.state_vectors(),
                                       *sizes[1:])
             check_space(size - h["mapped_size"], f"job {cfg.job!r} with {h['n_params']:,} parameters")
             a.grow()

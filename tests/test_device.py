@@ -66,7 +66,7 @@ def tiny():
 
 
 def test_gradients_pushed_equal_gradients_computed_bit_for_bit(job, serve):
-    served = serve(job, "--learners", "1", "--lr", "0.1", "--slots", "4")
+    served = serve(job, "--learners", "1", "--lr", "0.1", "--ring-depth", "4")
     model, x = tiny()
     with learner.attach(model, job=job, device="cpu") as ps:  # a plain learner on the CPU...
         assert type(ps) is learner.Learner

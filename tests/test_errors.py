@@ -97,7 +97,7 @@ def test_not_enough_shared_memory_at_start(job, tmp_path):
 
     init = tmp_path / "w.safetensors"
     save_file({"w": torch.zeros(1 << 20)}, str(init))
-    r = psd_cli("serve", "--job", job, "--learners", "4096", "--slots", "1024", "--init", str(init))
+    r = psd_cli("serve", "--job", job, "--learners", "4096", "--ring-depth", "1024", "--init", str(init))
     assert r.returncode == 1
     assert "MiB of shared memory but /dev/shm has only" in r.stderr and "psd clean" in r.stderr
     assert not os.path.exists(shm_path(job))
@@ -105,7 +105,7 @@ def test_not_enough_shared_memory_at_start(job, tmp_path):
 
 def test_not_enough_shared_memory_for_a_learners_model(job, serve):
     """A model too big for /dev/shm is refused with numbers; a smaller one can still start the job."""
-    s = serve(job, "--learners", "64", "--slots", "1024")
+    s = serve(job, "--learners", "64", "--ring-depth", "1024")
     with pytest.raises(psd.OutOfSharedMemory, match=r"needs [\d,.]+ MiB of shared memory"):
         learner.attach(Flat(1 << 20), job=job, timeout=30)
     with learner.attach(Flat(256), job=job) as ps:
@@ -122,7 +122,7 @@ def test_second_server_for_a_running_job(job, serve):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--slots", "3"], "--slots must be a power of two"),
+    (["--ring-depth", "3"], "--ring-depth must be a power of two"),
     (["--learners", "0"], "--learners must be 1.."),
     (["--lr", "-1"], "--lr must be a positive number"),
 ])
@@ -132,7 +132,16 @@ def test_bad_serve_flags(flags, message):
 
 
 def test_flags_come_from_the_environment(job, serve):
-    env = child_env() | {"PSD_SLOTS": "5"}
+    env = child_env() | {"PSD_RING_DEPTH": "5"}
     r = subprocess.run([sys.executable, "-m", "psd.cli", "serve", "--job", job], capture_output=True,
                        text=True, env=env, timeout=60)
-    assert r.returncode != 0 and "--slots must be a power of two from 1 to 1024, not 5" in r.stderr
+    assert r.returncode != 0 and "--ring-depth must be a power of two from 1 to 1024, not 5" in r.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_the_old_slots_name_still_works_with_a_warning_naming_ring_depth(how):
+    flags, env = (["--slots", "5"], child_env()) if how == "flag" else ([], child_env() | {"PSD_SLOTS": "5"})
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "serve", "--job", "never-started", *flags],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert "deprecated" in r.stderr and ("--ring-depth" if how == "flag" else "PSD_RING_DEPTH") in r.stderr
+    assert r.returncode != 0 and "--ring-depth must be a power of two from 1 to 1024, not 5" in r.stderr

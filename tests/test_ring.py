@@ -18,7 +18,7 @@ def status(job: str) -> dict:
 
 
 def test_every_gradient_applied_exactly_once_across_processes(job, serve):
-    s = serve(job, "--learners", "4", "--lr", "1", "--slots", "4")
+    s = serve(job, "--learners", "4", "--lr", "1", "--ring-depth", "4")
     count = 1500
     procs = [spawn("pusher.py", job, "--index", str(r), "--count", str(count)) for r in range(4)]
     for p in procs:
@@ -52,7 +52,7 @@ def test_half_written_gradient_is_never_applied(job, serve):
 
 def test_learner_killed_while_pushing(job, serve):
     """The server keeps going; what the victim fully pushed is applied exactly once, and whole."""
-    serve(job, "--learners", "2", "--lr", "1", "--slots", "8")
+    serve(job, "--learners", "2", "--lr", "1", "--ring-depth", "8")
     steady_count = 4000
     victim = spawn("pusher.py", job, "--fill", "--forever", "--ready-after", "300", "--n", "4096")
     assert read_line(victim) == "ready"

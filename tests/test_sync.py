@@ -85,7 +85,7 @@ def ssp_gap(a) -> tuple[int, int]:
 
 @pytest.mark.parametrize("bound", [0, 2])
 def test_ssp_bound_is_never_exceeded_with_one_learner_five_times_slower(job, serve, bound):
-    served = serve(job, "--learners", "3", "--sync", f"ssp:{bound}", "--slots", "8")
+    served = serve(job, "--learners", "3", "--sync", f"ssp:{bound}", "--ring-depth", "8")
     delays = ["0.001", "0.001", "0.005"]
     procs = [spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "150", "--delay", d)
              for d in delays]
@@ -297,7 +297,7 @@ def test_prediction_brings_the_weights_computed_on_closer_to_those_applied_to(jo
     def run(predict: bool) -> list[dict]:
         # One ring entry per learner: staleness then follows the other learners' pace; deep rings let
         # a learner queue several gradients computed on the same weights.
-        served = serve(job, "--learners", "8", "--slots", "1", "--optimizer", "momentum", "--momentum", "0.9",
+        served = serve(job, "--learners", "8", "--ring-depth", "1", "--optimizer", "momentum", "--momentum", "0.9",
                        "--async-momentum", "off",
                        "--lr", "0.001", *(["--predict"] if predict else []))
         # Each step spends 2 ms of CPU time computing, as a mini-batch would: with steps much shorter

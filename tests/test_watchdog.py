@@ -19,7 +19,7 @@ from psd.watchdog import checkpoint
 
 def test_server_killed_mid_run_loses_nothing(job, serve):
     """Learners keep pushing through a server SIGKILL; the new server drains the rings as they were."""
-    serve(job, "--learners", "2", "--lr", "1", "--slots", "8")
+    serve(job, "--learners", "2", "--lr", "1", "--ring-depth", "8")
     count = 3000
     procs = [spawn("pusher.py", job, "--index", str(r), "--count", str(count), "--ready-after", "500")
              for r in range(2)]

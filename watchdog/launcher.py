@@ -137,7 +137,7 @@ class Launcher:
 
     def _start_worker(self, w: Worker) -> None:
         env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
-                   PSD_RESTARTS=str(w.restarts), PSD_THREADS=str(self.learner_threads),
+                   PSD_RESTARTS=str(w.restarts), PSD_LEARNER_THREADS=str(self.learner_threads),
                    OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1")
         if self.gpus:
             env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"

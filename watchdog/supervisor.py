@@ -302,7 +302,7 @@ class Watchdog:
         s = self.config.serve
         t0 = time.monotonic()
         try:
-            snap = checkpoint.snapshot(a, s.job, {"learners": s.learners, "slots": s.slots, "lr": s.lr})
+            snap = checkpoint.snapshot(a, s.job, {"learners": s.learners, "ring_depth": s.ring_depth, "lr": s.lr})
         except Error as e:
             log.warning("job %r: checkpoint skipped: %s", s.job, e)
             return None

@@ -1,4 +1,4 @@
-"""Chaos: a real `psd run` job while tests/chaos/kill.py kills its parts, then the invariants.
+"""Chaos: a real `psd run` job while `psd chaos` kills its parts, then the invariants.
 
 After each run: training finished (psd run exits 0); the final accuracy is
 within 1 percentage point of the same job without faults; every gradient fully
@@ -46,7 +46,7 @@ def run_job(job: str, tmp: Path, kill_args: list[str] | None) -> Outcome:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env())
     killer = None
     if kill_args:
-        killer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "chaos" / "kill.py"), "--job", job,
+        killer = subprocess.Popen([sys.executable, "-m", "psd.cli", "chaos", "--job", job,
                                    "--seed", "0", "--duration", "240", *kill_args],
                                   stdout=subprocess.PIPE, text=True, env=child_env())
     try:

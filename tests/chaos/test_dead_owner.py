@@ -50,7 +50,7 @@ def test_learner_killed_holding_the_admission_mutex(job, serve):
 
 
 def test_learner_killed_waiting_on_a_condition_variable(job, serve):
-    serve(job, "--learners", "2", "--lr", "1", "--slots", "4")
+    serve(job, "--learners", "2", "--lr", "1", "--ring-depth", "4")
     me = os.getpid()
     with learner.attach(flat(), job=job) as other:
         a = open_job(job)

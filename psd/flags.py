@@ -1,0 +1,359 @@
+"""The one declaration of psd's command-line flags.
+
+Each :class:`Flag` gives a flag's name, the commands that take it, its
+ServeConfig field (if it fills one), its default, its help and its
+environment variable (``PSD_<FLAG>``: the flag in upper case, dashes as
+underscores). ``psd/cli.py`` builds its parsers from :data:`FLAGS`,
+``ServeConfig.argv()`` turns a configuration back into flags with
+:func:`serve_argv`, and the README's flag table is :func:`readme_table`
+(``python -m psd.flags README.md`` rewrites it; a test checks it is current).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from psd.arena import default_job
+
+__all__ = ["FLAGS", "Flag", "add_flags", "readme_table", "serve_argv", "serve_fields"]
+
+SERVE, RUN = "serve", "run"
+SERVE_RUN = (SERVE, RUN)
+
+
+def on_off(raw: str) -> bool:
+    """A PSD_<FLAG> value for an on/off flag."""
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+on_off.__name__ = "on/off value (1, 0, true, false)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: where it applies, what it fills, how it parses, what it means."""
+
+    name: str
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] = str
+    commands: tuple[str, ...] = SERVE_RUN
+    field: str | None = None  # the ServeConfig field it fills
+    metavar: str | tuple[str, ...] | None = None
+    choices: tuple[str, ...] | None = None
+    nargs: int | str | None = None  # 2 (--betas), "+" (lists), "?" (--resume)
+    const: Any = None  # the value of a bare --resume
+    switch: bool = False  # on/off: no value on the command line
+    short: str | None = None  # "-q"
+    group: str | None = None  # the help section
+    env_prefix: str = "PSD_"
+    readme_default: str | None = None  # the README's default column, when not str(default)
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute name."""
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        """Its environment variable, PSD_<FLAG>."""
+        return self.env_prefix + self.dest.upper()
+
+    def default_value(self) -> Any:
+        """The default, from the environment when its variable is set."""
+        raw = os.environ.get(self.env)
+        if raw is None:
+            return self.default() if callable(self.default) else self.default
+        kind = on_off if self.switch else self.type
+        try:
+            if self.nargs in (2, "+"):
+                return [kind(v) for v in re.split(r"[,\s]+", raw.strip()) if v]
+            return kind(raw)
+        except ValueError:
+            what = getattr(kind, "__name__", "value")
+            raise SystemExit(f"psd: {self.env}={raw!r} is not a valid {what}; unset it or fix it") from None
+
+
+TRAINING = "training semantics (see the README's \"Training semantics\")"
+
+
+def _serve(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
+    return Flag(name, help, default, field=kw.pop("field", name.lstrip("-").replace("-", "_")), **kw)
+
+
+def _training(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
+    return _serve(name, help, default, group=TRAINING, **kw)
+
+
+# Imported here, not at the top: psd.server imports this module for ServeConfig.argv().
+def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    from psd.server import ASYNC_MOMENTUM, OPTIMIZERS, SCHEDULES
+
+    return OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM
+
+
+def _build() -> tuple[Flag, ...]:
+    optimizers, schedules, async_momentum = _choices()
+    return (
+        # -- psd serve and psd run: the job
+        _serve("--job", "job name: 1-64 letters, digits, _ . -; the arena is /dev/shm/psd.NAME", default_job,
+               readme_default="`default`", metavar="NAME"),
+        _serve("--learners", "learner slots: how many learners may be attached at once (psd run: how many it "
+               "starts)", 8, type=int, metavar="N"),
+        _serve("--lr", "base learning rate of the server's optimizer", 0.01, type=float, metavar="LR"),
+        _serve("--ring-depth", "ring entries per learner, a power of two: gradients a learner may have in flight "
+               "(--slots, its old name, still works for now, with a warning)", 4, type=int, metavar="K"),
+        _serve("--threads", "update-loop threads; 0: a quarter of the cores, 1 to 8", 0, type=int, metavar="T"),
+        _serve("--spin-us", "how long the update loop spins for more work before it sleeps, in microseconds",
+               50, type=int, metavar="US"),
+        # -- training semantics
+        _training("--sync", "asp (fully asynchronous), ssp:S (a learner computes only while at most S pushes "
+                  "ahead of the slowest live learner), bsp (average one gradient per learner, then update), "
+                  "kasync:K (average every K gradients)", "asp", metavar="MODE", readme_default="`asp`"),
+        _training("--push-every", "learners push the mean of W mini-batches' gradients as one gradient (a wave)",
+                  1, type=int, metavar="W"),
+        _training("--optimizer", "server-side optimizer; its state lives in the arena", "sgd", choices=optimizers,
+                  metavar="O", readme_default="`sgd`"),
+        _training("--momentum", "momentum / nesterov factor", None, type=float, metavar="M", readme_default="0.9"),
+        _training("--dampening", "momentum dampening", 0.0, type=float, metavar="D"),
+        _training("--betas", "adam / adamw moment decay rates", (0.9, 0.999), type=float, nargs=2,
+                  metavar=("B1", "B2"), readme_default="0.9 0.999"),
+        _training("--eps", "adam / adagrad epsilon", None, type=float, metavar="EPS",
+                  readme_default="1e-8; adagrad 1e-10"),
+        _training("--weight-decay", "L2 penalty (adamw: decoupled)", None, type=float, metavar="WD",
+                  readme_default="0; adamw 0.01"),
+        _training("--lr-decay", "adagrad learning-rate decay", 0.0, type=float, metavar="D"),
+        _training("--schedule", "learning-rate schedule over optimizer steps: constant, step (--step-size, "
+                  "--gamma) or cosine (--t-max, --eta-min)", "constant", choices=schedules, metavar="S",
+                  readme_default="`constant`"),
+        _training("--step-size", "step schedule: multiply the lr by --gamma every N optimizer steps", 0, type=int,
+                  metavar="N"),
+        _training("--gamma", "step schedule factor", 0.1, type=float, metavar="G"),
+        _training("--t-max", "cosine schedule: optimizer steps to anneal to --eta-min, then hold", 0, type=int,
+                  metavar="N"),
+        _training("--eta-min", "cosine schedule floor", 0.0, type=float, metavar="LR"),
+        _training("--warmup", "linear warm-up over the first N optimizer steps", 0, type=int, metavar="N"),
+        _training("--staleness-lr", "divide the lr by each gradient's staleness (Zhang et al., IJCAI 2016)", False,
+                  switch=True, readme_default="off"),
+        _training("--max-staleness", "drop (and count) gradients computed on weights more than D updates old",
+                  None, type=int, metavar="D", readme_default="none"),
+        _training("--predict", "learners train on weights extrapolated by their staleness along the optimizer's "
+                  "update direction (PipeOptim); needs momentum, nesterov, adam or adamw", False, switch=True,
+                  readme_default="off"),
+        _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
+                  "(estimated from the measured staleness) off --momentum; off applies --momentum as given, as "
+                  "torch.optim", "auto", choices=async_momentum, metavar="MODE", readme_default="`auto`"),
+        # -- where the job starts from and what the watchdog does
+        _serve("--init", "start from these weights (.safetensors) instead of the first learner's", None,
+               metavar="FILE"),
+        _serve("--resume", "start from the newest valid checkpoint in DIR (bare --resume: the checkpoint dir)",
+               None, nargs="?", const="", metavar="DIR"),
+        Flag("--checkpoint-dir", "where checkpoints go (default: the --resume DIR, else "
+             "~/.local/state/psd/checkpoints/JOB)", None, metavar="DIR",
+             readme_default="`~/.local/state/psd/checkpoints/JOB`"),
+        Flag("--checkpoint-every", "seconds between checkpoints; 0: only on demand and at stop", 60.0, type=float,
+             metavar="S"),
+        Flag("--keep", "checkpoints to keep", 3, type=int, metavar="N"),
+        Flag("--heartbeat-timeout", "restart a server whose heartbeat is older than this, in seconds", 2.0,
+             type=float, metavar="S"),
+        _serve("--event-log", "JSON-lines log of admissions, deaths, restarts, checkpoints, rejections ('' for "
+               "none)", None, metavar="FILE", readme_default="`~/.local/state/psd/events/JOB.jsonl`"),
+        Flag("--metrics-port", "serve Prometheus metrics on this port (0: off)", 0, type=int, metavar="P"),
+        Flag("--metrics-host", "address the metrics endpoint binds to", "127.0.0.1", metavar="H",
+             readme_default="`127.0.0.1`"),
+        Flag("--no-watchdog", "run the bare server in this process, without restarts or checkpoints", False,
+             switch=True, commands=(SERVE,), readme_default="off"),
+        Flag("--max-restarts", "a learner that dies this many times in a row without progress fails the job", 5,
+             type=int, commands=(RUN,), metavar="R"),
+        Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
+             0, type=int, commands=(RUN,), metavar="T"),
+        Flag("--gpus", "GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK % len(LIST)] (more "
+             "learners than GPUs share them)", "", commands=(RUN,), metavar="LIST", readme_default=""),
+        Flag("--quiet", "log warnings and errors only", False, switch=True, short="-q", readme_default="off"),
+        # -- the other commands
+        Flag("--job", "job name (default: every job on the machine)", None, commands=("status", "top")),
+        Flag("--job", "job name", default_job, commands=("stop", "checkpoint", "inspect")),
+        Flag("--json", "machine-readable output (strict JSON)", False, switch=True,
+             commands=("status", "inspect", "doctor", "bench")),
+        Flag("--sample", "seconds over which rates (gradients/s, GB/s) are measured; 0: none", 0.25, type=float,
+             commands=("status",)),
+        Flag("--interval", "seconds between refreshes", 1.0, type=float, commands=("top",)),
+        Flag("--iterations", "stop after this many refreshes (0: never)", 0, type=int, commands=("top",)),
+        Flag("--timeout", "seconds to wait", 30.0, type=float, commands=("stop", "checkpoint")),
+        Flag("--checkpoint-dir", "where to write it when the job has no watchdog (default: the job's checkpoint "
+             "dir)", None, commands=("checkpoint",)),
+        Flag("--dry-run", "only list what would be removed", False, switch=True, commands=("clean",)),
+        Flag("--learners", "learners the job will run", None, type=int, commands=("doctor",)),
+        Flag("--threads", "update-loop threads the job will use", None, type=int, commands=("doctor",)),
+        Flag("--params", "model parameters, to size the arena", None, type=int, commands=("doctor",)),
+        Flag("--ring-depth", "ring entries per learner: gradients each may have in flight", 4, type=int,
+             commands=("doctor",)),
+        # psd bench: PSD_BENCH_<FLAG>, so that PSD_LEARNERS (a job's learners) does not set bench's list
+        Flag("--quick", "a smoke test: small sizes, short runs", False, switch=True, commands=("bench",),
+             env_prefix="PSD_BENCH_"),
+        Flag("--sizes", "model sizes in parameters (default: 1e4 .. 1e7)", None, type=int, nargs="+",
+             commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--learners", "learner counts (default: 1 2 4 8)", None, type=int, nargs="+", commands=("bench",),
+             env_prefix="PSD_BENCH_"),
+        Flag("--batches", "mini-batch sizes for training (default: 1 2 4 8)", None, type=int, nargs="+",
+             commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--duration", "seconds per round-trip measurement (default: 1)", None, type=float,
+             commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--reps", "runs of each measurement, psd and peers taking turns; the median is reported (default: 3)",
+             None, type=int, commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--no-peers", "psd alone", False, switch=True, commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--no-training", "skip the training workload", False, switch=True, commands=("bench",),
+             env_prefix="PSD_BENCH_"),
+    )
+
+
+FLAGS: tuple[Flag, ...] = _build()
+
+_DEPRECATED = {SERVE: {"--slots": "--ring-depth"}, RUN: {"--slots": "--ring-depth"}, "doctor": {"--slots":
+                                                                                                "--ring-depth"}}
+_DEPRECATED_ENV = {"PSD_SLOTS": "PSD_RING_DEPTH"}
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn on stderr that ``old`` is going away, naming ``new``."""
+    print(f"psd: {old} is deprecated and will be removed; use {new} instead", file=sys.stderr)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's dest and warns on stderr, naming the new flag."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        deprecated(str(option_string), self.new)
+        setattr(namespace, self.dest, values)
+
+
+def _apply_deprecated_env() -> None:
+    for old, new in _DEPRECATED_ENV.items():
+        if old in os.environ and new not in os.environ:
+            deprecated(old, new)
+            os.environ[new] = os.environ[old]
+
+
+def _help(f: Flag) -> str:
+    text = f.help.replace("%", "%%")
+    if f.default is None or callable(f.default) or f.switch or "(default" in f.help:
+        return f"{text} [{f.env}]"
+    return f"{text} (default: %(default)s) [{f.env}]"
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add ``command``'s flags from :data:`FLAGS` to ``parser``, defaults read from PSD_<FLAG>."""
+    if command in _DEPRECATED:
+        _apply_deprecated_env()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    by_dest: dict[str, Flag] = {}
+    for f in FLAGS:
+        if command not in f.commands:
+            continue
+        target = parser if f.group is None else groups.setdefault(f.group, parser.add_argument_group(f.group))
+        names = [f.short, f.name] if f.short else [f.name]
+        if f.switch:
+            target.add_argument(*names, action="store_true", default=f.default_value(), help=_help(f))
+        else:
+            kw: dict[str, Any] = {"type": f.type, "default": f.default_value(), "help": _help(f)}
+            for k in ("metavar", "choices", "nargs"):
+                if getattr(f, k) is not None:
+                    kw[k] = getattr(f, k)
+            if f.nargs == "?":
+                kw["const"] = f.const
+            target.add_argument(*names, **kw)
+        by_dest[f.dest] = f
+    for old, new in _DEPRECATED.get(command, {}).items():
+        f = by_dest[new.lstrip("-").replace("-", "_")]
+        parser.add_argument(old, dest=f.dest, type=f.type, action=_DeprecatedAlias, new=new)
+
+
+def serve_fields() -> tuple[Flag, ...]:
+    """The flags that fill ServeConfig fields."""
+    return tuple(f for f in FLAGS if f.field is not None and SERVE in f.commands)
+
+
+# Filled by the watchdog itself, not passed through argv: where the weights come from and the log.
+_NOT_IN_ARGV = ("init", "resume", "event_log")
+
+
+def serve_argv(config: Any) -> list[str]:
+    """``config`` (a ServeConfig) as ``psd serve`` flags, every field of :func:`serve_fields` but the start's."""
+    out: list[str] = []
+    for f in serve_fields():
+        if f.field in _NOT_IN_ARGV:
+            continue
+        v = getattr(config, f.field)
+        if f.switch:
+            out += [f.name] * bool(v)
+        elif v is None:
+            continue
+        elif isinstance(v, (tuple, list)):
+            out += [f.name, *(repr(x) if isinstance(x, float) else str(x) for x in v)]
+        else:
+            out += [f.name, repr(v) if isinstance(v, float) else str(v)]
+    return out
+
+
+def _readme_default(f: Flag) -> str:
+    if f.readme_default is not None:
+        return f.readme_default
+    if f.default is None:
+        return ""
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
+def readme_table(commands: Iterable[str] = SERVE_RUN) -> str:
+    """The README's table of ``psd serve`` and ``psd run`` flags, one row per flag."""
+    commands = tuple(commands)
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in FLAGS:
+        if not set(f.commands) & set(commands):
+            continue
+        meta = f.metavar if isinstance(f.metavar, str) else " ".join(f.metavar or ())
+        if f.nargs == "?":
+            meta = f"[{meta}]"
+        name = f"{f.short}, {f.name}" if f.short else f.name
+        only = "" if set(commands) <= set(f.commands) else f" ({', '.join(c for c in f.commands if c in commands)})"
+        flag = f"`{name} {meta}`" if meta and not f.switch else f"`{name}`"
+        meaning = f.help.replace("|", "\\|")
+        rows.append(f"| {flag}{only} | `{f.env}` | {_readme_default(f)} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+BEGIN, END = "<!-- flags: generated by `python -m psd.flags README.md` -->\n", "<!-- flags: end -->\n"
+
+
+def rewrite_readme(path: str) -> bool:
+    """Put :func:`readme_table` between the README's markers; True if it changed."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"{path}: no {BEGIN.strip()} ... {END.strip()} markers; add them where the table goes")
+    new = head + BEGIN + readme_table() + END + tail
+    if new != text:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    target = sys.argv[1] if len(sys.argv) > 1 else "README.md"
+    print(f"{target}: flag table {'rewritten' if rewrite_readme(target) else 'already current'}")
