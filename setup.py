@@ -22,7 +22,7 @@ native = Extension(
 )
 
 setup(
-    packages=["psd", "psd.learner", "psd.watchdog"],
+    packages=["psd", "psd.bench", "psd.learner", "psd.watchdog"],
     package_dir={"psd": "psd", "psd.learner": "learner", "psd.watchdog": "watchdog"},
     ext_modules=[native],
 )

@@ -229,7 +229,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);
-/* One thread, one way of writing the loop (psd bench's unrolling measure). */
+/* bench_kernels.c: one thread, one way of writing the loop (psd bench's unrolling measure). */
 enum psd_kernel { PSD_KERNEL_SCALAR, PSD_KERNEL_VECTOR, PSD_KERNEL_UNROLL4, PSD_KERNEL_UNROLL8 };
 int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n, float lr, int kernel);
 

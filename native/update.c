@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kernels.h"
 #include "psd.h"
 
 struct psd_loop {
@@ -37,95 +38,20 @@ struct psd_loop {
     uint64_t buffers_set; /* leading buffer elements an entry sets; the rest it adds to */
 };
 
-/* The same update written four ways, for `psd bench` to measure what
- * vectorising and unrolling buy (GaDei measured unrolling): one float per
- * iteration with vectorisation turned off; the compiler's vectorised loop;
- * and 4-float vectors unrolled 4 and 8 times by hand (x4 is what the update
- * loop runs). */
-typedef float psd_v4 __attribute__((vector_size(16)));
-
-static inline psd_v4 load4(const float *p) {
-    psd_v4 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store4(float *p, psd_v4 v) { memcpy(p, &v, sizeof v); }
-
-#if defined(__clang__)
-static void sgd_scalar(float *restrict w, const float *restrict g, uint64_t n, float lr) {
-#pragma clang loop vectorize(disable) interleave(disable) unroll(disable)
-    for (uint64_t i = 0; i < n; i++)
-        w[i] -= lr * g[i];
-}
-#else
-__attribute__((optimize("no-tree-vectorize", "no-unroll-loops"))) static void sgd_scalar(float *restrict w,
-                                                                                        const float *restrict g,
-                                                                                        uint64_t n, float lr) {
-    for (uint64_t i = 0; i < n; i++)
-        w[i] -= lr * g[i];
-}
-#endif
-
-static void sgd_vectorised(float *restrict w, const float *restrict g, uint64_t n, float lr) {
-    for (uint64_t i = 0; i < n; i++)
-        w[i] -= lr * g[i];
-}
-
-#define SGD_V4(off) store4(w + i + (off), load4(w + i + (off)) - k * load4(g + i + (off)))
-#define SGD_V16(off) (SGD_V4(off), SGD_V4((off) + 4), SGD_V4((off) + 8), SGD_V4((off) + 12))
-
-static void sgd_unroll4(float *restrict w, const float *restrict g, uint64_t n, float lr) {
-    const psd_v4 k = {lr, lr, lr, lr};
-    uint64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        SGD_V16(0);
-    sgd_vectorised(w + i, g + i, n - i, lr);
-}
-
-static void sgd_unroll8(float *restrict w, const float *restrict g, uint64_t n, float lr) {
-    const psd_v4 k = {lr, lr, lr, lr};
-    uint64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        SGD_V16(0);
-        SGD_V16(16);
-    }
-    sgd_vectorised(w + i, g + i, n - i, lr);
-}
-
 /* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
  * vectors in cache in some runs, never slower; the same once memory is the
- * limit: `psd bench`). */
+ * limit: `psd bench`, whose other variants are in bench_kernels.c). */
 void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
     /* Small vectors are not worth waking a team. */
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
-        sgd_unroll4(w, g, n, lr);
+        psd_sgd_unroll4(w, g, n, lr);
         return;
     }
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-        sgd_unroll4(w + lo, g + lo, hi - lo, lr);
-    }
-}
-
-int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n, float lr, int kernel) {
-    switch (kernel) {
-    case PSD_KERNEL_SCALAR:
-        sgd_scalar(w, g, n, lr);
-        return 0;
-    case PSD_KERNEL_VECTOR:
-        sgd_vectorised(w, g, n, lr);
-        return 0;
-    case PSD_KERNEL_UNROLL4:
-        sgd_unroll4(w, g, n, lr);
-        return 0;
-    case PSD_KERNEL_UNROLL8:
-        sgd_unroll8(w, g, n, lr);
-        return 0;
-    default:
-        return EINVAL;
+        psd_sgd_unroll4(w + lo, g + lo, hi - lo, lr);
     }
 }
 

@@ -1,0 +1,145 @@
+"""Round trips: null learners pushing a precomputed gradient and pulling fresh weights against a live
+server, beside the peers; and the GPU round trip."""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+from psd.bench._common import LR, BenchConfig, _interleaved, _percentiles, _server_thread, _timed
+from psd.bench.peers import _ddp_round_trip, _hogwild_round_trip
+
+
+def _psd_null_learner(job: str, n: int, device: str, duration: float, barrier, q) -> None:
+    """A learner whose gradient is precomputed (on ``device``: a GPU model is a DeviceLearner)."""
+    import torch
+
+    from psd import learner
+
+    torch.set_num_threads(1)
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(n, device=device))
+    g = torch.full((n,), 1e-6, device=device)
+    with learner.attach(m, job=job, timeout=120) as ps:
+        for _ in range(ps._k + 1):  # touch every ring entry once: page faults are set-up, not traffic
+            m.w.grad = g
+            ps.step()
+        ps.flush()
+        barrier.wait()
+        lat, push, k = [], [], 0
+        end = time.perf_counter() + duration
+        while time.perf_counter() < end:
+            m.w.grad = g  # the precomputed gradient, where a backward pass would leave it
+            t0 = time.perf_counter_ns()
+            ps.step()
+            lat.append(time.perf_counter_ns() - t0)
+            push.append(ps.push_ns)
+            k += 1
+        ps.flush()
+        q.put({"updates": k, "lat": lat, "push": push})
+
+
+def host_device_gbs(device: str = "cuda:0", mib: int = 256) -> dict:
+    """Pinned host <-> device copy bandwidth, GB/s each way (the ceiling of a GPU learner's traffic)."""
+    import torch
+
+    host = torch.empty(mib << 18, dtype=torch.float32).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        for _ in range(2):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out[name] = 5 * host.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
+    """GPU learners (placed round-robin on the GPUs present) pushing and pulling through psd: model
+    traffic in GB/s, as a fraction of the measured pinned host <-> device bandwidth."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log("gpu round trip: skipped (no CUDA device; torch reports none)")
+        return {"skipped": "no CUDA device"}
+    from psd.server import ServeConfig, Server
+
+    gpus = torch.cuda.device_count()
+    bw = host_device_gbs()
+    rows = []
+    for n in cfg.sizes:
+        for k in cfg.learners:
+            job = f"bench-gpu-{os.getpid()}-{n}-{k}"
+            server = Server(ServeConfig(job=job, learners=k, lr=LR, ring_depth=4, threads=1))
+            server.start()
+            stop = _server_thread(server)
+            try:
+                results, elapsed = _timed([(_psd_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration))
+                                           for r in range(k)])
+            finally:
+                stop()
+            rate = sum(r["updates"] for r in results) / elapsed
+            gbs = rate * n * 4 * 2 / 1e9
+            row = {"params": n, "learners": k, "gpus": min(k, gpus), "updates_per_s": rate, "model_gbs": gbs,
+                   "fraction_of_pcie": gbs / ((bw["h2d"] + bw["d2h"]) / 2)}
+            rows.append(row)
+            log(f"gpu round trip {n:>11,} params  {k} learner(s) on {row['gpus']} GPU(s)  {rate:10,.0f} upd/s  "
+                f"{gbs:6.2f} GB/s = {row['fraction_of_pcie']:.2f} of host<->device")
+    return {"host_device_gbs": bw, "gpus": gpus, "rows": rows}
+
+
+def _psd_round_trip(n: int, learners: int, duration: float) -> dict:
+    from psd.server import ServeConfig, Server
+
+    job = f"bench-{os.getpid()}-{n}-{learners}"
+    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1))
+    server.start()
+    stop = _server_thread(server)
+    try:
+        results, elapsed = _timed([(_psd_null_learner, (job, n, "cpu", duration))] * learners)
+    finally:
+        stop()
+    updates = sum(r["updates"] for r in results)
+    p50, p99 = _percentiles([x for r in results for x in r["lat"]])
+    push50, push99 = _percentiles([x for r in results for x in r["push"]])
+    rate = updates / elapsed
+    return {"updates_per_s": rate, "model_gbs": rate * n * 4 * 2 / 1e9, "step_p50_us": p50, "step_p99_us": p99,
+            "push_p50_us": push50, "push_p99_us": push99}
+
+
+def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
+    """The round-trip table: one row per (size, learners) with psd's figures and, if asked, the peers'."""
+    rows = []
+    for n in cfg.sizes:
+        for k in cfg.learners:
+            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration)}
+            if cfg.peers:
+                measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)
+                measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)
+                if k > 1:
+                    measures["ddp_gloo"] = partial(_ddp_round_trip, n, k, cfg.duration)
+            row = {"params": n, "learners": k, **_interleaved(cfg, measures, "updates_per_s")}
+            if cfg.peers:
+                row.setdefault("ddp_gloo", None)
+                for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
+                    if row[peer]:
+                        row[f"psd_over_{peer}"] = row["psd"]["updates_per_s"] / row[peer]["updates_per_s"]
+            log(_round_trip_line(row))
+            rows.append(row)
+    return rows
+
+
+def _round_trip_line(r: dict) -> str:
+    p = r["psd"]
+    line = (f"round trip  {r['params']:>11,} params  {r['learners']} learners  psd {p['updates_per_s']:>9,.0f} upd/s "
+            f"{p['model_gbs']:6.2f} GB/s  push p50 {p['push_p50_us']:7.1f} us  step p50 {p['step_p50_us']:7.1f} us "
+            f"p99 {p['step_p99_us']:8.1f} us")
+    for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
+        if r.get(peer):
+            line += f"  {peer} {r[peer]['updates_per_s']:,.0f} (x{r[f'psd_over_{peer}']:.2f})"
+    return line
