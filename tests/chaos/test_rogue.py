@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import arena_header, wait_until
 from psd import _native, learner
 from psd.arena import open_job
 from psd.errors import Error
@@ -46,7 +46,7 @@ def test_a_rogue_write_evicts_the_learner_and_the_job_goes_on(job, serve, fault)
             ps.step()
     honest.flush()
     rogue.flush()
-    h = served_header(job)
+    h = arena_header(job)
     slot = h["slots_off"] + rogue.slot * h["slot_stride"]
     if fault == "rank":
         poke(job, slot + _native.SLOT_RANK_OFFSET, 1_000_000, np.int32)
@@ -56,14 +56,14 @@ def test_a_rogue_write_evicts_the_learner_and_the_job_goes_on(job, serve, fault)
         entry = rogue._arena.grad_offset(rogue.slot, rogue._tail % h["ring_k"]) - 64
         poke(job, entry + _native.ENTRY_SEQ_OFFSET, 999, np.uint64)
         poke(job, slot + _native.SLOT_TAIL_OFFSET, rogue._tail + 1, np.uint64)
-    wait_until(lambda: served_header(job)["evicted"] == 1, timeout=10, what="the rogue's eviction")
+    wait_until(lambda: arena_header(job)["evicted"] == 1, timeout=10, what="the rogue's eviction")
     # The honest learner goes on; each of its gradients is applied exactly once.
     for _ in range(5):
         honest_model.weight.grad = torch.ones(1, 4)
         honest.step()
     honest.flush()
     c = honest._arena.counters()
-    h = served_header(job)
+    h = arena_header(job)
     assert h["evicted"] == 1 and h["evicted_pid"] == rogue_pid
     rogue_model.weight.grad = torch.ones(1, 4)
     with pytest.raises(Error, match=r"taken back"):  # the rogue's next push finds its slot gone
@@ -77,10 +77,3 @@ def test_a_rogue_write_evicts_the_learner_and_the_job_goes_on(job, serve, fault)
     out = served.stop()
     assert time.monotonic() - t0 < 10, out
 
-
-def served_header(job: str) -> dict:
-    a = open_job(job)
-    try:
-        return a.header()
-    finally:
-        a.close()
