@@ -5,9 +5,10 @@
 
 Two workloads: ``mlp``, the generated problem that ships with psd (psd.workloads), and ``cnn``, a small
 convolutional network with BatchNorm on scikit-learn's 8x8 digits (``sklearn.datasets.load_digits``: 1797
-images, no download; needs ``pip install scikit-learn``). The server holds parameters only, not BatchNorm's
-running statistics, so a learner evaluates its own model after its last pull, in eval mode with its own
-buffers; the last line it prints is JSON: {"rank": R, "accuracy": A}.
+images, no download; needs ``pip install scikit-learn``). A learner evaluates its model after its last pull
+(the job's weights and BatchNorm statistics at that moment, while other learners may still train), in eval
+mode; the last line it prints is JSON: {"rank": R, "accuracy": A}. convergence.py scores the job's final
+model, exported as `psd export` does, separately.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import sys
 import torch
 
 from psd import learner
-from psd.workloads import evaluate, load_digits, make_resnet
+from psd.workloads import epoch_batches, evaluate, load_digits, make_resnet
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,19 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     x, y = data.x_train[args.rank::args.world], data.y_train[args.rank::args.world]
     model = make_resnet()
     g = torch.Generator().manual_seed(100 + args.rank)
-    steps = -(-len(x) // args.batch_size)
     with learner.attach(model, job=args.job, rank=args.rank) as ps:
-        for epoch in range(args.epochs):
-            order = torch.randperm(len(x), generator=g)
-            for step in range(epoch * steps, (epoch + 1) * steps):
-                if step < ps.resume_step:  # a restarted learner skips what it already pushed
-                    continue
-                idx = order[(step - epoch * steps) * args.batch_size:][: args.batch_size]
-                if len(idx) < 2:
-                    continue  # BatchNorm needs two samples to train on
-                loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-                loss.backward()
-                ps.step(loss, batch_size=len(idx))
+        # A restarted learner skips the mini-batches it already pushed.
+        for idx in epoch_batches(len(x), args.batch_size, args.epochs, g, skip=ps.resume_step):
+            if len(idx) < 2:
+                continue  # BatchNorm needs two samples to train on
+            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            ps.step(loss, batch_size=len(idx))
         ps.flush()
         ps.pull()  # the job's weights and merged BatchNorm statistics
         model.eval()

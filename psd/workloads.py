@@ -12,6 +12,7 @@ detection, GaDei's own workload) feed the text models.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 __all__ = [
     "INTENTS",
     "Dataset",
+    "epoch_batches",
     "evaluate",
     "load_digits",
     "make_classification",
@@ -81,6 +83,20 @@ def evaluate(model: torch.nn.Module, data: Dataset) -> float:
 def shard(data: Dataset, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The training samples of learner ``rank`` out of ``world``."""
     return data.x_train[rank::world], data.y_train[rank::world]
+
+
+def epoch_batches(n: int, batch_size: int, epochs: int, generator: torch.Generator,
+                  skip: int = 0) -> Iterator[torch.Tensor]:
+    """Index tensors of ``epochs`` shuffled passes over ``n`` samples, ``batch_size`` at a time.
+
+    The first ``skip`` mini-batches are not yielded but their shuffles are still drawn, so a
+    restarted learner (``skip=ps.resume_step``) sees the same order as its first life did.
+    """
+    steps = -(-n // batch_size)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for step in range(max(0, skip - epoch * steps), steps):
+            yield order[step * batch_size:(step + 1) * batch_size]
 
 
 def train_single(data: Dataset, epochs: int, batch_size: int, lr: float, seed: int = 0,

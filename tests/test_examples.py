@@ -22,10 +22,12 @@ def psd_run(job: str, tmp, learners: int, flags: list[str], *command: str) -> st
 @pytest.mark.parametrize("script, flags, epochs, pattern", [
     ("text_classifier.py", ["--lr", "0.5"], 2, r"intent accuracy (\d\.\d+)"),
     ("gpu_learner.py", ["--lr", "0.03"], 2, r"accuracy (\d\.\d+)"),
-    ("transformer_text.py", ["--optimizer", "adagrad", "--lr", "0.05"], 1, r"intent accuracy (\d\.\d+)"),
+    ("text_classifier.py --model transformer", ["--optimizer", "adagrad", "--lr", "0.05"], 1,
+     r"intent accuracy (\d\.\d+)"),
 ])
 def test_example_learns(job, tmp_path, script, flags, epochs, pattern):
-    out = psd_run(job, tmp_path, 2, flags, str(ROOT / "examples" / script), "--epochs", str(epochs))
+    script, *script_args = script.split()
+    out = psd_run(job, tmp_path, 2, flags, str(ROOT / "examples" / script), *script_args, "--epochs", str(epochs))
     accs = [float(a) for a in re.findall(pattern, out)]
     assert len(accs) == 2 and min(accs) > 0.9, out
 
