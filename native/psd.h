@@ -1,6 +1,6 @@
 /*
  * psd.h -- the C core's interface: arena mapping, slots and rings, robust
- * locks, and the update loop. No Python here; module.c is the only file that
+ * locks, and the update loop. No Python here; only the binding (native/py_*.c)
  * talks to CPython.
  *
  * Every function returns 0 on success, a positive errno, or a PSD_E* code
@@ -99,6 +99,37 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     const struct psd_header *h = psd_hdr(m);
     return psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
 }
+
+/* What `psd status` shows of the header and of a slot (py_inspect.c), listed
+ * once. X(field, how): how to read it, PLAIN (fixed before a store-release of
+ * state), ATOMIC, PID (an atomic pid, shown unsigned), PLAIN_PID, REAL (a
+ * double). Slots: X(key, field, how), also SIGNED and BITS (a double's bits). */
+#define PSD_HEADER_FIELDS(X)                                                                                     \
+    X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, PLAIN) X(ring_k, PLAIN) X(spec_cap, PLAIN)        \
+    X(created_unix_ns, PLAIN) X(total_size, PLAIN) X(n_params, PLAIN) X(n_train, PLAIN) X(n_buffers, PLAIN)     \
+    X(n_pieces, PLAIN) X(buffers_off, PLAIN) X(pieces_off, PLAIN) X(weights_off, PLAIN)                          \
+    X(weights_bytes, PLAIN) X(optstate_off, PLAIN) X(optstate_bytes, PLAIN) X(slots_off, PLAIN)                  \
+    X(slot_stride, PLAIN) X(entry_stride, PLAIN) X(ranks_off, PLAIN) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
+    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(optimizer, PLAIN) X(sync_mode, PLAIN)                   \
+    X(threads, PLAIN) X(spin_us, PLAIN) X(sync_param, PLAIN) X(push_every, PLAIN) X(schedule, PLAIN)             \
+    X(cfg_flags, PLAIN) X(step_size, PLAIN) X(t_max, PLAIN) X(warmup, PLAIN) X(max_staleness, PLAIN)             \
+    X(async_momentum, PLAIN) X(lr, REAL) X(momentum, REAL) X(dampening, REAL) X(beta1, REAL) X(beta2, REAL)      \
+    X(eps, REAL) X(weight_decay, REAL) X(lr_decay, REAL) X(gamma, REAL) X(eta_min, REAL)                         \
+    X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
+    X(acc_staleness, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
+    X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(clock, ATOMIC) X(applied, ATOMIC)                  \
+    X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC) X(staleness_max, ATOMIC)             \
+    X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(lock_recoveries, ATOMIC) X(evicted, ATOMIC)                        \
+    X(evicted_pid, PID) X(evicted_rule, ATOMIC) X(sleeping, ATOMIC) X(pause_req, ATOMIC) X(paused, ATOMIC)       \
+    X(watchdog_pid, PID) X(watchdog_start_time, ATOMIC) X(checkpoint_clock, ATOMIC)                              \
+    X(checkpoint_unix_ns, ATOMIC) X(server_restarts, ATOMIC)
+#define PSD_SLOT_FIELDS(X)                                                                                       \
+    X(state, state, ATOMIC) X(pid, pid, PID) X(start_time, start_time, ATOMIC) X(claims, claims, ATOMIC)         \
+    X(rank, rank, SIGNED) X(waiters, not_full.waiters, ATOMIC) X(tail, tail, ATOMIC) X(head, head, ATOMIC)       \
+    X(learner_clock, learner_clock, ATOMIC) X(pulls, pulls, ATOMIC) X(pulls_skipped, pulls_skipped, ATOMIC)      \
+    X(full_waits, full_waits, ATOMIC) X(applied, applied, ATOMIC) X(rejected, rejected, ATOMIC)                  \
+    X(staleness_sum, staleness_sum, ATOMIC) X(staleness_max, staleness_max, ATOMIC) X(dropped, dropped, ATOMIC)  \
+    X(ssp_base, ssp_base, ATOMIC) X(round_joined, round_joined, ATOMIC) X(last_loss, last_loss_bits, BITS)
 
 /* sync.c: clocks and process identity */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */

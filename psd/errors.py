@@ -1,7 +1,7 @@
 """psd's exceptions: one base class, `psd.Error`, and a subclass per thing a user can act on.
 
 The C core returns codes; ``psd._native`` turns each into one of these classes
-through a single table (see native/module.c). Plain errno values come out as
+through a single table (see native/py_module.c). Plain errno values come out as
 ``OSError`` subclasses, so ``FileNotFoundError`` and ``PermissionError`` work as
 usual. Every message says what went wrong and what to do next.
 """

@@ -1,0 +1,231 @@
+/*
+ * py_inspect.c -- reading an arena for `psd status`, metrics, the watchdog
+ * and tests: the header and slot fields (listed once, in psd.h), the spec,
+ * counters, indices, clocks and ranks. Nothing here writes shared memory.
+ */
+#include "py_psd.h"
+
+#include <string.h>
+
+/* d[key] = the new reference `o`; on failure drop d and return NULL from the caller. */
+#define SET(d, key, o)                                                                             \
+    do {                                                                                           \
+        PyObject *o_ = (o);                                                                        \
+        if (!o_ || PyDict_SetItemString((d), (key), o_)) {                                        \
+            Py_XDECREF(o_);                                                                        \
+            Py_DECREF(d);                                                                          \
+            return NULL;                                                                           \
+        }                                                                                          \
+        Py_DECREF(o_);                                                                             \
+    } while (0)
+
+/* How each kind of field in PSD_HEADER_FIELDS / PSD_SLOT_FIELDS (psd.h) is read and shown. */
+#define READ_PLAIN(f) PyLong_FromUnsignedLongLong((unsigned long long)(f))
+#define READ_ATOMIC(f) PyLong_FromUnsignedLongLong((unsigned long long)atomic_load(&(f)))
+#define READ_PID(f) PyLong_FromUnsignedLong((uint32_t)atomic_load(&(f)))
+#define READ_PLAIN_PID(f) PyLong_FromUnsignedLong((uint32_t)(f))
+#define READ_SIGNED(f) PyLong_FromLong(atomic_load(&(f)))
+#define READ_REAL(f) PyFloat_FromDouble(f)
+#define READ_BITS(f) PyFloat_FromDouble(bits_to_double(atomic_load(&(f))))
+
+static double bits_to_double(uint64_t bits) {
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* A fixed-size text field of the header, cut at its first NUL. */
+static PyObject *text_field(const char *field, size_t cap) {
+    return PyUnicode_DecodeUTF8(field, (Py_ssize_t)strnlen(field, cap), "replace");
+}
+
+/* The server's current learning rate: the scheduled lr of the last update (before any, that of the
+ * first one), as `psd status` and a learner's Optimizer.param_groups show it. */
+static double current_lr(struct psd_header *h) {
+    /* Pairs with the store-release of opt_steps in update_weights, which follows that of lr_bits. */
+    if (PSD_LOAD_ACQ(&h->opt_steps) == 0)
+        return psd_scheduled_lr(h, 0);
+    return bits_to_double(PSD_LOAD_RLX(&h->lr_bits));
+}
+
+static PyObject *arena_header(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define HEADER_FIELD(f, how) SET(d, #f, READ_##how(h->f));
+    PSD_HEADER_FIELDS(HEADER_FIELD)
+#undef HEADER_FIELD
+    SET(d, "psd_version", text_field(h->psd_version, PSD_VERSION_LEN));
+    SET(d, "fail_msg", text_field(h->fail_msg, PSD_MSG_LEN));
+    uint64_t beat = atomic_load(&h->heartbeat_ns);
+    SET(d, "heartbeat_age_s", PyFloat_FromDouble(beat ? (double)(psd_now_ns() - beat) / 1e9 : -1.0));
+    SET(d, "mapped_size", PyLong_FromSize_t(a->map.size));
+    SET(d, "state_vectors", PyLong_FromUnsignedLong(psd_state_vectors(h->optimizer, h->sync_mode)));
+    SET(d, "lr_now", PyFloat_FromDouble(current_lr(h)));
+    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(h)));
+    SET(d, "staleness_avg", READ_BITS(h->staleness_avg_bits));
+    PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
+    for (int i = 0; hist && i < PSD_HIST_BUCKETS; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&h->staleness_hist[i]));
+        if (!v)
+            Py_CLEAR(hist);
+        else
+            PyList_SET_ITEM(hist, i, v);
+    }
+    SET(d, "staleness_hist", hist);
+    return d;
+}
+
+static PyObject *arena_slot_info(Arena *a, PyObject *args) {
+    unsigned int i;
+    if (!PyArg_ParseTuple(args, "I", &i) || check_slot(a, i))
+        return NULL;
+    struct psd_slot *s = psd_slot_at(&a->map, i);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define SLOT_FIELD(key, f, how) SET(d, #key, READ_##how(s->f));
+    PSD_SLOT_FIELDS(SLOT_FIELD)
+#undef SLOT_FIELD
+    return d;
+}
+
+static PyObject *arena_spec(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    if (PSD_LOAD_ACQ(&h->state) < PSD_ARENA_SPEC_OFFERED)
+        Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize((const char *)a->map.base + h->spec_off, (Py_ssize_t)h->spec_len);
+}
+
+static PyObject *arena_training(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    return Py_BuildValue("{s:s,s:s,s:s}", "optimizer", h->optimizer < N_OPTIMIZERS ? optimizer_names[h->optimizer] : "?",
+                         "sync", h->sync_mode < N_SYNCS ? sync_names[h->sync_mode] : "?", "schedule",
+                         h->schedule < N_SCHEDULES ? schedule_names[h->schedule] : "?");
+}
+
+static PyObject *arena_rounds(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    /* Pairs with the store of rounds in finish_round (update.c). */
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->rounds));
+}
+
+static PyObject *arena_counters(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    uint64_t pushed = atomic_load(&h->retired_pushed), pending = 0;
+    uint32_t active = 0;
+    if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY && a->map.size >= h->total_size) {
+        for (uint32_t i = 0; i < h->n_slots; i++) {
+            struct psd_slot *s = psd_slot_at(&a->map, i);
+            if (atomic_load(&s->state) == PSD_SLOT_FREE)
+                continue;
+            uint64_t tail = atomic_load(&s->tail), head = atomic_load(&s->head);
+            pushed += tail;
+            pending += tail - head;
+            active += atomic_load(&s->state) == PSD_SLOT_ACTIVE;
+        }
+    }
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
+                         "applied", (unsigned long long)atomic_load(&h->applied), "rejected",
+                         (unsigned long long)atomic_load(&h->rejected), "dropped",
+                         (unsigned long long)atomic_load(&h->dropped), "pending",
+                         (unsigned long long)pending, "clock", (unsigned long long)atomic_load(&h->clock),
+                         "active_learners", active);
+}
+
+static PyObject *arena_tail(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&psd_slot_at(&a->map, slot)->tail));
+}
+
+static PyObject *arena_head(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    /* Pairs with the store of head in take_entry (update.c): the entries before it are free. */
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_slot_at(&a->map, slot)->head));
+}
+
+static PyObject *arena_clock(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    /* Pairs with the store-release of clock in update_weights: weights copied
+     * after this load are at least this fresh. */
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock));
+}
+
+static PyObject *arena_lr_now(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    return PyFloat_FromDouble(current_lr(psd_hdr(&a->map)));
+}
+
+static PyObject *arena_generation(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load(&psd_hdr(&a->map)->generation));
+}
+
+static PyObject *arena_ranks(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+    PyObject *list = PyList_New(h->n_slots);
+    if (!list)
+        return NULL;
+    for (uint32_t r = 0; r < h->n_slots; r++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&psd_rank_at(&a->map, r)->applied));
+        if (!v) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, r, v);
+    }
+    return list;
+}
+
+static PyObject *arena_server_alive(Arena *a, PyObject *args) {
+    double stale = 0;
+    if (!PyArg_ParseTuple(args, "|d", &stale) || check_open(a))
+        return NULL;
+    return PyBool_FromLong(psd_server_alive(&a->map, seconds_to_ns(stale)));
+}
+
+PyMethodDef py_inspect_methods[] = {
+    {"header", (PyCFunction)arena_header, METH_NOARGS, "All header fields, as a dict."},
+    {"slot_info", (PyCFunction)arena_slot_info, METH_VARARGS, "One learner slot's fields, as a dict."},
+    {"spec", (PyCFunction)arena_spec, METH_NOARGS, "The parameter spec bytes, or None before one was offered."},
+    {"training", (PyCFunction)arena_training, METH_NOARGS, "optimizer, sync mode and schedule, by name."},
+    {"rounds", (PyCFunction)arena_rounds, METH_NOARGS, "bsp / kasync rounds completed."},
+    {"counters", (PyCFunction)arena_counters, METH_NOARGS, "pushed, applied, rejected, pending, clock."},
+    {"tail", (PyCFunction)arena_tail, METH_VARARGS, "tail(slot) -> the slot's producer index"},
+    {"head", (PyCFunction)arena_head, METH_VARARGS, "head(slot) -> the slot's consumer index"},
+    {"clock", (PyCFunction)arena_clock, METH_NOARGS, "The weights clock (load-acquire)."},
+    {"lr_now", (PyCFunction)arena_lr_now, METH_NOARGS,
+     "The server's current learning rate: the scheduled lr of the last update (before any, of the first)."},
+    {"generation", (PyCFunction)arena_generation, METH_NOARGS, "Servers started on this arena so far."},
+    {"ranks", (PyCFunction)arena_ranks, METH_NOARGS, "Gradients applied per learner rank."},
+    {"server_alive", (PyCFunction)arena_server_alive, METH_VARARGS, "server_alive(stale_s=0) -> bool"},
+    {NULL, NULL, 0, NULL},
+};

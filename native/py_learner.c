@@ -1,0 +1,479 @@
+/*
+ * py_learner.c -- the learner's side of the binding: offering a spec, claiming
+ * and releasing a slot, pushing gradients, the waits (space, drained, freed,
+ * bsp rounds, ssp), pulls (inline, and the Puller type that wraps pull.c's
+ * thread), weight prediction and what a learner reads back about its entries.
+ */
+#include "py_psd.h"
+
+#include <errno.h>
+#include <string.h>
+
+/* Run `call` with the GIL released, in slices, until it returns something
+ * other than EINTR or a signal handler raises. */
+#define BLOCKING(rc, call)                                                                         \
+    do {                                                                                           \
+        for (;;) {                                                                                 \
+            Py_BEGIN_ALLOW_THREADS rc = (call);                                                    \
+            Py_END_ALLOW_THREADS if (rc != EINTR) break;                                           \
+            if (PyErr_CheckSignals())                                                              \
+                return NULL;                                                                       \
+        }                                                                                          \
+    } while (0)
+
+static PyObject *arena_set_spec(Arena *a, PyObject *args) {
+    Py_buffer spec;
+    unsigned long long hash, start;
+    struct psd_model model;
+    int pid;
+    if (!PyArg_ParseTuple(args, "y*K(KKKK)iK", &spec, &hash, &model.n_params, &model.n_train, &model.n_buffers,
+                          &model.n_pieces, &pid, &start))
+        return NULL;
+    int rc = check_open(a) ? -1 : psd_arena_set_spec(&a->map, spec.buf, (uint64_t)spec.len, hash, &model, pid, start);
+    PyBuffer_Release(&spec);
+    if (rc == -1)
+        return NULL;
+    if (rc == PSD_ESTATE)
+        Py_RETURN_FALSE; /* another learner offered first */
+    if (rc)
+        return raise_code(rc, "offer spec", a->name);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *arena_wait_state(Arena *a, PyObject *args) {
+    unsigned int not_state;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Id", &not_state, &timeout) || check_open(a))
+        return NULL;
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
+    int rc;
+    BLOCKING(rc, psd_arena_wait_state(&a->map, not_state,
+                                      deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
+    if (rc == PSD_ETIMEOUT)
+        Py_RETURN_FALSE;
+    if (rc)
+        return raise_code(rc, "wait for arena state", a->name);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *arena_claim(Arena *a, PyObject *args) {
+    int pid, rank = -1;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "iK|i", &pid, &start, &rank) || check_open(a))
+        return NULL;
+    uint32_t slot = 0;
+    uint64_t claim = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, rank, &slot, &claim);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "claim learner slot", a->name);
+    return Py_BuildValue("(IK)", slot, (unsigned long long)claim);
+}
+
+static PyObject *arena_release(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long claim;
+    if (!PyArg_ParseTuple(args, "IK", &slot, &claim) || check_slot(a, slot))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_slot_release(&a->map, slot, claim);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "release learner slot", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_push(Arena *a, PyObject *args) {
+    unsigned int slot, batch;
+    unsigned long long clock;
+    double loss;
+    float scale = 1.0f;
+    PyObject *bo = Py_None;
+    if (!PyArg_ParseTuple(args, "IKId|fO", &slot, &clock, &batch, &loss, &scale, &bo) || check_slot(a, slot))
+        return NULL;
+    const double *bufdelta = bo == Py_None ? NULL : PyLong_AsVoidPtr(bo);
+    if (PyErr_Occurred())
+        return NULL;
+    int rc;
+    if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
+        rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc)
+        return raise_code(rc, "push gradient", a->name);
+    Py_RETURN_NONE;
+}
+
+/* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy
+ * the gradient from the tensors at the addresses `ptrs` (0: no gradient) of
+ * `lens` elements of `dtype` (enum psd_dtype) into the entry at the tail,
+ * checking it on the way, and publish it. `sparse` lists (k, rows_ptr, nnz,
+ * row_len) for the tensors whose gradient is nnz rows (ptrs[k] the values).
+ * `bufdelta` is the address of n_buffers doubles. The caller (Learner.step)
+ * keeps the tensors alive and vouches for the addresses. */
+static PyObject *arena_push_from(Arena *a, PyObject *args) {
+    unsigned int slot, batch, dtype = PSD_DTYPE_F32;
+    unsigned long long clock;
+    double loss;
+    float scale;
+    PyObject *ptrs, *lens, *bo = Py_None, *sparse = Py_None;
+    if (!PyArg_ParseTuple(args, "IKIdfOO|IOO", &slot, &clock, &batch, &loss, &scale, &ptrs, &lens, &dtype, &bo,
+                          &sparse) ||
+        check_slot(a, slot))
+        return NULL;
+    PyObject *p = PySequence_Fast(ptrs, "push_from: ptrs must be a sequence of addresses");
+    if (!p)
+        return NULL;
+    PyObject *l = PySequence_Fast(lens, "push_from: lens must be a sequence of lengths");
+    if (!l) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(p);
+    struct psd_src *src = NULL;
+    const double *bufdelta = NULL;
+    int rc = 0;
+    if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count != psd_hdr(&a->map)->n_pieces) {
+        PyErr_Format(PyExc_ValueError, "push_from: ptrs and lens must both have one item per trainable tensor (%llu)",
+                     (unsigned long long)psd_hdr(&a->map)->n_pieces);
+        goto out;
+    }
+    src = PyMem_Calloc((size_t)count + 1, sizeof *src);
+    if (!src) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        src[k].data = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(p, k));
+        src[k].len = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(l, k));
+        if (PyErr_Occurred())
+            goto out;
+    }
+    if (bo != Py_None && !(bufdelta = PyLong_AsVoidPtr(bo)) && PyErr_Occurred())
+        goto out;
+    if (sparse != Py_None) {
+        PyObject *sp = PySequence_Fast(sparse, "push_from: sparse must be a sequence of (k, rows, nnz, row_len)");
+        if (!sp)
+            goto out;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(sp); i++) {
+            Py_ssize_t k;
+            PyObject *rows;
+            unsigned long long nnz, row_len;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(sp, i), "nOKK", &k, &rows, &nnz, &row_len))
+                break;
+            if (k < 0 || k >= count) {
+                PyErr_SetString(PyExc_IndexError, "push_from: sparse tensor index out of range");
+                break;
+            }
+            src[k].rows = PyLong_AsVoidPtr(rows);
+            src[k].nnz = nnz;
+            src[k].row_len = row_len;
+            if (PyErr_Occurred())
+                break;
+        }
+        Py_DECREF(sp);
+        if (PyErr_Occurred())
+            goto out;
+    }
+    if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
+        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc =
+            psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc == EINVAL)
+        PyErr_Format(PyExc_ValueError, "push_from: the tensors do not match the job's %llu trainable elements, "
+                     "or a sparse gradient names rows outside its tensor", (unsigned long long)psd_hdr(&a->map)->n_train);
+    else if (rc)
+        raise_code(rc, "push gradient", a->name);
+out:
+    PyMem_Free(src);
+    Py_DECREF(p);
+    Py_DECREF(l);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+enum wait_kind { WAIT_SPACE, WAIT_DRAINED, WAIT_FREED, WAIT_SSP };
+
+static PyObject *wait_common(Arena *a, PyObject *args, enum wait_kind kind) {
+    unsigned int slot;
+    unsigned long long claim;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "IKd", &slot, &claim, &timeout) || check_slot(a, slot))
+        return NULL;
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
+    int rc;
+#define LEFT() (deadline > psd_now_ns() ? deadline - psd_now_ns() : 0)
+    static const char *const what[] = {"wait for ring space", "wait for ring to drain",
+                                       "wait for slot to be freed", "wait for the slowest learner (ssp)"};
+    if (kind == WAIT_SSP)
+        BLOCKING(rc, psd_wait_ssp(&a->map, slot, claim, LEFT()));
+    else if (kind == WAIT_DRAINED)
+        BLOCKING(rc, psd_wait_drained(&a->map, slot, claim, LEFT()));
+    else if (kind == WAIT_FREED)
+        BLOCKING(rc, psd_wait_freed(&a->map, slot, claim, LEFT()));
+    else
+        BLOCKING(rc, psd_wait_space(&a->map, slot, claim, LEFT()));
+#undef LEFT
+    if (rc)
+        return raise_code(rc, what[kind], a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_wait_space(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_SPACE); }
+
+static PyObject *arena_wait_drained(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_DRAINED); }
+
+static PyObject *arena_wait_freed(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_FREED); }
+
+static PyObject *arena_wait_ssp(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_SSP); }
+
+static PyObject *arena_has_space(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    /* Pairs with the store-release of head in the update loop. */
+    return PyBool_FromLong(PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < psd_hdr(&a->map)->ring_k);
+}
+
+static PyObject *arena_wait_round(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long claim, rounds;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "IKKd", &slot, &claim, &rounds, &timeout) || check_slot(a, slot))
+        return NULL;
+    int rc;
+    BLOCKING(rc, psd_wait_round(&a->map, slot, claim, rounds, seconds_to_ns(timeout)));
+    if (rc)
+        return raise_code(rc, "wait for the bsp round", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_predict_into(Arena *a, PyObject *args) {
+    Py_buffer dst;
+    double staleness;
+    if (!PyArg_ParseTuple(args, "w*d", &dst, &staleness))
+        return NULL;
+    if (check_open(a)) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_predict(&a->map, dst.buf, (uint64_t)dst.len / sizeof(float), staleness);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&dst);
+    if (rc == EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "predict_into: the buffer must hold exactly the model's float32 weights");
+        return NULL;
+    }
+    if (rc)
+        return raise_code(rc, "predict weights (the optimizer publishes no update direction)", a->name);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long seq;
+    if (!PyArg_ParseTuple(args, "IK", &slot, &seq) || check_slot(a, slot))
+        return NULL;
+    struct psd_entry *e = psd_entry_at(&a->map, slot, seq);
+    /* Pairs with the store-release of head in take_entry (update.c). */
+    uint64_t head = PSD_LOAD_ACQ(&psd_slot_at(&a->map, slot)->head);
+    if (e->seq != seq || head <= seq)
+        Py_RETURN_NONE; /* overwritten, or not consumed yet */
+    return Py_BuildValue("{s:K,s:K,s:K,s:I,s:I}", "seq", (unsigned long long)e->seq, "clock",
+                         (unsigned long long)e->clock, "applied_clock", (unsigned long long)e->applied_clock,
+                         "outcome", e->outcome, "flags", e->flags);
+}
+
+static PyObject *arena_pull_into(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long known;
+    Py_buffer dst;
+    if (!PyArg_ParseTuple(args, "Iw*K", &slot, &dst, &known))
+        return NULL;
+    if (check_slot(a, slot)) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    struct psd_header *h = psd_hdr(&a->map);
+    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    if ((uint64_t)dst.len != h->n_params * sizeof(float)) {
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "pull_into: the buffer must hold n_params float32");
+        return NULL;
+    }
+    /* Pairs with the store-release of clock in the update loop. */
+    uint64_t clock = PSD_LOAD_ACQ(&h->clock);
+    if (clock == known) {
+        PSD_ADD_RLX(&s->pulls_skipped, 1);
+    } else {
+        Py_BEGIN_ALLOW_THREADS memcpy(dst.buf, psd_weights(&a->map), (size_t)dst.len);
+        Py_END_ALLOW_THREADS PSD_ADD_RLX(&s->pulls, 1);
+        PSD_STORE_RLX(&s->learner_clock, clock);
+    }
+    PyBuffer_Release(&dst);
+    return PyLong_FromUnsignedLongLong(clock);
+}
+
+static PyObject *arena_note_pull(Arena *a, PyObject *args) {
+    unsigned int slot, skipped;
+    unsigned long long clock;
+    if (!PyArg_ParseTuple(args, "IKp", &slot, &clock, &skipped) || check_slot(a, slot))
+        return NULL;
+    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    PSD_STORE_RLX(&s->learner_clock, clock);
+    PSD_ADD_RLX(skipped ? &s->pulls_skipped : &s->pulls, 1);
+    Py_RETURN_NONE;
+}
+
+/* ---- Puller: a learner's native pull thread ------------------------------ */
+
+typedef struct {
+    PyObject_HEAD struct psd_puller *p;
+    PyObject *arena; /* keeps the mapping alive while the thread reads it */
+    Py_buffer front, back;
+} Puller;
+
+static void puller_stop_now(Puller *P) {
+    if (P->p) {
+        Py_BEGIN_ALLOW_THREADS psd_puller_stop(P->p);
+        Py_END_ALLOW_THREADS P->p = NULL;
+        ((Arena *)P->arena)->exports--; /* the mapping may be closed again */
+        PyBuffer_Release(&P->front);
+        PyBuffer_Release(&P->back);
+        Py_CLEAR(P->arena);
+    }
+}
+
+static void puller_dealloc(Puller *P) {
+    puller_stop_now(P);
+    PyObject_Free(P);
+}
+
+static PyObject *puller_request(Puller *P, PyObject *noargs) {
+    (void)noargs;
+    if (P->p)
+        psd_puller_request(P->p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *puller_take(Puller *P, PyObject *noargs) {
+    (void)noargs;
+    uint64_t clock = 0;
+    int idx = P->p ? psd_puller_take(P->p, &clock) : -1;
+    if (idx < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iK)", idx, (unsigned long long)clock);
+}
+
+static PyObject *puller_set_front_clock(Puller *P, PyObject *args) {
+    unsigned long long clock;
+    if (!PyArg_ParseTuple(args, "K", &clock))
+        return NULL;
+    if (P->p)
+        psd_puller_set_front_clock(P->p, clock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *puller_stop(Puller *P, PyObject *noargs) {
+    (void)noargs;
+    puller_stop_now(P);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef puller_methods[] = {
+    {"request", (PyCFunction)puller_request, METH_NOARGS, "Ask for a pull (a queue of one)."},
+    {"take", (PyCFunction)puller_take, METH_NOARGS,
+     "If fresher weights are ready: (index of the new front buffer, their clock); else None."},
+    {"set_front_clock", (PyCFunction)puller_set_front_clock, METH_VARARGS, "The front buffer now holds this clock."},
+    {"stop", (PyCFunction)puller_stop, METH_NOARGS, "Stop and join the thread."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject PullerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "psd._native.Puller",
+    .tp_basicsize = sizeof(Puller),
+    .tp_dealloc = (destructor)puller_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A learner's native pull thread; made by Arena.start_puller().",
+    .tp_methods = puller_methods,
+};
+
+static PyObject *arena_start_puller(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long clock;
+    PyObject *fo, *bo;
+    if (!PyArg_ParseTuple(args, "IOOK", &slot, &fo, &bo, &clock) || check_slot(a, slot))
+        return NULL;
+    Puller *P = PyObject_New(Puller, &PullerType);
+    if (!P)
+        return NULL;
+    P->p = NULL;
+    P->arena = NULL;
+    if (PyObject_GetBuffer(fo, &P->front, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) {
+        PyObject_Free(P);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(bo, &P->back, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) {
+        PyBuffer_Release(&P->front);
+        PyObject_Free(P);
+        return NULL;
+    }
+    uint64_t n = psd_hdr(&a->map)->n_params;
+    if ((uint64_t)P->front.len != n * sizeof(float) || (uint64_t)P->back.len != n * sizeof(float)) {
+        PyBuffer_Release(&P->front);
+        PyBuffer_Release(&P->back);
+        PyObject_Free(P);
+        PyErr_SetString(PyExc_ValueError, "start_puller: buffers must hold n_params float32 each");
+        return NULL;
+    }
+    int rc = psd_puller_start(&a->map, slot, P->front.buf, P->back.buf, n, clock, &P->p);
+    if (rc) {
+        PyBuffer_Release(&P->front);
+        PyBuffer_Release(&P->back);
+        PyObject_Free(P);
+        return raise_code(rc, "start pull thread", a->name);
+    }
+    Py_INCREF(a);
+    P->arena = (PyObject *)a;
+    a->exports++; /* a running puller reads the mapping: it must not be closed under it */
+    return (PyObject *)P;
+}
+
+PyMethodDef py_learner_methods[] = {
+    {"set_spec", (PyCFunction)arena_set_spec, METH_VARARGS,
+     "set_spec(data, hash, (n_params, n_train, n_buffers, n_pieces), pid, start_time) -> bool: offer a spec; "
+     "False if one was offered already."},
+    {"wait_state", (PyCFunction)arena_wait_state, METH_VARARGS,
+     "wait_state(not_state, timeout) -> bool: wait until the state is not `not_state`."},
+    {"claim", (PyCFunction)arena_claim, METH_VARARGS, "claim(pid, start_time) -> (slot, claim)"},
+    {"release", (PyCFunction)arena_release, METH_VARARGS, "release(slot, claim)"},
+    {"push", (PyCFunction)arena_push, METH_VARARGS,
+     "push(slot, clock, batch, loss, scale=1, bufdelta=None): scale and check the entry at the tail (every tensor "
+     "dense), copy n_buffers doubles from the address bufdelta along, publish it."},
+    {"push_from", (PyCFunction)arena_push_from, METH_VARARGS,
+     "push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy the "
+     "gradient tensor by tensor from the addresses ptrs (0: none) into the entry at the tail, converted to float32, "
+     "scaled and checked, and publish it; sparse: (k, rows_ptr, nnz, row_len) per sparse tensor."},
+    {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
+    {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
+    {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
+    {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
+    {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
+     "wait_round(slot, claim, rounds, timeout): bsp, until more than `rounds` rounds are complete"},
+    {"wait_ssp", (PyCFunction)arena_wait_ssp, METH_VARARGS,
+     "wait_ssp(slot, claim, timeout): ssp, until this learner is at most S pushes ahead of the slowest"},
+    {"predict_into", (PyCFunction)arena_predict_into, METH_VARARGS,
+     "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
+    {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
+     "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
+    {"pull_into", (PyCFunction)arena_pull_into, METH_VARARGS,
+     "pull_into(slot, buffer, known_clock) -> clock: copy the weights into buffer unless still at known_clock"},
+    {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
+    {"start_puller", (PyCFunction)arena_start_puller, METH_VARARGS,
+     "start_puller(slot, front, back, clock) -> Puller: a native thread that pulls into back"},
+    {NULL, NULL, 0, NULL},
+};

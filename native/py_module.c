@@ -1,0 +1,243 @@
+/*
+ * py_module.c -- psd._native itself: module init, the module-level functions
+ * that need no arena (sizes, liveness, the update kernels for `psd bench`), the
+ * joined method table of Arena, and the one table that turns C error codes
+ * into subclasses of psd.Error (raise_code). The rest of the binding is in the
+ * other native/py_*.c files (py_psd.h says which holds what).
+ */
+#include "py_psd.h"
+
+#include <omp.h>
+#include <string.h>
+
+static PyObject *errors_module; /* psd.errors, imported at module init */
+
+static const struct {
+    int code;
+    const char *cls;
+} error_table[] = {
+    {PSD_EBADMAGIC, "ArenaCorrupt"}, {PSD_EVERSION, "VersionMismatch"},
+    {PSD_ENOSLOT, "NoFreeSlot"},     {PSD_ESTATE, "StateError"},
+    {PSD_ESPEC, "SpecError"},        {PSD_EOWNERDEAD, "Error"},
+    {PSD_EEXPORTS, "ArenaBusy"},     {PSD_ESERVER, "ServerGone"},
+    {PSD_ETIMEOUT, "Timeout"},       {PSD_ESLOT, "SlotLost"},
+    {PSD_EINIT, "ArenaIncomplete"},
+};
+
+PyObject *error_type(const char *cls) { return PyObject_GetAttrString(errors_module, cls); }
+
+PyObject *raise_code(int code, const char *op, const char *filename) {
+    if (code > 0) {
+        PyObject *args = filename ? Py_BuildValue("(iss)", code, strerror(code), filename)
+                                  : Py_BuildValue("(is)", code, strerror(code));
+        if (args) {
+            PyErr_SetObject(PyExc_OSError, args);
+            Py_DECREF(args);
+        }
+        return NULL;
+    }
+    const char *cls = "Error";
+    for (size_t i = 0; i < sizeof error_table / sizeof error_table[0]; i++)
+        if (error_table[i].code == code)
+            cls = error_table[i].cls;
+    PyObject *type = error_type(cls);
+    if (!type)
+        return NULL;
+    PyErr_Format(type, "%s: %s", op, psd_strerror(code));
+    Py_DECREF(type);
+    return NULL;
+}
+
+int name_index(const char *what, const char *name, const char *const *names, int n) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(name, names[i]) == 0)
+            return i;
+    PyErr_Format(PyExc_ValueError, "unknown %s '%s'", what, name);
+    return -1;
+}
+
+const char *const optimizer_names[N_OPTIMIZERS] = {"sgd", "momentum", "nesterov", "adam", "adamw", "adagrad"};
+const char *const sync_names[N_SYNCS] = {"asp", "ssp", "bsp", "kasync"};
+const char *const schedule_names[N_SCHEDULES] = {"constant", "step", "cosine"};
+
+static PyObject *mod_proc_start_time(PyObject *self, PyObject *args) {
+    (void)self;
+    int pid;
+    if (!PyArg_ParseTuple(args, "i", &pid))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(psd_proc_start_time(pid));
+}
+
+static PyObject *mod_owner_alive(PyObject *self, PyObject *args) {
+    (void)self;
+    int pid;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "iK", &pid, &start))
+        return NULL;
+    return PyBool_FromLong(psd_owner_alive(pid, start));
+}
+
+static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned int n_slots, ring_k, vectors = 0;
+    unsigned long long spec_cap, n_params, n_train = 0, n_buffers = 0, n_pieces = 1;
+    if (!PyArg_ParseTuple(args, "IIKK|IKKK", &n_slots, &ring_k, &spec_cap, &n_params, &vectors, &n_train,
+                          &n_buffers, &n_pieces))
+        return NULL;
+    if (n_params == 0)
+        return PyLong_FromSize_t(psd_header_span(n_slots, spec_cap));
+    const struct psd_model model = {n_params, n_train ? n_train : n_params, n_buffers, n_pieces};
+    struct psd_geom g;
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, &model, vectors, &g);
+    if (rc) {
+        PyErr_Format(PyExc_ValueError,
+                     "bad arena geometry: learners must be 1..%d, the ring depth a power of two 1..%d, "
+                     "the model non-empty and the arena addressable",
+                     PSD_MAX_SLOTS, PSD_MAX_RING);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(g.total_size);
+}
+
+static PyObject *mod_state_vectors(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *opt, *sync;
+    if (!PyArg_ParseTuple(args, "ss", &opt, &sync))
+        return NULL;
+    int o = name_index("optimizer", opt, optimizer_names, N_OPTIMIZERS), y = name_index("sync mode", sync, sync_names, N_SYNCS);
+    if (o < 0 || y < 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(psd_state_vectors((uint32_t)o, (uint32_t)y));
+}
+
+static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("{s:i,s:i}", "max_threads", omp_get_max_threads(), "num_procs", omp_get_num_procs());
+}
+
+/* apply_sgd / apply_sgd_kernel: w -= lr*g in place through `fn`, whose last
+ * argument (threads, or which kernel) comes from Python; EINVAL: no such kernel. */
+typedef int (*sgd_fn)(float *restrict w, const float *restrict g, uint64_t n, float lr, int arg);
+
+static int sgd_threads(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
+    psd_apply_sgd(w, g, n, lr, threads);
+    return 0;
+}
+
+static PyObject *sgd_call(PyObject *args, const char *name, sgd_fn fn) {
+    Py_buffer w, g;
+    float lr;
+    int arg, rc = 0;
+    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &arg))
+        return NULL;
+    if (w.len != g.len || w.len % (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "%s: w and g must be float32 buffers of one size", name);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = fn(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, arg);
+        Py_END_ALLOW_THREADS if (rc) PyErr_Format(PyExc_ValueError, "%s: no kernel %d", name, arg);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&g);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
+    (void)self;
+    return sgd_call(args, "apply_sgd", sgd_threads);
+}
+
+static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
+    (void)self;
+    return sgd_call(args, "apply_sgd_kernel", psd_apply_sgd_kernel);
+}
+
+static PyMethodDef module_methods[] = {
+    {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
+    {"owner_alive", mod_owner_alive, METH_VARARGS,
+     "owner_alive(pid, start_time) -> bool: that pid still names the process that started then"},
+    {"arena_size", mod_arena_size, METH_VARARGS,
+     "arena_size(n_slots, ring_k, spec_cap, n_params, vectors=0, n_train=n_params, n_buffers=0, n_pieces=1) "
+     "-> bytes the arena will take"},
+    {"state_vectors", mod_state_vectors, METH_VARARGS,
+     "state_vectors(optimizer, sync) -> weight-sized vectors of optimizer state (and accumulator) an arena holds"},
+    {"omp_info", mod_omp_info, METH_NOARGS, "OpenMP's view of this machine: max_threads, num_procs"},
+    {"apply_sgd_kernel", mod_apply_sgd_kernel, METH_VARARGS,
+     "apply_sgd_kernel(w, g, lr, kernel): w -= lr*g in place, one thread, kernel 0 scalar, 1 the compiler's "
+     "vectorised loop, 2 and 3 vectors unrolled 4 and 8 times"},
+    {"apply_sgd", mod_apply_sgd, METH_VARARGS,
+     "apply_sgd(w, g, lr, threads): w -= lr*g in place, the update loop's kernel"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "psd._native", "psd's C core: arena, rings, robust locks, update loop.", -1,
+    module_methods, NULL, NULL, NULL, NULL,
+};
+
+/* Arena's methods: the tables of every file of the binding, joined once. */
+static PyMethodDef *join_methods(void) {
+    PyMethodDef *const parts[] = {py_arena_methods, py_learner_methods, py_server_methods, py_inspect_methods};
+    size_t n = 1;
+    for (size_t p = 0; p < sizeof parts / sizeof parts[0]; p++)
+        for (const PyMethodDef *d = parts[p]; d->ml_name; d++)
+            n++;
+    PyMethodDef *all = PyMem_Calloc(n, sizeof *all), *out = all;
+    for (size_t p = 0; all && p < sizeof parts / sizeof parts[0]; p++)
+        for (const PyMethodDef *d = parts[p]; d->ml_name; d++)
+            *out++ = *d;
+    return all; /* ends with the zeroed sentinel; lives as long as the type */
+}
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (!ArenaType.tp_methods && !(ArenaType.tp_methods = join_methods())) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (PyType_Ready(&ArenaType) < 0 || PyType_Ready(&PullerType) < 0)
+        return NULL;
+    errors_module = PyImport_ImportModule("psd.errors");
+    if (!errors_module)
+        return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&ArenaType);
+    if (PyModule_AddObject(m, "Arena", (PyObject *)&ArenaType) < 0 ||
+        PyModule_AddFunctions(m, py_arena_functions) < 0 || PyModule_AddFunctions(m, py_server_functions) < 0)
+        return NULL;
+    PyModule_AddIntConstant(m, "LAYOUT_VERSION", PSD_LAYOUT_VERSION);
+    PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
+    PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
+    PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);
+    PyModule_AddIntConstant(m, "SLOT_RANK_OFFSET", (long)offsetof(struct psd_slot, rank));
+    PyModule_AddIntConstant(m, "SLOT_TAIL_OFFSET", (long)offsetof(struct psd_slot, tail));
+    PyModule_AddIntConstant(m, "ENTRY_SEQ_OFFSET", (long)offsetof(struct psd_entry, seq));
+    PyModule_AddIntConstant(m, "DTYPE_F32", PSD_DTYPE_F32);
+    PyModule_AddIntConstant(m, "DTYPE_BF16", PSD_DTYPE_BF16);
+    PyModule_AddIntConstant(m, "DTYPE_F16", PSD_DTYPE_F16);
+    PyModule_AddIntConstant(m, "PIECE_ABSENT", PSD_PIECE_ABSENT);
+    PyModule_AddIntConstant(m, "PIECE_DENSE", PSD_PIECE_DENSE);
+    PyModule_AddIntConstant(m, "PIECE_SPARSE", PSD_PIECE_SPARSE);
+    PyModule_AddIntConstant(m, "KERNEL_SCALAR", PSD_KERNEL_SCALAR);
+    PyModule_AddIntConstant(m, "KERNEL_VECTOR", PSD_KERNEL_VECTOR);
+    PyModule_AddIntConstant(m, "KERNEL_UNROLL4", PSD_KERNEL_UNROLL4);
+    PyModule_AddIntConstant(m, "KERNEL_UNROLL8", PSD_KERNEL_UNROLL8);
+    PyModule_AddIntConstant(m, "ARENA_WAITING_SPEC", PSD_ARENA_WAITING_SPEC);
+    PyModule_AddIntConstant(m, "ARENA_SPEC_OFFERED", PSD_ARENA_SPEC_OFFERED);
+    PyModule_AddIntConstant(m, "ARENA_INIT_WEIGHTS", PSD_ARENA_INIT_WEIGHTS);
+    PyModule_AddIntConstant(m, "ARENA_READY", PSD_ARENA_READY);
+    PyModule_AddIntConstant(m, "ARENA_STOPPED", PSD_ARENA_STOPPED);
+    PyModule_AddIntConstant(m, "SLOT_FREE", PSD_SLOT_FREE);
+    PyModule_AddIntConstant(m, "SLOT_ACTIVE", PSD_SLOT_ACTIVE);
+    PyModule_AddIntConstant(m, "SLOT_DRAINING", PSD_SLOT_DRAINING);
+    PyModule_AddIntConstant(m, "OUTCOME_PENDING", PSD_OUTCOME_PENDING);
+    PyModule_AddIntConstant(m, "OUTCOME_APPLIED", PSD_OUTCOME_APPLIED);
+    PyModule_AddIntConstant(m, "OUTCOME_REJECTED", PSD_OUTCOME_REJECTED);
+    PyModule_AddIntConstant(m, "OUTCOME_DROPPED", PSD_OUTCOME_DROPPED);
+    PyModule_AddIntConstant(m, "CFG_STALENESS_LR", PSD_CFG_STALENESS_LR);
+    PyModule_AddIntConstant(m, "CFG_PREDICT", PSD_CFG_PREDICT);
+    return m;
+}
