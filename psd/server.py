@@ -214,6 +214,11 @@ class Server:
         self._evicted = 0  # evictions logged so far
         self._stopped = False
         self.events = EventLog(config.event_log, config.job, "server")
+        # Tests of the watchdog's restart limit need a server that fails the same way after every start:
+        # PSD_TEST_CRASH_AFTER=S makes this one exit with status 3, S seconds after it started, leaving its
+        # arena behind as a crash does.
+        self._crash_after = float(os.environ.get("PSD_TEST_CRASH_AFTER") or 0)
+        self._crash_at = 0.0
 
     # -- life cycle ---------------------------------------------------------
 
@@ -254,6 +259,8 @@ class Server:
         )
         self.events.emit("server_started", generation=self.generation, took_over=took_over,
                          resumed_from=str(ckpt.path) if ckpt is not None else None)
+        if self._crash_after:
+            self._crash_at = time.monotonic() + self._crash_after
         if spec is not None and self.arena.state == _native.ARENA_WAITING_SPEC:
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
@@ -348,6 +355,8 @@ class Server:
     def poll(self) -> None:
         """One supervision tick: admit a spec, start the loop, reap dead learners."""
         a = self.arena
+        if self._crash_at and time.monotonic() >= self._crash_at:
+            self._crash()
         st = a.state
         if st == _native.ARENA_SPEC_OFFERED:
             self._admit_spec()
@@ -372,6 +381,13 @@ class Server:
                             self.config.job, pid)
                 self.events.emit("learner_died", learner_pid=pid)
             self._watch_slots()
+
+    def _crash(self) -> None:
+        """Die as a crashing server does (PSD_TEST_CRASH_AFTER): no clean-up, the arena stays."""
+        msg = f"server pid {os.getpid()} crashed on purpose (PSD_TEST_CRASH_AFTER={self._crash_after:g})"
+        log.error("job %r: %s", self.config.job, msg)
+        self.arena.set_state(self.arena.state, msg)
+        os._exit(3)
 
     def _admit_spec(self) -> None:
         a = self.arena

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from psd import _native
-from psd.arena import open_job, shm_name, wait_for_job
+from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
 from psd.errors import Error
 from psd.events import EventLog
 from psd.watchdog.supervisor import WatchdogConfig, terminate
@@ -181,6 +181,8 @@ class Launcher:
                     self.events.emit("learner_finished", rank=w.rank)
                     continue
                 how = f"exit {code}" if code > 0 else signal.Signals(-code).name
+                if code == ARENA_LOST_EXIT:
+                    how += ", SIGBUS: its arena was truncated or replaced"
                 w.fruitless = 0 if self._rank_progress(w.rank) > w.progress_at_start else w.fruitless + 1
                 if w.fruitless > self.max_restarts:
                     w.state = WorkerState.FAILED
@@ -225,7 +227,8 @@ class Launcher:
             st = os.stat("/dev/shm" + shm_name(self.job))
         except FileNotFoundError:
             return None
-        if self._arena is None or self._arena_id != (st.st_dev, st.st_ino):
+        # A file shorter than our mapping was truncated under us: reading it would fault (SIGBUS).
+        if self._arena is None or self._arena_id != (st.st_dev, st.st_ino) or shrunk(self._arena, st.st_size):
             self._close_arena()
             try:
                 self._arena = open_job(self.job)
