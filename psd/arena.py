@@ -117,7 +117,11 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
         try:
             a = _native.open(name)
         except ArenaIncomplete:
-            if time.monotonic() > deadline:
+            size = _size(SHM_DIR + name)
+            if 0 < size < _PAGE:  # a creator sizes the file in one step: 0 bytes, then its whole header span
+                raise ArenaCorrupt(f"{SHM_DIR}{name} is {size} bytes, less than an arena's header: it is not a psd "
+                                   f"arena, or was truncated; remove it with `psd clean`") from None
+            if time.monotonic() > deadline or _never_completed(SHM_DIR + name, settle):
                 raise ArenaCorrupt(f"{SHM_DIR}{name} was never completed (its server died while creating it); "
                                    f"remove it with `psd clean`") from None
             time.sleep(0.005)  # the creator announces nothing but the magic number
@@ -144,6 +148,24 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
         f"no psd job {job!r} on this machine ({SHM_DIR}{name} does not exist): start its server "
         f"first with `psd serve --job {job} --learners N`"
     )
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _never_completed(path: str, settle: float) -> bool:
+    """Whether an arena without its magic number is past waiting for: its creator writes the magic within
+    milliseconds of sizing the file, so one not changed for ``settle`` seconds is not being created."""
+    import time
+
+    try:
+        return time.time() - os.stat(path).st_mtime > settle
+    except FileNotFoundError:
+        return False  # removed meanwhile: the next open says so
 
 
 _sigbus_handled = False
