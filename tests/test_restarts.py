@@ -17,7 +17,7 @@ from psd.arena import ARENA_LOST_EXIT, shm_path
 from psd.errors import Error
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
-from psd.watchdog.supervisor import ServerState, Watchdog, WatchdogConfig
+from psd.watchdog.supervisor import GIVE_UP_EXIT, ServerState, Watchdog, WatchdogConfig
 
 
 @pytest.mark.timeout(90)
@@ -39,7 +39,7 @@ def test_a_server_that_crashes_after_every_start_is_given_up_on(job, tmp_path, c
     finally:
         wd.stop()
     assert wd.restarts == 3 and wd.backoffs == [0.0, 1.0, 2.0]
-    assert wd.exit_code != 0
+    assert wd.exit_code == GIVE_UP_EXIT
     records = [json.loads(line) for line in events.read_text().splitlines()]
     restarts = [r for r in records if r["event"] == "server_restart"]
     starts = [r for r in records if r["event"] == "server_started"]
@@ -93,3 +93,22 @@ def test_a_truncated_arena_is_a_clear_error_and_the_job_resumes_from_its_checkpo
     assert f"died of SIGBUS (exit status {ARENA_LOST_EXIT})" in log
     assert "psd: SIGBUS at address" in log  # the server's own message
     assert f"resuming from {ckpt}" in log
+
+
+@pytest.mark.timeout(120)
+def test_psd_run_stops_when_its_watchdog_gives_up(job, tmp_path):
+    """Under `psd run`, a watchdog that gave up is not replaced by one that would start the crash loop again:
+    the job stops with the watchdog's reason, and the arena stays for `psd inspect`."""
+    env = dict(child_env(), PSD_TEST_CRASH_AFTER="1")
+    try:
+        r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1",
+                            "--server-restarts", "1", "--checkpoint-dir", str(tmp_path), "--", "sleep", "100"],
+                           capture_output=True, text=True, env=env, timeout=100)
+        assert r.returncode == 1, r.stderr
+        assert "giving up: the server was restarted 1 times" in r.stderr
+        assert "the watchdog gave up restarting the server" in r.stderr
+        assert r.stderr.count("crashed on purpose") >= 2
+        assert os.path.exists(shm_path(job)), "the arena is left for psd inspect"
+    finally:
+        if os.path.exists(shm_path(job)):
+            os.unlink(shm_path(job))

@@ -41,9 +41,13 @@ from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
 
-__all__ = ["ServerState", "Watchdog", "WatchdogConfig", "terminate"]
+__all__ = ["GIVE_UP_EXIT", "ServerState", "Watchdog", "WatchdogConfig", "terminate"]
 
 log = logging.getLogger("psd.watchdog")
+
+# The exit status of a watchdog that gave up on its server (max_restarts): `psd run` then stops the job and
+# leaves the arena, instead of starting another watchdog that would start the crash loop again.
+GIVE_UP_EXIT = 86
 
 
 class ServerState(enum.Enum):
@@ -288,6 +292,7 @@ class Watchdog:
         """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
         job = self.config.serve.job
         self.state = ServerState.FAILED
+        self.exit_code = GIVE_UP_EXIT
         msg = self._fail_msg()
         n = len(self._counted) - 1
         log.error("job %r: giving up: the server was restarted %d times within the --max-restarts window "
