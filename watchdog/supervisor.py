@@ -295,8 +295,8 @@ class Watchdog:
         self.exit_code = GIVE_UP_EXIT
         msg = self._fail_msg()
         n = len(self._counted) - 1
-        log.error("job %r: giving up: the server was restarted %d times within the --max-restarts window "
-                  "(%d allowed; a restart is forgiven after %g s of healthy running), and the last one %s%s. "
+        log.error("job %r: giving up: the server was restarted %d times (--server-restarts %d; a restart counts "
+                  "until a server has run healthy for %g s after it), and the last one %s%s. "
                   "The arena %s is left as it is: `psd inspect --job %s` shows it; fix the cause (the server's "
                   "log is above), then `psd serve --job %s` takes it over (or `psd clean` removes it)",
                   job, n, self.config.max_restarts, self.config.forgive_after, why,
