@@ -132,8 +132,9 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
         else:
             try:
                 why = _geometry_problem(a.header())
-                if why:  # a server growing the arena writes the fields one by one: look once more
+                if why:  # a server growing the arena sizes the file, then writes the fields: look once more
                     time.sleep(0.01)
+                    a.remap()  # to the file's size now
                     why = _geometry_problem(a.header())
             except BaseException:
                 a.close()
@@ -188,7 +189,7 @@ def shrunk(arena: _native.Arena, file_size: int) -> bool:
 
 
 def _page_up(v: int) -> int:
-    return -(-v // 4096) * 4096
+    return -(-v // _PAGE) * _PAGE
 
 
 def _geometry_problem(h: dict) -> str:

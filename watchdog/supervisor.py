@@ -59,7 +59,8 @@ class ServerState(enum.Enum):
     STARTING -> RESTARTING   a later server exited, or gave no heartbeat within the start deadline
     RUNNING  -> RESTARTING   it exited, was killed, or its heartbeat went stale
     RESTARTING -> STARTING   a new server was started, after the back-off (below)
-    RESTARTING -> FAILED     this restart would be the (max_restarts + 1)-th still counted
+    STARTING, RUNNING -> FAILED   instead of RESTARTING: that restart would be the (max_restarts + 1)-th
+                             still counted (the arena is left as it is)
     any      -> STOPPED      clean stop (SIGINT/SIGTERM)
 
     Every restart counts, whether the server had run or not. A counted restart is forgiven once a
@@ -334,7 +335,8 @@ class Watchdog:
             return
         alive = self._server_alive()
         if self.proc is not None and self.proc.poll() is not None and self.proc.pid == self.server_pid:
-            if self.state == ServerState.STARTING and self.restarts == 0 and self.proc.returncode > 0:
+            if self.state == ServerState.STARTING and self.restarts == 0 and self.proc.returncode > 0 and \
+                    self.proc.returncode != ARENA_LOST_EXIT:
                 self.state = ServerState.FAILED
                 self.exit_code = self.proc.returncode
                 return
