@@ -10,8 +10,8 @@
  *
  * The handler names the file by looking the faulting address up in /proc/self/maps (open, read and
  * close are async-signal-safe). A SIGBUS outside a psd arena is not ours to explain: the handler
- * puts the default action back and returns, so the fault repeats and kills the process as it would
- * have without psd.
+ * puts back whatever handled SIGBUS before it (the default action, Python's faulthandler) and
+ * raises it again, so it meets that, as it would have without psd.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -25,6 +25,7 @@
 #include "psd_sigbus.h"
 
 static volatile sig_atomic_t exit_status = 1; /* set before the handler is installed */
+static struct sigaction previous;               /* what SIGBUS did before: faults outside arenas go there */
 
 static size_t put(char *buf, size_t at, size_t cap, const char *s) {
     while (*s && at + 1 < cap)
@@ -137,8 +138,10 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
     char path[256];
     mapping_path(addr, path, sizeof path);
     if (strstr(path, "/dev/shm/psd.") != path) {
-        /* Not an arena: let the fault kill the process as it would have without us. */
-        signal(sig, SIG_DFL);
+        /* Not an arena: put back what was there before (the default action, or Python's faulthandler)
+         * and send the signal again; it is blocked until we return (and a fault repeats anyway). */
+        sigaction(sig, &previous, NULL);
+        raise(sig);
         return;
     }
     char msg[1024];
@@ -167,5 +170,10 @@ int psd_sigbus_install(int status) {
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&sa.sa_mask);
-    return sigaction(SIGBUS, &sa, NULL) == 0 ? 0 : errno;
+    struct sigaction old;
+    if (sigaction(SIGBUS, &sa, &old) != 0)
+        return errno;
+    if (old.sa_sigaction != on_sigbus) /* installed twice: keep the first one's predecessor */
+        previous = old;
+    return 0;
 }
