@@ -107,7 +107,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
 #define PSD_HEADER_FIELDS(X)                                                                                     \
     X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, PLAIN) X(ring_k, PLAIN) X(spec_cap, PLAIN)        \
     X(created_unix_ns, PLAIN) X(total_size, PLAIN) X(n_params, PLAIN) X(n_train, PLAIN) X(n_buffers, PLAIN)     \
-    X(n_pieces, PLAIN) X(buffers_off, PLAIN) X(pieces_off, PLAIN) X(weights_off, PLAIN)                          \
+    X(n_pieces, PLAIN) X(buffers_off, PLAIN) X(pieces_off, PLAIN) X(weights_off, PLAIN) X(spec_off, PLAIN)       \
     X(weights_bytes, PLAIN) X(optstate_off, PLAIN) X(optstate_bytes, PLAIN) X(slots_off, PLAIN)                  \
     X(slot_stride, PLAIN) X(entry_stride, PLAIN) X(ranks_off, PLAIN) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
     X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(optimizer, PLAIN) X(sync_mode, PLAIN)                   \

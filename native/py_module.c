@@ -10,6 +10,8 @@
 #include <omp.h>
 #include <string.h>
 
+#include "psd_sigbus.h"
+
 static PyObject *errors_module; /* psd.errors, imported at module init */
 
 static const struct {
@@ -59,6 +61,17 @@ int name_index(const char *what, const char *name, const char *const *names, int
 const char *const optimizer_names[N_OPTIMIZERS] = {"sgd", "momentum", "nesterov", "adam", "adamw", "adagrad"};
 const char *const sync_names[N_SYNCS] = {"asp", "ssp", "bsp", "kasync"};
 const char *const schedule_names[N_SCHEDULES] = {"constant", "step", "cosine"};
+
+static PyObject *mod_install_sigbus_handler(PyObject *self, PyObject *args) {
+    (void)self;
+    int status;
+    if (!PyArg_ParseTuple(args, "i", &status))
+        return NULL;
+    int rc = psd_sigbus_install(status);
+    if (rc)
+        return raise_code(rc, "install SIGBUS handler", NULL);
+    Py_RETURN_NONE;
+}
 
 static PyObject *mod_proc_start_time(PyObject *self, PyObject *args) {
     (void)self;
@@ -156,6 +169,8 @@ static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
+    {"install_sigbus_handler", mod_install_sigbus_handler, METH_VARARGS,
+     "install_sigbus_handler(status): a SIGBUS on an arena mapping prints why and exits with status"},
     {"owner_alive", mod_owner_alive, METH_VARARGS,
      "owner_alive(pid, start_time) -> bool: that pid still names the process that started then"},
     {"arena_size", mod_arena_size, METH_VARARGS,

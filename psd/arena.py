@@ -19,6 +19,7 @@ from psd import _native
 from psd.errors import ArenaCorrupt, ArenaIncomplete, InvalidJobName, JobNotFound, OutOfSharedMemory, SpecMismatch
 
 __all__ = [
+    "ARENA_LOST_EXIT",
     "DEFAULT_JOB",
     "SET_BUFFER_DTYPES",
     "SHM_DIR",
@@ -29,12 +30,14 @@ __all__ = [
     "default_job",
     "encode_spec",
     "first_difference",
+    "install_sigbus_handler",
     "list_jobs",
     "model_sizes",
     "open_job",
     "piece_geometry",
     "shm_name",
     "shm_path",
+    "shrunk",
     "wait_for_job",
 ]
 
@@ -43,6 +46,12 @@ DEFAULT_JOB = "default"
 _PREFIX = "psd."
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _MIB = 1 << 20
+_PAGE = 4096  # PSD_PAGE and PSD_HEADER_SIZE
+_CACHELINE = 64  # PSD_CACHELINE, and sizeof(struct psd_rank)
+# The exit status of a process that died of SIGBUS on an arena (its file was truncated or replaced): the
+# handler that native/sigbus.c installs says so on stderr and exits with it. The watchdog restarts a server
+# that exits with it from the last checkpoint; `psd run` restarts a learner that does.
+ARENA_LOST_EXIT = 87
 
 
 def default_job() -> str:
@@ -102,12 +111,17 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
     import time
 
     name = shm_name(job)
+    install_sigbus_handler()
     deadline = time.monotonic() + settle
     while True:
         try:
-            return _native.open(name)
+            a = _native.open(name)
         except ArenaIncomplete:
-            if time.monotonic() > deadline:
+            size = _size(SHM_DIR + name)
+            if 0 < size < _PAGE:  # a creator sizes the file in one step: 0 bytes, then its whole header span
+                raise ArenaCorrupt(f"{SHM_DIR}{name} is {size} bytes, less than an arena's header: it is not a psd "
+                                   f"arena, or was truncated; remove it with `psd clean`") from None
+            if time.monotonic() > deadline or _never_completed(SHM_DIR + name, settle):
                 raise ArenaCorrupt(f"{SHM_DIR}{name} was never completed (its server died while creating it); "
                                    f"remove it with `psd clean`") from None
             time.sleep(0.005)  # the creator announces nothing but the magic number
@@ -115,10 +129,103 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
             break
         except ArenaCorrupt as e:
             raise ArenaCorrupt(f"{e}: {SHM_DIR}{name} is not a psd arena; remove it with `psd clean`") from None
+        else:
+            try:
+                why = _geometry_problem(a.header())
+                if why:  # a server growing the arena sizes the file, then writes the fields: look once more
+                    time.sleep(0.01)
+                    a.remap()  # to the file's size now
+                    why = _geometry_problem(a.header())
+            except BaseException:
+                a.close()
+                raise
+            if not why:
+                return a
+            a.close()
+            raise ArenaCorrupt(f"{SHM_DIR}{name} is damaged: {why}; if its job is still running, the arena file was "
+                               f"truncated or overwritten: restart the server with `psd serve --job {job} --resume` "
+                               f"(it starts over from the last checkpoint), or remove it with `psd clean`")
     raise JobNotFound(
         f"no psd job {job!r} on this machine ({SHM_DIR}{name} does not exist): start its server "
         f"first with `psd serve --job {job} --learners N`"
     )
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _never_completed(path: str, settle: float) -> bool:
+    """Whether an arena without its magic number is past waiting for: its creator writes the magic within
+    milliseconds of sizing the file, so one not changed for ``settle`` seconds is not being created."""
+    import time
+
+    try:
+        return time.time() - os.stat(path).st_mtime > settle
+    except FileNotFoundError:
+        return False  # removed meanwhile: the next open says so
+
+
+_sigbus_handled = False
+
+
+def install_sigbus_handler() -> None:
+    """Make a SIGBUS on an arena mapping (its file truncated by another process) a message on stderr and exit
+    status ARENA_LOST_EXIT instead of a core dump. Once per process; every process that maps an arena calls it."""
+    global _sigbus_handled
+    if not _sigbus_handled:
+        _native.install_sigbus_handler(ARENA_LOST_EXIT)
+        _sigbus_handled = True
+
+
+def shrunk(arena: _native.Arena, file_size: int) -> bool:
+    """Whether the arena's file is now shorter than this mapping of it (truncated by another process):
+    touching the mapping past the file's end would raise SIGBUS, so the caller must drop it unread."""
+    with memoryview(arena) as mapped:
+        return file_size < mapped.nbytes
+
+
+def _page_up(v: int) -> int:
+    return -(-v // _PAGE) * _PAGE
+
+
+def _geometry_problem(h: dict) -> str:
+    """What is wrong with an arena header's geometry, checked against the size of the mapping ('' if nothing).
+
+    Every offset the native side follows must lie inside the file, so a truncated or overwritten arena is
+    refused here instead of faulting later.
+    """
+    size, n_slots, ring_k, cap = h["mapped_size"], h["n_slots"], h["ring_k"], h["spec_cap"]
+    if not 1 <= n_slots <= _native.MAX_SLOTS or not 1 <= ring_k <= _native.MAX_RING or ring_k & (ring_k - 1):
+        return f"its geometry is impossible ({n_slots} learner slots of ring depth {ring_k})"
+    if not _native.ARENA_WAITING_SPEC <= h["state"] <= _native.ARENA_STOPPED:
+        return f"its state {h['state']} is not one psd knows"
+    span = _PAGE + _page_up(n_slots * _CACHELINE)
+    if h["ranks_off"] != _PAGE or h["spec_off"] != span or cap > 1 << 40 or h["spec_len"] > cap:
+        return "its header regions are out of place"
+    span += _page_up(cap)
+    if not span <= h["total_size"] <= size:
+        return (f"it should be {h['total_size']:,} bytes (at least {span:,}) but the file has {size:,}: it was "
+                f"truncated")
+    if h["state"] < _native.ARENA_INIT_WEIGHTS or not h["weights_off"]:
+        return ""  # no model geometry yet (or, while a spec is offered, the last one's)
+    sizes = [h[k] for k in ("n_params", "n_train", "n_buffers", "n_pieces")]
+    try:
+        expected = _native.arena_size(n_slots, ring_k, cap, sizes[0], h["state_vectors"], *sizes[1:])
+    except (ValueError, OverflowError):
+        return f"its model sizes {sizes} are impossible"
+    offs = [h[k] for k in ("weights_off", "optstate_off", "buffers_off", "pieces_off", "slots_off", "slot_stride")]
+    if (h["total_size"] != expected or h["weights_off"] != span or any(o % _PAGE for o in offs)
+            or h["weights_off"] + 4 * sizes[0] > h["optstate_off"] or h["optstate_off"] > h["buffers_off"]
+            or h["buffers_off"] + 8 * sizes[2] > h["pieces_off"] or h["pieces_off"] + 16 * sizes[3] > h["slots_off"]
+            or h["slots_off"] + n_slots * h["slot_stride"] != expected or h["entry_stride"] % _CACHELINE
+            or h["entry_stride"] < _CACHELINE + 4 * sizes[1] + 8 * sizes[2] + sizes[3]
+            or ring_k * h["entry_stride"] >= h["slot_stride"]):
+        return "its model regions do not add up to its size"
+    return ""
 
 
 @dataclass(frozen=True)

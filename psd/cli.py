@@ -105,10 +105,13 @@ def _watchdog_config(args: argparse.Namespace):
             raise ValueError(f"--keep must be 1 or more, not {args.keep}")
         if args.heartbeat_timeout <= 0 or args.checkpoint_every < 0:
             raise ValueError("--heartbeat-timeout must be positive and --checkpoint-every 0 or more")
+        if args.server_restarts < 0:
+            raise ValueError(f"--server-restarts must be 0 or more, not {args.server_restarts}")
     except ValueError as e:
         raise SystemExit(f"psd {args.command}: {e}") from None
     cfg = WatchdogConfig(serve, Path(ckpt_dir) if ckpt_dir else None, args.checkpoint_every, args.keep,
-                         args.heartbeat_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                         args.heartbeat_timeout, max_restarts=args.server_restarts, metrics_port=args.metrics_port,
+                         metrics_host=args.metrics_host)
     if serve.resume == "":
         serve.resume = str(cfg.ckpt_dir)
     return cfg

@@ -53,8 +53,11 @@ class VersionMismatch(Error):
         self.made_by = made_by
         self.their_layout = their_layout
         self.our_layout = our_layout
+        theirs = f"arena layout {their_layout}"
+        if their_layout == our_layout:  # same version number, other struct sizes: the layout fingerprint differs
+            theirs += " but another build's struct sizes (another compiler, architecture or patched psd)"
         super().__init__(
-            f"{op}: {name} was made by psd {made_by or '?'} (arena layout {their_layout}), "
+            f"{op}: {name} was made by psd {made_by or '?'} ({theirs}), "
             f"but this is psd {__version__} (arena layout {our_layout}); use the same psd version "
             f"for the server and its learners, or stop the old job and remove it with `psd clean`"
         )

@@ -167,6 +167,8 @@ def _build() -> tuple[Flag, ...]:
         Flag("--keep", "checkpoints to keep", 3, type=int, metavar="N"),
         Flag("--heartbeat-timeout", "restart a server whose heartbeat is older than this, in seconds", 2.0,
              type=float, metavar="S"),
+        Flag("--server-restarts", "the watchdog gives up (and leaves the arena) when a restart would be the N+1-th "
+             "counted; each counts until a server has run healthy for 300 s after it", 10, type=int, metavar="N"),
         _serve("--event-log", "JSON-lines log of admissions, deaths, restarts, checkpoints, rejections ('' for "
                "none)", None, metavar="FILE", readme_default="`~/.local/state/psd/events/JOB.jsonl`"),
         Flag("--metrics-port", "serve Prometheus metrics on this port (0: off)", 0, type=int, metavar="P"),

@@ -40,11 +40,14 @@ from psd.arena import (
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server", "auto_threads"]
+__all__ = ["DRAIN_TIMEOUT", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server", "auto_threads"]
 
 log = logging.getLogger("psd.server")
 
 SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
+# Seconds a clean stop lets the update loop apply what was pushed before it; then it stops anyway, so SIGTERM
+# ends a server within a few seconds whatever its backlog (the loop finishes its pass: one entry per ring).
+DRAIN_TIMEOUT = 3.0
 # enum psd_rule: why the update loop evicted a learner.
 EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of the head",
                   2: "a ring entry's sequence number was not the index it was published at",
@@ -214,6 +217,11 @@ class Server:
         self._evicted = 0  # evictions logged so far
         self._stopped = False
         self.events = EventLog(config.event_log, config.job, "server")
+        # Tests of the watchdog's restart limit need a server that fails the same way after every start:
+        # PSD_TEST_CRASH_AFTER=S makes this one exit with status 3, S seconds after it started, leaving its
+        # arena behind as a crash does.
+        self._crash_after = float(os.environ.get("PSD_TEST_CRASH_AFTER") or 0)
+        self._crash_at = 0.0
 
     # -- life cycle ---------------------------------------------------------
 
@@ -254,6 +262,8 @@ class Server:
         )
         self.events.emit("server_started", generation=self.generation, took_over=took_over,
                          resumed_from=str(ckpt.path) if ckpt is not None else None)
+        if self._crash_after:
+            self._crash_at = time.monotonic() + self._crash_after
         if spec is not None and self.arena.state == _native.ARENA_WAITING_SPEC:
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
@@ -348,6 +358,8 @@ class Server:
     def poll(self) -> None:
         """One supervision tick: admit a spec, start the loop, reap dead learners."""
         a = self.arena
+        if self._crash_at and time.monotonic() >= self._crash_at:
+            self._crash()
         st = a.state
         if st == _native.ARENA_SPEC_OFFERED:
             self._admit_spec()
@@ -372,6 +384,13 @@ class Server:
                             self.config.job, pid)
                 self.events.emit("learner_died", learner_pid=pid)
             self._watch_slots()
+
+    def _crash(self) -> None:
+        """Die as a crashing server does (PSD_TEST_CRASH_AFTER): no clean-up, the arena stays."""
+        msg = f"server pid {os.getpid()} crashed on purpose (PSD_TEST_CRASH_AFTER={self._crash_after:g})"
+        log.error("job %r: %s", self.config.job, msg)
+        self.arena.set_state(self.arena.state, msg)
+        os._exit(3)
 
     def _admit_spec(self) -> None:
         a = self.arena
@@ -443,8 +462,9 @@ class Server:
             self.poll()
             stop.wait(self.config.poll_interval)
 
-    def _drain(self, a: _native.Arena, timeout: float = 5.0) -> None:
-        """Apply everything learners had pushed when the stop came (they may go on pushing)."""
+    def _drain(self, a: _native.Arena, timeout: float) -> None:
+        """Apply what learners had pushed when the stop came (they may go on pushing), for at most ``timeout``
+        seconds: a ring far behind (a slow optimizer on a big model, a paused loop) is left as it is."""
         n = a.header()["n_slots"]
         targets = {}
         for i in range(n):
@@ -459,8 +479,25 @@ class Server:
                     del targets[i]
             time.sleep(0.002)  # the loop is applying them; it signals nothing we could wait on
 
-    def stop(self, remove: bool = True) -> None:
+    def _unapplied(self, a: _native.Arena) -> list[dict]:
+        """What the stopped loop left in each ring: ``{slot, pid, rank, pending}``, ``pending`` the gradients
+        pushed but not applied, or None where the ring's indices make no sense (a tail run ahead of its head
+        by more than the ring's depth: nothing in it could have been applied)."""
+        left = []
+        k = a.header()["ring_k"]
+        for i in range(a.header()["n_slots"]):
+            s = a.slot_info(i)
+            if s["state"] == _native.SLOT_FREE or s["tail"] == s["head"]:
+                continue
+            gap = (s["tail"] - s["head"]) % (1 << 64)
+            left.append({"slot": i, "pid": s["pid"], "rank": s["rank"], "pending": gap if gap <= k else None})
+        return left
+
+    def stop(self, remove: bool = True, drain_timeout: float | None = None) -> None:
         """Stop the update loop, mark the arena stopped, and remove it.
+
+        First the loop applies what was pushed before the stop, for at most ``drain_timeout`` seconds
+        (DRAIN_TIMEOUT); what it could not apply is logged per learner, and lost with the arena.
 
         With ``remove=False`` (a hand-over), leave the arena as it is for the
         next server to take over; learners wait for that one.
@@ -468,11 +505,13 @@ class Server:
         if self._stopped or self.arena is None:
             return
         self._stopped = True
+        drain_timeout = DRAIN_TIMEOUT if drain_timeout is None else drain_timeout
         a = self.arena
         if remove and self._loop_running:
-            self._drain(a)
+            self._drain(a, drain_timeout)
         a.stop_loop()
         c = a.counters()
+        left = self._unapplied(a) if remove and self._loop_running else []
         if not remove:
             a.close()
             log.info("job %r: server handing over; the arena stays for its successor (clock %d, %d pending)",
@@ -485,7 +524,14 @@ class Server:
         except FileNotFoundError:
             pass
         a.close()
+        if left:
+            each = ", ".join(f"learner pid {x['pid']} (slot {x['slot']}, rank {x['rank']}): "
+                             + (f"{x['pending']}" if x["pending"] is not None else "its ring's tail ran ahead of the "
+                                "head, nothing in it usable") for x in left)
+            log.warning("job %r: stopped after draining for %g s; gradients pushed but not applied, lost with the "
+                        "arena: %s. Stop the learners before the server to apply everything they push", self.config.job,
+                        drain_timeout, each)
         log.info("job %r: stopped; %d gradients pushed, %d applied, %d rejected (non-finite), %d dropped "
                  "(stale), %d pending; arena removed", self.config.job, c["pushed"], c["applied"], c["rejected"],
                  c["dropped"], c["pending"])
-        self.events.emit("server_stopped", **c)
+        self.events.emit("server_stopped", **c, unapplied=left)

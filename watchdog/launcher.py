@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 
 from psd import _native
-from psd.arena import open_job, shm_name, wait_for_job
+from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
 from psd.errors import Error
 from psd.events import EventLog
-from psd.watchdog.supervisor import WatchdogConfig, terminate
+from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
 
@@ -101,6 +101,7 @@ class Launcher:
         self.gpus = gpus or []  # rank r gets GPU gpus[r % len(gpus)]: several learners may share one
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
+        self._gave_up = False  # the watchdog exited GIVE_UP_EXIT: keep the arena at the end
         self._stop = threading.Event()
         self._tty = sys.stderr.isatty()
         self._progress_every = progress_every if progress_every is not None else (1.0 if self._tty else 10.0)
@@ -116,7 +117,8 @@ class Launcher:
         c, s = self.config, self.config.serve
         argv = [sys.executable, "-m", "psd.cli", "serve", *s.argv(), "--checkpoint-dir", str(c.ckpt_dir),
                 "--checkpoint-every",
-                str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout)]
+                str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout),
+                "--server-restarts", str(c.max_restarts)]
         if s.init and self.watchdog_restarts == 0:
             argv += ["--init", s.init]
         if self.watchdog_restarts:
@@ -158,6 +160,10 @@ class Launcher:
         code = self.watchdog.poll()
         if code is None:
             return
+        if code == GIVE_UP_EXIT:
+            self._gave_up = True
+            raise Error(f"psd run: the watchdog gave up restarting the server of job {self.job!r} (its last error "
+                        f"is above); its arena is left for `psd inspect --job {self.job}`")
         if code > 0 and self.watchdog_restarts == 0 and self._arena_or_none() is None:
             raise Error(f"psd run: the server of job {self.job!r} could not start (exit {code}); see above")
         self.watchdog_restarts += 1
@@ -181,6 +187,8 @@ class Launcher:
                     self.events.emit("learner_finished", rank=w.rank)
                     continue
                 how = f"exit {code}" if code > 0 else signal.Signals(-code).name
+                if code == ARENA_LOST_EXIT:
+                    how += ", SIGBUS: its arena was truncated or replaced"
                 w.fruitless = 0 if self._rank_progress(w.rank) > w.progress_at_start else w.fruitless + 1
                 if w.fruitless > self.max_restarts:
                     w.state = WorkerState.FAILED
@@ -225,7 +233,8 @@ class Launcher:
             st = os.stat("/dev/shm" + shm_name(self.job))
         except FileNotFoundError:
             return None
-        if self._arena is None or self._arena_id != (st.st_dev, st.st_ino):
+        # A file shorter than our mapping was truncated under us: reading it would fault (SIGBUS).
+        if self._arena is None or self._arena_id != (st.st_dev, st.st_ino) or shrunk(self._arena, st.st_size):
             self._close_arena()
             try:
                 self._arena = open_job(self.job)
@@ -339,7 +348,7 @@ class Launcher:
             a.close()
         try:
             st = os.stat("/dev/shm" + shm_name(self.job))
-            if (st.st_dev, st.st_ino) == ident:
+            if (st.st_dev, st.st_ino) == ident and not self._gave_up:
                 _native.unlink(shm_name(self.job))
         except FileNotFoundError:
             pass

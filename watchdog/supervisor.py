@@ -6,7 +6,12 @@ stops the server in order), reads the server's heartbeat from the arena
 header, and restarts a server that died or hung: SIGUSR2 (hand over: stop
 without removing the arena), a one-second deadline, then SIGKILL. The new server takes over the
 surviving arena, so learners lose nothing; only if the arena itself is gone
-or damaged does the new server start from the newest valid checkpoint.
+or damaged (a server that died of SIGBUS: its arena file was truncated or
+replaced) does the new server start from the newest valid checkpoint.
+Restarts are counted over the whole run and spaced by an exponential
+back-off; a restart is forgiven only after a long healthy stretch, so a
+server that crashes the same way after every start is given up on, with its
+last error, and its arena is left for ``psd inspect``.
 Periodically, on SIGUSR1 and at a clean stop, it writes a consistent
 checkpoint. A watchdog that finds a live server for its job (because an
 earlier watchdog was killed) adopts it instead of starting another.
@@ -17,6 +22,7 @@ removing arenas stays with the server.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
@@ -29,15 +35,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import open_job, shm_name, shm_path
+from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shm_path, shrunk
 from psd.errors import Error, JobNotFound
 from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
 
-__all__ = ["ServerState", "Watchdog", "WatchdogConfig", "terminate"]
+__all__ = ["GIVE_UP_EXIT", "ServerState", "Watchdog", "WatchdogConfig", "terminate"]
 
 log = logging.getLogger("psd.watchdog")
+
+# The exit status of a watchdog that gave up on its server (max_restarts): `psd run` then stops the job and
+# leaves the arena, instead of starting another watchdog that would start the crash loop again.
+GIVE_UP_EXIT = 86
 
 
 class ServerState(enum.Enum):
@@ -47,11 +57,16 @@ class ServerState(enum.Enum):
     STARTING -> FAILED       the very first server exited before it ran: a configuration error
                              (its message is on stderr), not a crash to restart
     STARTING -> RESTARTING   a later server exited, or gave no heartbeat within the start deadline
-                             (restarted after a back-off that doubles with each such failure)
-    RUNNING  -> RESTARTING   it exited, was killed, or its heartbeat went stale (restarted at once)
-    RESTARTING -> STARTING   a new server was started
-    RESTARTING -> FAILED     more than max_restarts servers in a row died while starting
+    RUNNING  -> RESTARTING   it exited, was killed, or its heartbeat went stale
+    RESTARTING -> STARTING   a new server was started, after the back-off (below)
+    STARTING, RUNNING -> FAILED   instead of RESTARTING: that restart would be the (max_restarts + 1)-th
+                             still counted (the arena is left as it is)
     any      -> STOPPED      clean stop (SIGINT/SIGTERM)
+
+    Every restart counts, whether the server had run or not. A counted restart is forgiven once a
+    server has run healthy (RUNNING, beating) for ``forgive_after`` seconds; the next one needs as
+    long again. With n restarts counted, the n-th waits 0 s if n == 1 (a server killed once comes
+    back at once), else ``min(backoff_cap, backoff_base * 2 ** (n - 2))``.
     """
 
     STARTING = "starting"
@@ -70,7 +85,10 @@ class WatchdogConfig:
     checkpoint_every: float = 60.0  # seconds; 0 turns periodic checkpoints off
     keep: int = 3
     heartbeat_timeout: float = 2.0
-    max_restarts: int = 10  # servers in a row that die before they run
+    max_restarts: int = 10  # server restarts counted at once before the watchdog gives up
+    forgive_after: float = 300.0  # seconds of healthy running that forgive one counted restart
+    backoff_base: float = 0.1  # seconds before the second counted restart; doubles with each one after
+    backoff_cap: float = 10.0  # longest back-off between restarts, in seconds
     start_timeout: float = 30.0
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -126,8 +144,13 @@ class Watchdog:
         self.server_pid = 0
         self._server_start = 0
         self._started_at = 0.0
-        self._restarts_in_row = 0
+        self._counted: collections.deque[float] = collections.deque()  # times of restarts not yet forgiven
+        self._healthy_since = 0.0  # when the running server last became healthy or had a restart forgiven
         self.restarts = 0
+        self.backoffs: list[float] = []  # the wait before each restart, in seconds
+        self.last_error = ""  # why the last server died, as the give-up message says it
+        self._restart_at = 0.0  # when RESTARTING: the monotonic time the back-off ends
+        self._arena_lost = False  # when RESTARTING: the dead server's arena is lost (start from a checkpoint)
         self._arena: _native.Arena | None = None
         self._arena_id: tuple[int, int] | None = None
         self._next_checkpoint = 0.0
@@ -170,7 +193,11 @@ class Watchdog:
             self._drop_arena()
             return None
         if self._arena is not None and self._arena_id == (st.st_dev, st.st_ino):
-            return self._arena
+            if not shrunk(self._arena, st.st_size):
+                return self._arena
+            # Truncated under us (its server dies of SIGBUS): touching our mapping would fault here too.
+            self._drop_arena()
+            return None
         self._drop_arena()
         try:
             a = open_job(self.config.serve.job)
@@ -210,6 +237,7 @@ class Watchdog:
             self.server_pid, self._server_start = h["server_pid"], h["server_start_time"]
             self._started_at = time.monotonic()
             self.state = ServerState.RUNNING
+            self._healthy_since = time.monotonic()
             log.info("job %r: adopted running server pid %d", self.config.serve.job, self.server_pid)
             self.events.emit("server_adopted", server_pid=self.server_pid)
         else:
@@ -227,39 +255,93 @@ class Watchdog:
         raise JobNotFound(f"the server of job {self.config.serve.job!r} did not come up "
                           f"(state {self.state.value}); see its log above")
 
-    def _restart(self, why: str) -> None:
+    def _restart(self, why: str, arena_lost: bool = False) -> None:
         job = self.config.serve.job
         log.warning("job %r: server pid %d %s; restarting it", job, self.server_pid, why)
-        self.events.emit("server_restart", server_pid=self.server_pid, reason=why)
         if self._server_alive():
             terminate(self.proc if self.proc is not None and self.proc.pid == self.server_pid else self.server_pid,
                       deadline=1.0, sig=signal.SIGUSR2)
-        # A server that ran and then died (killed, crashed) is restarted at once: every second
-        # counts. One that dies while starting is crash-looping: back off, and give up in the end.
-        self._restarts_in_row = self._restarts_in_row + 1 if self.state == ServerState.STARTING else 0
-        if self._restarts_in_row > self.config.max_restarts:
-            self.state = ServerState.FAILED
-            log.error("job %r: server failed to start %d times in a row; giving up", job, self._restarts_in_row)
+        self.last_error = why
+        self._counted.append(time.monotonic())
+        n = len(self._counted)
+        if n > self.config.max_restarts:
+            self._give_up(why)
             return
         self.state = ServerState.RESTARTING
-        if self._restarts_in_row:
-            time.sleep(min(5.0, 0.1 * 2 ** (self._restarts_in_row - 1)))
+        wait = 0.0 if n == 1 else min(self.config.backoff_cap, self.config.backoff_base * 2 ** (n - 2))
+        self.backoffs.append(wait)
+        self.events.emit("server_restart", server_pid=self.server_pid, reason=why, counted=n, backoff_s=wait)
+        if wait:
+            log.warning("job %r: %d server restarts counted (limit %d); waiting %.1f s before the next", job, n,
+                        self.config.max_restarts, wait)
+        if arena_lost:  # its mappings fault: nobody can use what is in it
+            self._drop_arena()
+        self._arena_lost = arena_lost
+        self._restart_at = time.monotonic() + wait
+        self._respawn()
+
+    def _respawn(self) -> None:
+        """Start the next server once the back-off has passed (poll() calls again until then)."""
+        if time.monotonic() < self._restart_at:
+            return
         self.restarts += 1
-        a = self._open_arena()
-        # The arena survived: the new server takes it over. Gone or damaged: the last checkpoint.
+        a = None if self._arena_lost else self._open_arena()
+        # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint.
         self._spawn(resume=a is None)
+
+    def _give_up(self, why: str) -> None:
+        """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
+        job = self.config.serve.job
+        self.state = ServerState.FAILED
+        self.exit_code = GIVE_UP_EXIT
+        msg = self._fail_msg()
+        n = len(self._counted) - 1
+        log.error("job %r: giving up: the server was restarted %d times (--server-restarts %d; a restart counts "
+                  "until a server has run healthy for %g s after it), and the last one %s%s. "
+                  "The arena %s is left as it is: `psd inspect --job %s` shows it; fix the cause (the server's "
+                  "log is above), then `psd serve --job %s` takes it over (or `psd clean` removes it)",
+                  job, n, self.config.max_restarts, self.config.forgive_after, why,
+                  f" (the arena says: {msg})" if msg else "", shm_path(job), job, job)
+        self.events.emit("watchdog_gave_up", restarts=n, reason=why, fail_msg=msg)
+
+    def _fail_msg(self) -> str:
+        """The arena's fail_msg, if the dead server left one that says more than a clean stop."""
+        a = self._open_arena(announce=False)
+        if a is None:
+            return ""
+        try:
+            msg = a.header()["fail_msg"]
+        except Error:
+            return ""
+        return "" if msg in ("", "the server stopped") else msg
+
+    def _exit_reason(self, code: int) -> str:
+        if code == ARENA_LOST_EXIT:
+            return (f"died of SIGBUS (exit status {code}): its arena file was truncated or replaced, so the "
+                    f"arena is lost")
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with {code}"
 
     def poll(self) -> None:
         """One supervision tick."""
         if self.state in (ServerState.FAILED, ServerState.STOPPED):
             return
+        if self.state == ServerState.RESTARTING:
+            self._respawn()
+            return
         alive = self._server_alive()
         if self.proc is not None and self.proc.poll() is not None and self.proc.pid == self.server_pid:
-            if self.state == ServerState.STARTING and self.restarts == 0 and self.proc.returncode > 0:
+            if self.state == ServerState.STARTING and self.restarts == 0 and self.proc.returncode > 0 and \
+                    self.proc.returncode != ARENA_LOST_EXIT:
                 self.state = ServerState.FAILED
                 self.exit_code = self.proc.returncode
                 return
-            self._restart(f"exited with {self.proc.returncode}")
+            code = self.proc.returncode
+            self._restart(self._exit_reason(code), arena_lost=code == ARENA_LOST_EXIT)
             return
         if not alive:
             self._restart("is gone")
@@ -275,11 +357,18 @@ class Watchdog:
         age = h["heartbeat_age_s"]
         if self.state == ServerState.STARTING and 0 <= age < self.config.heartbeat_timeout:
             self.state = ServerState.RUNNING
+            self._healthy_since = time.monotonic()
             log.info("job %r: server pid %d running (%.2f s after its start)", self.config.serve.job,
                      self.server_pid, time.monotonic() - self._started_at)
         elif self.state == ServerState.RUNNING and age > self.config.heartbeat_timeout:
             self._restart(f"has not beaten for {age:.1f} s")
             return
+        elif self.state == ServerState.RUNNING and self._counted and \
+                time.monotonic() - self._healthy_since >= self.config.forgive_after:
+            self._counted.popleft()
+            self._healthy_since = time.monotonic()
+            log.info("job %r: a server restart forgiven after %g s of healthy running (%d still counted)",
+                     self.config.serve.job, self.config.forgive_after, len(self._counted))
         if self.checkpoint_requested.is_set() or (
                 self.config.checkpoint_every > 0 and time.monotonic() >= self._next_checkpoint):
             self.checkpoint(force=self.checkpoint_requested.is_set())

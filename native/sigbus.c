@@ -1,0 +1,179 @@
+/*
+ * sigbus.c -- a SIGBUS on an arena becomes a clear message and an exit status, never a core dump.
+ *
+ * An arena is a file in /dev/shm. If another process truncates it (or replaces it and truncates the
+ * old one), the next access to a page past the new end raises SIGBUS in whichever process touches it:
+ * the server's update loop, a learner's push or pull, the watchdog's snapshot. Nothing can recover
+ * that mapping, so the handler says what happened -- which file, which address, what to do -- with
+ * write(2), and ends the process with a status of its own, which the watchdog reads as "arena lost"
+ * (it restarts the server from the last checkpoint) and `psd run` as a learner to restart.
+ *
+ * The handler names the file by looking the faulting address up in /proc/self/maps (open, read and
+ * close are async-signal-safe). A SIGBUS outside a psd arena is not ours to explain: the handler
+ * puts back whatever handled SIGBUS before it (the default action, Python's faulthandler) and
+ * raises it again, so it meets that, as it would have without psd.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "psd_sigbus.h"
+
+static volatile sig_atomic_t exit_status = 1; /* set before the handler is installed */
+static struct sigaction previous;               /* what SIGBUS did before: faults outside arenas go there */
+
+static size_t put(char *buf, size_t at, size_t cap, const char *s) {
+    while (*s && at + 1 < cap)
+        buf[at++] = *s++;
+    return at;
+}
+
+static size_t put_hex(char *buf, size_t at, size_t cap, uintptr_t v) {
+    char tmp[2 + 2 * sizeof v + 1];
+    size_t n = sizeof tmp - 1;
+    tmp[n] = '\0';
+    do {
+        tmp[--n] = "0123456789abcdef"[v & 15];
+        v >>= 4;
+    } while (v && n > 2);
+    tmp[--n] = 'x';
+    tmp[--n] = '0';
+    return put(buf, at, cap, tmp + n);
+}
+
+static size_t put_dec(char *buf, size_t at, size_t cap, unsigned v) {
+    char tmp[12];
+    size_t n = sizeof tmp - 1;
+    tmp[n] = '\0';
+    do {
+        tmp[--n] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v && n > 0);
+    return put(buf, at, cap, tmp + n);
+}
+
+static uintptr_t parse_hex(const char **p) {
+    uintptr_t v = 0;
+    for (;; (*p)++) {
+        char c = **p;
+        if (c >= '0' && c <= '9')
+            v = v * 16 + (uintptr_t)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            v = v * 16 + (uintptr_t)(c - 'a' + 10);
+        else
+            return v;
+    }
+}
+
+/* The path of the mapping that holds `addr`, from one line of /proc/self/maps
+ * ("start-end perms offset dev inode   path"); false if the line does not hold it. */
+static bool line_holds(const char *line, uintptr_t addr, const char **path) {
+    const char *p = line;
+    uintptr_t start = parse_hex(&p);
+    if (*p++ != '-')
+        return false;
+    uintptr_t end = parse_hex(&p);
+    if (addr < start || addr >= end)
+        return false;
+    for (int field = 0; field < 4; field++) { /* perms, offset, dev, inode */
+        while (*p == ' ')
+            p++;
+        while (*p && *p != ' ')
+            p++;
+    }
+    while (*p == ' ')
+        p++;
+    *path = p;
+    return true;
+}
+
+/* Copy the path of the mapping holding `addr` into out (empty if none is found). */
+static void mapping_path(uintptr_t addr, char *out, size_t cap) {
+    out[0] = '\0';
+    int fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    char buf[4096], line[512];
+    size_t len = 0;
+    bool overlong = false;
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n <= 0)
+            break;
+        for (ssize_t i = 0; i < n; i++) {
+            if (buf[i] != '\n') {
+                if (len + 1 < sizeof line)
+                    line[len++] = buf[i];
+                else
+                    overlong = true;
+                continue;
+            }
+            line[len] = '\0';
+            const char *path;
+            if (!overlong && line_holds(line, addr, &path)) {
+                size_t k = 0;
+                while (path[k] && k + 1 < cap) {
+                    out[k] = path[k];
+                    k++;
+                }
+                out[k] = '\0';
+                close(fd);
+                return;
+            }
+            len = 0;
+            overlong = false;
+        }
+    }
+    close(fd);
+}
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    (void)ctx;
+    uintptr_t addr = (uintptr_t)info->si_addr;
+    char path[256];
+    mapping_path(addr, path, sizeof path);
+    if (strstr(path, "/dev/shm/psd.") != path) {
+        /* Not an arena: put back what was there before (the default action, or Python's faulthandler)
+         * and send the signal again; it is blocked until we return (and a fault repeats anyway). */
+        sigaction(sig, &previous, NULL);
+        raise(sig);
+        return;
+    }
+    char msg[1024];
+    size_t n = 0;
+    n = put(msg, n, sizeof msg, "psd: SIGBUS at address ");
+    n = put_hex(msg, n, sizeof msg, addr);
+    n = put(msg, n, sizeof msg, " in the arena ");
+    n = put(msg, n, sizeof msg, path);
+    n = put(msg, n, sizeof msg,
+            ": the file was truncated or replaced by another process, so this process's mapping of it is "
+            "lost. Under `psd serve` or `psd run` the watchdog restarts the server from the last checkpoint "
+            "and `psd run` restarts the learners; otherwise restart the server with `psd serve --resume` "
+            "and the learners after it. Do not truncate or remove /dev/shm/psd.* of a live job (`psd clean` "
+            "removes only dead jobs' arenas). Exiting with status ");
+    n = put_dec(msg, n, sizeof msg, (unsigned)exit_status);
+    n = put(msg, n, sizeof msg, ".\n");
+    ssize_t w = write(STDERR_FILENO, msg, n);
+    (void)w; /* nothing to do if stderr is gone: the exit status still says it */
+    _exit(exit_status);
+}
+
+int psd_sigbus_install(int status) {
+    exit_status = status;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    struct sigaction old;
+    if (sigaction(SIGBUS, &sa, &old) != 0)
+        return errno;
+    if (old.sa_sigaction != on_sigbus) /* installed twice: keep the first one's predecessor */
+        previous = old;
+    return 0;
+}
