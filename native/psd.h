@@ -201,6 +201,10 @@ static inline struct psd_rank *psd_rank_at(const struct psd_map *m, uint32_t r) 
 /* pause.c: consistent snapshots */
 int psd_pause(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t timeout_ns);
 void psd_resume(struct psd_map *m);
+/* pause.c: holding the loop at a clock (the node link's exchange points) */
+void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t clock);
+bool psd_loop_should_hold(struct psd_map *m);
+void psd_loop_hold(struct psd_map *m, _Atomic int *stop);
 bool psd_loop_should_pause(struct psd_map *m);
 void psd_loop_pause(struct psd_map *m, _Atomic int *stop);
 
