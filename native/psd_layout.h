@@ -231,7 +231,7 @@ struct psd_header {
      *    a cross-node exchange point. It writes `holder_pid` and `holder_start_time`, then
      *    stores `hold_clock` (seq_cst); the update loop, right after an update that brings
      *    `clock` to `hold_clock` or past it (before bsp's `rounds` is bumped, so learners
-     *    wait too), waits on `pause_cond` until `hold_clock` is cleared or raised above the
+     *    wait too), or before any update while `clock` is at `hold_clock` already, waits on `pause_cond` until `hold_clock` is cleared or raised above the
      *    clock, or the holder is dead (then the loop clears it). 0: no hold. A pause
      *    request is honoured while held. */
     _Atomic uint64_t hold_clock;

@@ -464,6 +464,10 @@ static void *loop_main(void *arg) {
             psd_loop_pause(L->m, &L->stop);
             continue;
         }
+        if (psd_loop_should_hold(L->m)) { /* a hold at the current clock: apply nothing until it moves */
+            psd_loop_hold(L->m, &L->stop);
+            continue;
+        }
         uint32_t applied = round_robin(L, &busy);
         now = psd_now_ns();
         if (now - last_beat >= PSD_HEARTBEAT_NS) {
