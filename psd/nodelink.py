@@ -448,6 +448,8 @@ class NodeLink:
         """Link this node to the others until stopped; returns the exit status."""
         c = self.cfg
         try:
+            import torch.distributed  # noqa: F401  (seconds: while the node's first learner starts too)
+
             self._open_arena(time.monotonic() + max(60.0, c.node_timeout))
             # No update until this node holds the agreed weights (a node that rejoins must not train
             # its learners on weights the others have left behind).
