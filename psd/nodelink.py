@@ -51,12 +51,13 @@ from psd import _native
 from psd.arena import open_job
 from psd.errors import Error, JobNotFound, Timeout
 
-__all__ = ["LinkState", "NodeLink", "main", "read_state", "state_path", "validate_nodes"]
+__all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path", "validate_nodes"]
 
 log = logging.getLogger("psd.nodelink")
 
 _POLL_S = 0.001  # the clock is polled: the update loop announces nothing to other processes
 _PAUSE_TIMEOUT_S = 5.0
+_SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
 
 
 class LinkState(enum.Enum):
@@ -109,6 +110,11 @@ def state_path(job: str) -> Path:
     return Path(base) / "psd" / "nodes" / f"{job}.json"
 
 
+def agreed_path(job: str) -> Path:
+    """Where the link keeps the agreed state (anchor, outer momentum, round) for a job resumed with --resume."""
+    return state_path(job).with_suffix(".agreed.safetensors")
+
+
 def read_state(job: str) -> dict | None:
     """The node link's last written state for ``job``, with ``alive``; None when it has none."""
     try:
@@ -153,6 +159,7 @@ class NodeLink:
         self.adopted = 0  # local exchanges adopted since `base`
         self.stop = threading.Event()
         self._old_groups: list = []
+        self._saved_at = time.monotonic()
 
     # -- the arena ------------------------------------------------------------
 
@@ -417,8 +424,57 @@ class NodeLink:
         self.last_exchange_unix = time.time()
         self.last_exchange_ms = (time.monotonic() - t0) * 1000
         self._write_state()
+        if time.monotonic() - self._saved_at > _SAVE_EVERY_S:
+            self._save_agreed()
         if payload[-1] > 0:
             raise _Reform("a node asked to join")
+
+    # -- the agreed state on disk (for --resume) -------------------------------------
+
+    def _save_agreed(self) -> None:
+        """Write the agreed state: a temporary file, fsync, rename (as checkpoints are written)."""
+        from safetensors.torch import save_file
+
+        g = self.agreed
+        if g is None:
+            return
+        path = agreed_path(self.cfg.job)
+        tmp = path.with_name(f".{path.name}.tmp-{self.me}")
+        tensors = {"anchor": g.anchor} | ({"momentum": g.momentum} if g.momentum is not None else {})
+        save_file(tensors, str(tmp), metadata={"round": str(g.round), "outer_optimizer": self.cfg.outer_optimizer})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._saved_at = time.monotonic()
+
+    def _load_agreed(self) -> None:
+        """With --resume: the agreed state this node's link saved last, if it fits the model."""
+        from safetensors import safe_open
+
+        path = agreed_path(self.cfg.job)
+        if not self.cfg.resume or not path.exists():
+            return
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+                anchor = f.get_tensor("anchor")
+                momentum = f.get_tensor("momentum") if "momentum" in f.keys() else None
+        except (OSError, ValueError, RuntimeError) as e:
+            log.warning("node %d: %s is unreadable (%s); starting from the node's weights", self.rank, path, e)
+            return
+        if anchor.numel() != self._weights().numel():
+            log.warning("node %d: %s holds another model; starting from the node's weights", self.rank, path)
+            return
+        if self.cfg.outer_optimizer == "nesterov" and momentum is None:
+            import torch
+
+            momentum = torch.zeros_like(anchor)
+        self.agreed = _Agreed(anchor, momentum if self.cfg.outer_optimizer == "nesterov" else None,
+                              int(meta["round"]))
+        log.info("node %d: resuming the agreed state of round %d from %s", self.rank, self.agreed.round, path)
 
     # -- life -----------------------------------------------------------------
 
@@ -454,6 +510,7 @@ class NodeLink:
             # No update until this node holds the agreed weights (a node that rejoins must not train
             # its learners on weights the others have left behind).
             self._hold(self.arena.clock())
+            self._load_agreed()
             self._connect()
             self._join()
             why = ""
@@ -466,10 +523,12 @@ class NodeLink:
                 except _Reform as e:
                     why = str(e)
                     self._hold(0)  # the node trains on alone while the next epoch forms
+            self._save_agreed()
             self._set_state(LinkState.STOPPED)
             return 0
         except (Error, RuntimeError, OSError) as e:
             if self.stop.is_set():
+                self._save_agreed()
                 self._set_state(LinkState.STOPPED)
                 return 0
             self.state = LinkState.FAILED

@@ -87,26 +87,41 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
             assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != one process {ref.tolist()}"
         st = link_state(f"{job}-n{r}")
         assert (st["round"], st["peers"], st["state"]) == (steps, [0, 1], "stopped")
+        # The agreed state, saved at the stop for a later --resume: the last round's weights.
+        saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
+        from safetensors import safe_open
+
+        with safe_open(str(saved), "pt") as f:
+            assert f.metadata()["round"] == str(steps)
+            assert torch.allclose(f.get_tensor("anchor"), ref, atol=1e-6)
         assert not os.path.exists(shm_path(f"{job}-n{r}"))
 
 
 def test_a_node_that_never_arrives_is_a_clear_timeout(job, tmp_path):
-    p = node(job, 0, free_port(), tmp_path, "--learners", "1", "--node-timeout", "2", learner=("--forever",))
-    err = tmp_path / "node0.err"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "init.safetensors"))  # weights without a learner
+    p = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--init",
+                          str(tmp_path / "init.safetensors"), "--nnodes", "2", "--master-port", str(free_port()),
+                          "--node-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck")],
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"), env=child_env())
+    err = tmp_path / "err"
     try:
         wait_until(lambda: "did not arrive within --node-timeout 2 s" in err.read_text(), timeout=60,
                    what="node 0 to give up on node 1")
         assert "--node-rank R --master-addr 127.0.0.1" in err.read_text()
+        wait_until(lambda: "restarting it" in err.read_text(), timeout=30, what="its watchdog to retry")
     finally:
-        stop(p)
-    assert not os.path.exists(shm_path(f"{job}-n0"))
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.read_text()
+    assert not os.path.exists(shm_path(job))
 
 
 def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_path):
     """Node 1's link SIGKILLed alone: its watchdog restarts it and it rejoins. Then all of node 1
     SIGKILLed: node 0 goes on alone after at most the timeout, and stops leaving nothing in /dev/shm."""
     port, timeout = free_port(), 3
-    flags = ("--learners", "2", "--lr", "0.01", "--sync-every", "5", "--max-node-lag", "1", "--node-timeout",
+    flags = ("--learners", "1", "--lr", "0.01", "--sync-every", "5", "--max-node-lag", "1", "--node-timeout",
              str(timeout))
     procs = [node(job, r, port, tmp_path, *flags, learner=("--forever",)) for r in range(2)]
     n0, n1 = f"{job}-n0", f"{job}-n1"

@@ -310,6 +310,10 @@ class Watchdog:
         if now < self._link_restart_at:
             return
         argv = [sys.executable, "-m", "psd.nodelink", *self.config.serve.argv()]
+        if self.config.serve.resume and not self._link_started:
+            # The job resumes: the link's first life takes the agreed state it saved last. A link restarted
+            # alone must not: its node's weights moved on since, and it takes the agreed state from a peer.
+            argv += ["--resume", self.config.serve.resume]
         if logging.getLogger().level > logging.INFO:
             argv.append("--quiet")
         self.link = subprocess.Popen(argv, env=dict(os.environ, **self.config.extra_env), start_new_session=True)
