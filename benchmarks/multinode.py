@@ -33,13 +33,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_psd(k: int, epochs: int, lr: float, batch: int, state: Path) -> dict:
+def run_psd(k: int, epochs: int, lr: float, batch: int, state: Path, compress: str = "none") -> dict:
     port, job = _port(), f"mn{os.getpid()}k{k}"
     env = dict(os.environ, XDG_STATE_HOME=str(state), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen(
         [sys.executable, "-m", "psd.cli", "run", "--job", f"{job}-{r}", "--learners", "2", "--lr", repr(lr),
          "--nnodes", "2", "--node-rank", str(r), "--master-port", str(port), "--sync-every", str(k),
-         "--max-node-lag", "1", "--node-timeout", "5", "--checkpoint-every", "0", "-q",
+         "--max-node-lag", "1", "--node-timeout", "5", "--node-compress", compress, "--checkpoint-every", "0", "-q",
          "--checkpoint-dir", str(state / f"ck-{job}-{r}"), "--", sys.executable,
          str(ROOT / "examples" / "train_mlp.py"), "--epochs", str(epochs), "--batch-size", str(batch)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) for r in range(2)]
@@ -51,7 +51,8 @@ def run_psd(k: int, epochs: int, lr: float, batch: int, state: Path) -> dict:
     links = [json.loads((state / "psd" / "nodes" / f"{job}-{r}.json").read_text()) for r in range(2)]
     samples = sum(int(m[1]) for m in done) * batch
     updates = sum(int(m[1]) for m in done) / 2  # asp: one local update per gradient, per node
-    return {"system": f"psd 2x2, --sync-every {k}", "sync_every": k,
+    name = f"psd 2x2, --sync-every {k}" + (f" --node-compress {compress}" if compress != "none" else "")
+    return {"system": name, "sync_every": k,
             "samples_per_s": samples / max(float(m[2]) for m in done),
             "bytes_per_local_update": sum(s["bytes_sent"] for s in links) / 2 / updates,
             "exchanges": links[0]["exchanges"], "accuracy": sum(float(m[3]) for m in done) / 4}
@@ -142,6 +143,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--sync-every", type=int, nargs="+", default=[1, 10, 100])
+    p.add_argument("--bf16-at", type=int, nargs="*", default=[10], help="--sync-every values also run with "
+                   "--node-compress bf16")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args()
     from psd.workloads import evaluate, make_classification, train_single
@@ -150,6 +153,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="psd-multinode-") as tmp:
         for k in args.sync_every:
             rows.append(run_psd(k, args.epochs, args.lr, args.batch, Path(tmp)))
+            print(rows[-1], file=sys.stderr, flush=True)
+        for k in args.bf16_at:
+            rows.append(run_psd(k, args.epochs, args.lr, args.batch, Path(tmp), "bf16"))
             print(rows[-1], file=sys.stderr, flush=True)
     rows.append(run_ddp(args.epochs, args.lr, args.batch))
     data = make_classification(0)

@@ -179,6 +179,9 @@ def _build() -> tuple[Flag, ...]:
         _nodes("--outer-momentum", "nesterov: the outer momentum", 0.9, type=float, metavar="M"),
         _nodes("--max-node-lag", "exchanges a node may run ahead of the last one adopted (WSP's D); 0: lockstep, "
                "the update loop waits at each exchange point until it is done", 1, type=int, metavar="D"),
+        _nodes("--node-compress", "how deltas travel: none (float32) or bf16 (half the bytes; each node's delta and "
+               "the sum are rounded to bfloat16)", "none", choices=("none", "bf16"), metavar="C",
+               readme_default="`none`"),
         _nodes("--node-timeout", "seconds without an answer after which a node counts as dead (and the first "
                "rendezvous gives up)", 30.0, type=float, metavar="S"),
         # -- where the job starts from and what the watchdog does

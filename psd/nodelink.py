@@ -100,6 +100,8 @@ def validate_nodes(cfg: Any) -> None:
                          f"{cfg.outer_momentum}")
     if cfg.max_node_lag < 0:
         raise ValueError(f"--max-node-lag must be 0 (lockstep) or more, not {cfg.max_node_lag}")
+    if cfg.node_compress not in ("none", "bf16"):
+        raise ValueError(f"--node-compress must be none or bf16, not {cfg.node_compress!r}")
     if not cfg.node_timeout > 0:
         raise ValueError(f"--node-timeout must be a positive number of seconds, not {cfg.node_timeout}")
 
@@ -262,7 +264,6 @@ class NodeLink:
 
     def _form(self, epoch: int, expected: list[int] | None, first: bool) -> None:
         """Join epoch ``epoch``: register, learn its members, build its process group, agree on the state."""
-        import torch
         import torch.distributed as dist
 
         c = self.cfg
@@ -288,33 +289,45 @@ class NodeLink:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         else:
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-        pg = dist.ProcessGroupGloo(prefix, members.index(self.rank), len(members), opts)
-        # The agreed state, from a node that was a member before (node 0 at the first epoch).
+        try:
+            pg = dist.ProcessGroupGloo(prefix, members.index(self.rank), len(members), opts)
+            self._receive_agreed(pg, members.index(source), source)
+        except RuntimeError as e:  # a member died while the epoch formed: the next one goes without it
+            raise _Reform(f"epoch {epoch} failed while forming ({e})") from None
+        self.pg, self.epoch, self.members = pg, epoch, members
+        self.adopted = 0
+        self.base = self.arena.clock()
+        self._hold(self._point(1 + c.max_node_lag))
+        self._set_state(LinkState.RUNNING)
+        log.info("node %d: epoch %d formed with nodes %s at round %d", self.rank, epoch, members, self.agreed.round)
+
+    def _receive_agreed(self, pg: Any, root: int, source: int) -> None:
+        """The agreed state by broadcast from group index ``root`` (node ``source``); a node whose own differs
+        (a newcomer, or a member a round behind) adopts it."""
+        import torch
+
+        c = self.cfg
         n = self._weights().numel()
         mine = self.agreed
-        meta = torch.tensor([mine.round if mine else -1, n, int(mine is not None and mine.momentum is not None)],
-                            dtype=torch.int64)
-        pg.broadcast(meta, members.index(source)).wait()
-        if int(meta[1]) != n:
-            raise Error(f"node {source} trains a model of {int(meta[1])} parameters, this node one of {n}: run "
-                        f"the same model on every node")
+        nesterov = int(c.outer_optimizer == "nesterov")
+        meta = torch.tensor([mine.round if mine else -1, n, nesterov], dtype=torch.int64)
+        pg.broadcast(meta, root).wait()
+        if int(meta[1]) != n or int(meta[2]) != nesterov:
+            raise Error(f"node {source} trains a model of {int(meta[1])} parameters with --outer-optimizer "
+                        f"{'nesterov' if int(meta[2]) else 'avg'}, this node one of {n} with {c.outer_optimizer}: "
+                        f"run the same model and flags on every node")
         anchor = mine.anchor.clone() if mine else self._snapshot()
         momentum = torch.zeros(n) if c.outer_optimizer == "nesterov" else None
         if mine is not None and mine.momentum is not None and momentum is not None:
             momentum.copy_(mine.momentum)
         before = anchor.clone()
-        pg.broadcast(anchor, members.index(source)).wait()
+        pg.broadcast(anchor, root).wait()
         if momentum is not None:
-            pg.broadcast(momentum, members.index(source)).wait()
+            pg.broadcast(momentum, root).wait()
         new = _Agreed(anchor, momentum, int(meta[0]) if int(meta[0]) >= 0 else 0)
         if mine is None or mine.round != new.round or not torch.equal(before, anchor):
-            self._adopt(anchor - before)  # a newcomer (or a member a round behind) takes the agreed weights
-        self.agreed, self.pg, self.epoch, self.members = new, pg, epoch, members
-        self.adopted = 0
-        self.base = self.arena.clock()
-        self._hold(self._point(1 + c.max_node_lag))
-        self._set_state(LinkState.RUNNING)
-        log.info("node %d: epoch %d formed with nodes %s at round %d", self.rank, epoch, members, new.round)
+            self._adopt(anchor - before)
+        self.agreed = new
 
     def _snapshot(self):
         with self._paused():
@@ -389,6 +402,8 @@ class NodeLink:
             w_x = self._snapshot()
         flag = 1.0 if self.rank == 0 and self._joiners() else 0.0
         payload = torch.cat([w_x - self.agreed.anchor, torch.tensor([flag])])
+        if c.node_compress == "bf16":
+            payload = payload.bfloat16()
         p = len(self.members)
         work = self.pg.allreduce([payload])
         deadline = time.monotonic() + c.node_timeout + 1
@@ -402,7 +417,7 @@ class NodeLink:
             work.wait()
         except RuntimeError as e:
             raise _Reform(f"the exchange of round {self.agreed.round + 1} failed ({e})") from None
-        mean = payload[:-1] / p
+        mean = payload[:-1].float() / p
         old = self.agreed.anchor
         if c.outer_optimizer == "avg":
             new = old + mean
@@ -420,7 +435,7 @@ class NodeLink:
         self.adopted = j
         self._hold(self._point(j + 1 + c.max_node_lag))
         self.exchanges += 1
-        self.bytes_sent += int(payload.numel() * 4 * 2 * (p - 1) / p)  # a ring all-reduce sends 2(p-1)/p
+        self.bytes_sent += int(payload.numel() * payload.element_size() * 2 * (p - 1) / p)  # ring: 2(p-1)/p
         self.last_exchange_unix = time.time()
         self.last_exchange_ms = (time.monotonic() - t0) * 1000
         self._write_state()

@@ -110,6 +110,7 @@ class ServeConfig:
     outer_momentum: float = 0.9
     max_node_lag: int = 1
     node_timeout: float = 30.0
+    node_compress: str = "none"
 
     def sync_mode(self) -> tuple[str, int]:
         """``--sync`` parsed: ('asp', 0), ('ssp', S), ('bsp', 0) or ('kasync', K)."""
