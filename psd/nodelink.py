@@ -519,11 +519,9 @@ class NodeLink:
         """Link this node to the others until stopped; returns the exit status."""
         c = self.cfg
         try:
-            import torch.distributed  # noqa: F401  (seconds: while the node's first learner starts too)
-
             self._open_arena(time.monotonic() + max(60.0, c.node_timeout))
-            # No update until this node holds the agreed weights (a node that rejoins must not train
-            # its learners on weights the others have left behind).
+            # No update until this node holds the agreed weights: its learners must not train on weights
+            # the other nodes will never see (a node that rejoins: weights they have left behind).
             self._hold(self.arena.clock())
             self._load_agreed()
             self._connect()

@@ -81,12 +81,13 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
     for r, p in enumerate(procs):
         assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
     for r in range(2):
+        logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
         outs = [json.loads(line) for line in (tmp_path / f"node{r}.out").read_text().splitlines() if line[:1] == "["]
-        assert len(outs) == 2
+        assert len(outs) == 2, logs
         for out in outs:
-            assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != one process {ref.tolist()}"
+            assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != {ref.tolist()}\n{logs}"
         st = link_state(f"{job}-n{r}")
-        assert (st["round"], st["peers"], st["state"]) == (steps, [0, 1], "stopped")
+        assert (st["round"], st["peers"], st["state"]) == (steps, [0, 1], "stopped"), f"{st}\n{logs}"
         # The agreed state, saved at the stop for a later --resume: the last round's weights.
         saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
         from safetensors import safe_open
