@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     data = make_classification(args.seed)
-    x, y = shard(data, args.rank, args.world)
+    # Under `psd run --nnodes N`, the shards are the whole job's: node R's learners take their own.
+    node, nnodes = int(os.environ.get("PSD_NODE_RANK", 0)), int(os.environ.get("PSD_NNODES", 1))
+    x, y = shard(data, node * args.world + args.rank, nnodes * args.world)
     model = make_mlp(data.dim, data.classes, seed=args.seed)
-    g = torch.Generator().manual_seed(1000 + args.rank)
+    g = torch.Generator().manual_seed(1000 + node * args.world + args.rank)
     steps_per_epoch = -(-len(x) // args.batch_size)
     t0 = time.monotonic()
     with learner.attach(model, job=args.job, rank=args.rank) as ps:

@@ -5,6 +5,11 @@
  * Only the watchdog pauses. If it dies while the loop is paused, the loop
  * notices (pid + start time) and resumes by itself, so a dead pauser can never
  * stall training.
+ *
+ * A hold is the node link's: the loop stops by itself right after the update
+ * that brings the clock to `hold_clock`, so a node cannot run past a cross-node
+ * exchange point (--max-node-lag) by even one update, which a pause requested
+ * from outside could not promise. A dead holder releases its hold the same way.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -77,4 +82,49 @@ void psd_resume(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
     atomic_store(&h->pause_req, 0);
     psd_cond_broadcast(&h->pause_cond);
+}
+
+void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t clock) {
+    struct psd_header *h = psd_hdr(m);
+    atomic_store(&h->holder_pid, pid);
+    atomic_store(&h->holder_start_time, start_time);
+    /* seq_cst; pairs with the load-acquire in psd_loop_should_hold / psd_loop_hold, which
+     * then see the holder's identity. */
+    atomic_store(&h->hold_clock, clock);
+    psd_cond_broadcast(&h->pause_cond); /* a held loop rechecks at once */
+}
+
+bool psd_loop_should_hold(struct psd_map *m) {
+    struct psd_header *h = psd_hdr(m);
+    /* Pairs with the seq_cst store of hold_clock in psd_hold. */
+    uint64_t at = PSD_LOAD_ACQ(&h->hold_clock);
+    return at != 0 && PSD_LOAD_RLX(&h->clock) >= at; /* clock: only the loop writes it */
+}
+
+void psd_loop_hold(struct psd_map *m, _Atomic int *stop) {
+    struct psd_header *h = psd_hdr(m);
+    while (!atomic_load(stop)) {
+        uint32_t seen = psd_cond_prepare(&h->pause_cond);
+        /* Pairs with the seq_cst store of hold_clock in psd_hold. */
+        uint64_t at = PSD_LOAD_ACQ(&h->hold_clock);
+        if (at == 0 || PSD_LOAD_RLX(&h->clock) < at) {
+            psd_cond_done(&h->pause_cond);
+            break;
+        }
+        if (!psd_owner_alive(atomic_load(&h->holder_pid), atomic_load(&h->holder_start_time))) {
+            /* The holder died: release its hold, unless a new holder set another meanwhile
+             * (seq_cst compare-exchange; pairs with psd_hold's store). */
+            atomic_compare_exchange_strong(&h->hold_clock, &at, 0);
+            psd_cond_done(&h->pause_cond);
+            continue;
+        }
+        if (psd_loop_should_pause(m)) { /* a checkpoint while held: the loop writes nothing either way */
+            psd_cond_done(&h->pause_cond);
+            psd_loop_pause(m, stop);
+            continue;
+        }
+        psd_cond_wait(&h->pause_cond, seen, PAUSE_SLICE_NS);
+        psd_cond_done(&h->pause_cond);
+        PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* held is not hung */
+    }
 }

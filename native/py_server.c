@@ -209,6 +209,15 @@ static PyObject *arena_pause(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *arena_hold(Arena *a, PyObject *args) {
+    int pid;
+    unsigned long long start, clock;
+    if (!PyArg_ParseTuple(args, "iKK", &pid, &start, &clock) || check_open(a))
+        return NULL;
+    psd_hold(&a->map, pid, start, clock);
+    Py_RETURN_NONE;
+}
+
 static PyObject *arena_resume(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
@@ -300,6 +309,9 @@ PyMethodDef py_server_methods[] = {
     {"pause", (PyCFunction)arena_pause, METH_VARARGS,
      "pause(pid, start_time, timeout): stop the update loop between two gradients (for a snapshot)"},
     {"resume", (PyCFunction)arena_resume, METH_NOARGS, "Let a paused update loop go on."},
+    {"hold", (PyCFunction)arena_hold, METH_VARARGS,
+     "hold(pid, start_time, clock): the update loop stops right after the update that brings its clock to "
+     "clock (0: no hold), until the hold is moved or cleared, or the holder dies"},
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"restore", (PyCFunction)(void (*)(void))arena_restore, METH_VARARGS | METH_KEYWORDS,
      "restore(clock, generation, ranks): server, before READY: continue from a checkpoint"},

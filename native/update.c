@@ -139,6 +139,8 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     PSD_STORE_REL(&h->opt_steps, t);
     /* Pairs with the load-acquire of clock before a learner's pull. */
     PSD_STORE_REL(&h->clock, PSD_LOAD_RLX(&h->clock) + 1);
+    if (psd_loop_should_hold(m)) /* a node-link exchange point: stop here, before bsp's rounds moves */
+        psd_loop_hold(m, &L->stop);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
@@ -460,6 +462,10 @@ static void *loop_main(void *arg) {
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
         if (psd_loop_should_pause(L->m)) {
             psd_loop_pause(L->m, &L->stop);
+            continue;
+        }
+        if (psd_loop_should_hold(L->m)) { /* a hold at the current clock: apply nothing until it moves */
+            psd_loop_hold(L->m, &L->stop);
             continue;
         }
         uint32_t applied = round_robin(L, &busy);

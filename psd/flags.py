@@ -96,6 +96,14 @@ def _training(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
     return _serve(name, help, default, group=TRAINING, **kw)
 
 
+NODES = "several nodes (see the README's \"Several machines\")"
+OUTER_OPTIMIZERS = ("avg", "nesterov")
+
+
+def _nodes(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
+    return _serve(name, help, default, group=NODES, **kw)
+
+
 # Imported here, not at the top: psd.server imports this module for ServeConfig.argv().
 def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     from psd.server import ASYNC_MOMENTUM, OPTIMIZERS, SCHEDULES
@@ -154,6 +162,28 @@ def _build() -> tuple[Flag, ...]:
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
                   "(estimated from the measured staleness) off --momentum; off applies --momentum as given, as "
                   "torch.optim", "auto", choices=async_momentum, metavar="MODE", readme_default="`auto`"),
+        # -- several machines (psd/nodelink.py); --nnodes 1 starts nothing of it
+        _nodes("--nnodes", "nodes (machines) in the job, each running its own psd serve / psd run; 1: this "
+               "machine alone", 1, type=int, metavar="N"),
+        _nodes("--node-rank", "this node's rank, 0..N-1; node 0 hosts the rendezvous (a TCPStore)", 0, type=int,
+               metavar="R"),
+        _nodes("--master-addr", "address of node 0, where the rendezvous listens", "127.0.0.1", metavar="HOST",
+               readme_default="`127.0.0.1`"),
+        _nodes("--master-port", "port of the rendezvous on node 0", 29500, type=int, metavar="PORT"),
+        _nodes("--sync-every", "local updates (this node's clock) between two exchanges of weights across nodes",
+               100, type=int, metavar="K"),
+        _nodes("--outer-optimizer", "how the mean of the nodes' deltas moves the agreed weights: avg (add it) or "
+               "nesterov (DiLoCo's outer SGD with Nesterov momentum on minus the mean delta)", "avg",
+               choices=OUTER_OPTIMIZERS, metavar="O", readme_default="`avg`"),
+        _nodes("--outer-lr", "nesterov: the outer learning rate", 0.7, type=float, metavar="LR"),
+        _nodes("--outer-momentum", "nesterov: the outer momentum", 0.9, type=float, metavar="M"),
+        _nodes("--max-node-lag", "exchanges a node may run ahead of the last one adopted (WSP's D); 0: lockstep, "
+               "the update loop waits at each exchange point until it is done", 1, type=int, metavar="D"),
+        _nodes("--node-compress", "how deltas travel: none (float32) or bf16 (half the bytes; each node's delta and "
+               "the sum are rounded to bfloat16)", "none", choices=("none", "bf16"), metavar="C",
+               readme_default="`none`"),
+        _nodes("--node-timeout", "seconds without an answer after which a node counts as dead (and the first "
+               "rendezvous gives up)", 30.0, type=float, metavar="S"),
         # -- where the job starts from and what the watchdog does
         _serve("--init", "start from these weights (.safetensors) instead of the first learner's", None,
                metavar="FILE"),

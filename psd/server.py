@@ -102,6 +102,18 @@ class ServeConfig:
     max_staleness: int | None = None
     predict: bool = False
     async_momentum: str = "auto"
+    # -- several nodes (psd/nodelink.py; see the README's "Several machines")
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    sync_every: int = 100
+    outer_optimizer: str = "avg"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    max_node_lag: int = 1
+    node_timeout: float = 30.0
+    node_compress: str = "none"
 
     def sync_mode(self) -> tuple[str, int]:
         """``--sync`` parsed: ('asp', 0), ('ssp', S), ('bsp', 0) or ('kasync', K)."""
@@ -184,6 +196,10 @@ class ServeConfig:
             raise ValueError(f"--threads must be 0 (automatic) or more, not {self.threads}")
         if self.spin_us < 0:
             raise ValueError(f"--spin-us must be 0 or more, not {self.spin_us}")
+        if self.nnodes > 1 or self.node_rank:
+            from psd.nodelink import validate_nodes
+
+            validate_nodes(self)
 
 
 def _load_initial_weights(path: str) -> tuple[list[ParamSpec], dict]:

@@ -89,6 +89,7 @@ def job_status(job: str, sample: float = 0.0) -> dict:
             "checkpoint_clock": h["checkpoint_clock"] if h["checkpoint_unix_ns"] else None,
             "checkpoint_age_s": round((now_ns - h["checkpoint_unix_ns"]) / 1e9, 1) if h["checkpoint_unix_ns"] else None,
             "learners": [],
+            "node_link": _node_link(job, h),
         }
         for i, s in enumerate(slots):
             if s["state"] == _native.SLOT_FREE:
@@ -106,6 +107,17 @@ def job_status(job: str, sample: float = 0.0) -> dict:
         return out
     finally:
         a.close()
+
+
+def _node_link(job: str, h: dict) -> dict | None:
+    """The node link's state file (--nnodes > 1), if it belongs to this run of the job."""
+    from psd.nodelink import read_state
+
+    st = read_state(job)
+    if st is None or (not st["alive"] and st.get("last_exchange_unix", 0) * 1e9 < h["server_started_unix_ns"]):
+        return None
+    st["hold_clock"] = h.get("hold_clock", 0)
+    return st
 
 
 def all_jobs(sample: float = 0.0) -> list[dict]:
@@ -149,6 +161,13 @@ def format_job(j: dict) -> str:
         else "none yet"
     lines.append(f"  last checkpoint: {ck}   slots reclaimed {j['reclaimed_slots']}  "
                  f"server restarts {j['server_restarts']}")
+    n = j.get("node_link")
+    if n:
+        ago = f"{time.time() - n['last_exchange_unix']:.1f} s ago" if n["last_exchange_unix"] else "none yet"
+        lines.append(f"  node {n['node_rank']} of {n['nnodes']}: link pid {n['pid']} "
+                     f"({n['state'] if n['alive'] else 'DEAD'}), peers {n['peers']}, epoch {n['epoch']}, round "
+                     f"{n['round']}, last exchange {ago} ({n['last_exchange_ms']:.1f} ms), "
+                     f"{n['bytes_sent'] / 1e6:.3f} MB sent, lag {n['lag']} of {n['max_node_lag']}")
     if j["learners"]:
         lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'pushed':>8} {'queued':>6} "
                      f"{'rejected':>8} {'dropped':>7} {'clock':>8} {'stale':>6} {'loss':>8}")

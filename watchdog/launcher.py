@@ -140,7 +140,8 @@ class Launcher:
     def _start_worker(self, w: Worker) -> None:
         env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
                    PSD_RESTARTS=str(w.restarts), PSD_LEARNER_THREADS=str(self.learner_threads),
-                   OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1")
+                   OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1",
+                   PSD_NODE_RANK=str(self.config.serve.node_rank), PSD_NNODES=str(self.config.serve.nnodes))
         if self.gpus:
             env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"
         w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)

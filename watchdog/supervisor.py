@@ -159,6 +159,10 @@ class Watchdog:
         self._resume_first = bool(config.serve.resume)
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
+        self.link: subprocess.Popen | None = None  # the node link (--nnodes > 1), psd/nodelink.py
+        self._link_started = 0.0
+        self._link_fails = 0
+        self._link_restart_at = 0.0
 
     # -- the server process -------------------------------------------------
 
@@ -330,6 +334,7 @@ class Watchdog:
         """One supervision tick."""
         if self.state in (ServerState.FAILED, ServerState.STOPPED):
             return
+        self._supervise_link()
         if self.state == ServerState.RESTARTING:
             self._respawn()
             return
@@ -372,6 +377,43 @@ class Watchdog:
         if self.checkpoint_requested.is_set() or (
                 self.config.checkpoint_every > 0 and time.monotonic() >= self._next_checkpoint):
             self.checkpoint(force=self.checkpoint_requested.is_set())
+
+    # -- the node link (--nnodes > 1) ---------------------------------------------
+
+    def _supervise_link(self) -> None:
+        """Start the node link, and restart it (after a back-off) if it died alone."""
+        if self.config.serve.nnodes <= 1:
+            return
+        now = time.monotonic()
+        if self.link is not None:
+            code = self.link.poll()
+            if code is None:
+                return
+            # A link that ran a while was not crash-looping: its back-off starts over.
+            self._link_fails = 1 if now - self._link_started > 60 else self._link_fails + 1
+            self._link_restart_at = now + min(10.0, 0.5 * 2 ** (self._link_fails - 1))
+            log.warning("job %r: node link pid %d exited with %d; restarting it in %.1f s", self.config.serve.job,
+                        self.link.pid, code, self._link_restart_at - now)
+            self.events.emit("nodelink_restart", nodelink_pid=self.link.pid, exit=code)
+            self.link = None
+        if now < self._link_restart_at:
+            return
+        argv = [sys.executable, "-m", "psd.nodelink", *self.config.serve.argv()]
+        if self.config.serve.resume and not self._link_started:
+            # The job resumes: the link's first life takes the agreed state it saved last. A link restarted
+            # alone must not: its node's weights moved on since, and it takes the agreed state from a peer.
+            argv += ["--resume", self.config.serve.resume]
+        if logging.getLogger().level > logging.INFO:
+            argv.append("--quiet")
+        self.link = subprocess.Popen(argv, env=dict(os.environ, **self.config.extra_env), start_new_session=True)
+        self._link_started = now
+        log.info("job %r: node %d of %d: node link pid %d", self.config.serve.job, self.config.serve.node_rank,
+                 self.config.serve.nnodes, self.link.pid)
+
+    def _stop_link(self) -> None:
+        if self.link is not None:
+            terminate(self.link, deadline=5.0)  # it clears its hold on the update loop first
+            self.link = None
 
     # -- checkpoints --------------------------------------------------------
 
@@ -420,6 +462,7 @@ class Watchdog:
             return
         failed = self.state == ServerState.FAILED
         a = self._open_arena() if not failed else None
+        self._stop_link()
         try:
             if self.proc is not None and self.proc.pid == self.server_pid:
                 terminate(self.proc, deadline=10.0)

@@ -1,0 +1,596 @@
+"""The node link: one process per node that keeps several machines' copies of a job in step.
+
+psd is one machine: a job's weights live in its arena. With ``--nnodes N``
+each machine runs its own job (watchdog, server, learners) and its watchdog
+starts this process beside the server. Every ``--sync-every K`` local updates
+(the arena's clock) it reads the node's weights ``w``, all-reduces the delta
+since the last agreed weights (``w - anchor``) with the other nodes over
+torch.distributed's gloo, moves the agreed weights by the mean delta (``avg``)
+or by DiLoCo's outer SGD with Nesterov momentum on minus the mean delta
+(``nesterov``), and makes the node adopt them together with the progress it
+made while the exchange ran: ``w += new_anchor - w_at_exchange``. Inside a node
+training stays asynchronous (HPSGD); across nodes it is local SGD / DiLoCo.
+
+Only the update loop writes weights concurrently, so every write here happens
+while the loop is stopped: under the arena's pause (what checkpoints use) or,
+at an exchange point, under the loop's *hold* (``Arena.hold``): the loop stops
+by itself right after the update that reaches ``hold_clock``, so
+``--max-node-lag D`` bounds exactly how many exchange points a node may pass
+before the exchange of the first one is adopted (D = 0: lockstep).
+
+Rendezvous and membership use a TCPStore that node 0's link hosts on
+``--master-addr:--master-port``; each membership (an *epoch*) gets a fresh
+``PrefixStore`` and a new ``ProcessGroupGloo`` whose timeout is
+``--node-timeout``. Node 0 decides every epoch's members. A collective that
+fails or times out makes the survivors form the next epoch without the dead
+node; a node that comes back asks to join, node 0 raises a flag inside the
+next all-reduce, and every member re-forms at that same round; the new epoch
+starts with a broadcast of the agreed weights, outer momentum and round from a
+node that was already a member. If node 0 dies, the rendezvous dies with it:
+the other nodes train on alone and their links keep retrying until node 0 is
+back (see the README's "Several machines").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import enum
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psd import _native
+from psd.arena import open_job
+from psd.errors import Error, JobNotFound, Timeout
+
+__all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path", "validate_nodes"]
+
+log = logging.getLogger("psd.nodelink")
+
+_POLL_S = 0.001  # the clock is polled: the update loop announces nothing to other processes
+_PAUSE_TIMEOUT_S = 5.0
+_SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
+
+
+class LinkState(enum.Enum):
+    """What the node link is doing (the ``state`` of its state file).
+
+    CONNECTING -> FORMING      the rendezvous (node 0's TCPStore) answered
+    FORMING    -> RUNNING      node 0 published this epoch's members and the agreed weights arrived
+    FORMING    -> FAILED       a node never arrived (first epoch) or node 0 did not answer within
+                               --node-timeout: the link exits non-zero; its watchdog restarts it
+    RUNNING    -> FORMING      a collective failed or timed out (a node died), or a node asked to join
+    RUNNING    -> STOPPED      SIGTERM (the watchdog stops the job): the hold is cleared
+    any        -> FAILED       node 0's rendezvous is gone; the node trains on alone meanwhile
+    """
+
+    CONNECTING = "connecting"
+    FORMING = "forming"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class _Reform(Exception):
+    """The current epoch is over (a peer died or a node asked to join): form the next one."""
+
+
+def validate_nodes(cfg: Any) -> None:
+    """Raise ValueError with a fix for each bad several-node setting of ``cfg`` (a ServeConfig)."""
+    if cfg.nnodes < 1:
+        raise ValueError(f"--nnodes must be 1 or more, not {cfg.nnodes}")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValueError(f"--node-rank must be 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), not {cfg.node_rank}")
+    if not 1 <= cfg.master_port <= 65535:
+        raise ValueError(f"--master-port must be 1..65535, not {cfg.master_port}")
+    if cfg.sync_every < 1:
+        raise ValueError(f"--sync-every must be 1 or more local updates, not {cfg.sync_every}")
+    if cfg.outer_optimizer not in ("avg", "nesterov"):
+        raise ValueError(f"--outer-optimizer must be avg or nesterov, not {cfg.outer_optimizer!r}")
+    if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
+        raise ValueError(f"--outer-lr must be positive and --outer-momentum in [0, 1), not {cfg.outer_lr} and "
+                         f"{cfg.outer_momentum}")
+    if cfg.max_node_lag < 0:
+        raise ValueError(f"--max-node-lag must be 0 (lockstep) or more, not {cfg.max_node_lag}")
+    if cfg.node_compress not in ("none", "bf16"):
+        raise ValueError(f"--node-compress must be none or bf16, not {cfg.node_compress!r}")
+    if not cfg.node_timeout > 0:
+        raise ValueError(f"--node-timeout must be a positive number of seconds, not {cfg.node_timeout}")
+
+
+def state_path(job: str) -> Path:
+    """The node link's state file (JSON, for ``psd status``); outside /dev/shm, rewritten after each round."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "psd" / "nodes" / f"{job}.json"
+
+
+def agreed_path(job: str) -> Path:
+    """Where the link keeps the agreed state (anchor, outer momentum, round) for a job resumed with --resume."""
+    return state_path(job).with_suffix(".agreed.safetensors")
+
+
+def read_state(job: str) -> dict | None:
+    """The node link's last written state for ``job``, with ``alive``; None when it has none."""
+    try:
+        st = json.loads(state_path(job).read_text())
+    except (OSError, ValueError):
+        return None
+    st["alive"] = bool(_native.owner_alive(st.get("pid", 0), st.get("pid_start_time", 0)))
+    return st
+
+
+@dataclass
+class _Agreed:
+    """What every member holds alike: the agreed weights, the outer momentum buffer, the global round."""
+
+    anchor: Any  # torch.Tensor, float32, n_train
+    momentum: Any  # torch.Tensor or None
+    round: int
+
+
+class NodeLink:
+    """One node's link: ``NodeLink(serve_config).run(stop_event)``."""
+
+    def __init__(self, cfg: Any) -> None:
+        validate_nodes(cfg)
+        self.cfg = cfg
+        self.rank = cfg.node_rank
+        self.me = os.getpid()
+        self.me_start = _native.proc_start_time(self.me)
+        self.state = LinkState.CONNECTING
+        self.epoch = -1
+        self.members: list[int] = []
+        self.bytes_sent = 0
+        self.exchanges = 0
+        self.last_exchange_unix = 0.0
+        self.last_exchange_ms = 0.0
+        self.reforms = 0
+        self.store = None
+        self.pg = None
+        self.arena: _native.Arena | None = None
+        self.agreed: _Agreed | None = None
+        self.base = 0  # the local clock that exchange point 0 stands for
+        self.adopted = 0  # local exchanges adopted since `base`
+        self.stop = threading.Event()
+        self._old_groups: list = []
+        self._saved_at = time.monotonic()
+
+    # -- the arena ------------------------------------------------------------
+
+    def _open_arena(self, deadline: float) -> None:
+        """Map the job's arena once it holds weights (the first learner's or a checkpoint's)."""
+        job = self.cfg.job
+        while True:
+            try:
+                a = open_job(job)
+            except (JobNotFound, Error, OSError):
+                a = None
+            if a is not None:
+                if a.state == _native.ARENA_READY and a.header()["n_params"]:
+                    a.remap()
+                    self.arena = a
+                    return
+                a.close()
+            if time.monotonic() > deadline or self.stop.is_set():
+                raise JobNotFound(f"job {job!r} has no weights yet: the node link waits for the first learner "
+                                  f"to attach (start the node's learners, or give --init)")
+            time.sleep(0.05)  # nothing announces READY to other processes
+
+    def _weights(self):
+        from psd.state import weights_view
+
+        h = self.arena.header()
+        return weights_view(self.arena, h)[: h["n_train"]]
+
+    def _hold(self, clock: int) -> None:
+        self.arena.hold(self.me, self.me_start, clock)
+
+    def _point(self, j: int) -> int:
+        return self.base + self.cfg.sync_every * j
+
+    def _paused(self):
+        """A context that pauses the update loop (unless it is held at an exchange point anyway)."""
+        link = self
+
+        class _Pause:
+            def __enter__(self):
+                link.arena.pause(link.me, link.me_start, _PAUSE_TIMEOUT_S)
+
+            def __exit__(self, *exc):
+                link.arena.resume()
+
+        return _Pause()
+
+    # -- rendezvous and membership -----------------------------------------------
+
+    def _connect(self) -> None:
+        import torch.distributed as dist
+
+        c = self.cfg
+        try:
+            self.store = dist.TCPStore(c.master_addr, c.master_port, None, self.rank == 0,
+                                       datetime.timedelta(seconds=c.node_timeout), wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            raise Timeout(f"node {self.rank}: the rendezvous at {c.master_addr}:{c.master_port} (node 0) did not "
+                          f"answer within --node-timeout {c.node_timeout:g} s ({e}); start node 0 first, check "
+                          f"--master-addr/--master-port, or raise --node-timeout") from None
+
+    def _get(self, key: str) -> str:
+        return self.store.get(key).decode()
+
+    def _wait_keys(self, keys: list[str], timeout: float) -> bool:
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout))
+            return True
+        except (RuntimeError, OSError) as e:
+            if "timeout" in str(e).lower() or "wait" in str(e).lower():
+                return False
+            raise
+
+    def _coordinate(self, epoch: int, expected: list[int], first: bool) -> None:
+        """Node 0: wait for the epoch's expected members, then publish who is in it and who holds the state."""
+        c = self.cfg
+        deadline = time.monotonic() + c.node_timeout
+        present: list[int] = []
+        while True:
+            present = [r for r in expected if self.store.check([f"e{epoch}/ready/{r}"])]
+            if len(present) == len(expected) or time.monotonic() > deadline or self.stop.is_set():
+                break
+            time.sleep(0.02)  # the store announces nothing
+        missing = sorted(set(expected) - set(present))
+        if first and missing:
+            self.store.set(f"e{epoch}/members", "failed")
+            raise Timeout(f"node(s) {', '.join(map(str, missing))} did not arrive within --node-timeout "
+                          f"{c.node_timeout:g} s: start `psd serve` / `psd run` with --nnodes {c.nnodes} "
+                          f"--node-rank R --master-addr {c.master_addr} --master-port {c.master_port} on each, or "
+                          f"raise --node-timeout")
+        members = sorted(set(present) | {0})
+        if first:
+            self.store.add("epoch_started", 1)
+        veterans = [r for r in members if r in self.members] or [0]
+        self.store.set(f"e{epoch}/source", str(veterans[0] if not first else 0))
+        self.store.set(f"e{epoch}/members", ",".join(map(str, members)))
+        if missing:
+            log.warning("node 0: node(s) %s did not come back within %g s; epoch %d goes on with nodes %s",
+                        ", ".join(map(str, missing)), c.node_timeout, epoch, members)
+
+    def _form(self, epoch: int, expected: list[int] | None, first: bool) -> None:
+        """Join epoch ``epoch``: register, learn its members, build its process group, agree on the state."""
+        import torch.distributed as dist
+
+        c = self.cfg
+        self._set_state(LinkState.FORMING)
+        self.store.set(f"e{epoch}/ready/{self.rank}", str(self.me))
+        if self.rank == 0:
+            self.store.set("epoch", str(epoch))
+            self._coordinate(epoch, expected or list(range(c.nnodes)), first)
+        if not self._wait_keys([f"e{epoch}/members"], c.node_timeout * 2 + 1):
+            raise Timeout(f"node {self.rank}: node 0 formed no epoch {epoch} within {c.node_timeout * 2 + 1:g} s")
+        raw = self._get(f"e{epoch}/members")
+        if raw == "failed":
+            raise Timeout(f"node {self.rank}: node 0 gave up waiting for the other nodes (see node 0's log); "
+                          f"start every node within --node-timeout {c.node_timeout:g} s of each other")
+        members = [int(r) for r in raw.split(",")]
+        if self.rank not in members:
+            raise _Reform(f"arrived after epoch {epoch} was formed")
+        source = int(self._get(f"e{epoch}/source"))
+        prefix = dist.PrefixStore(f"e{epoch}/pg", self.store)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=c.node_timeout)
+        if c.master_addr in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        try:
+            pg = dist.ProcessGroupGloo(prefix, members.index(self.rank), len(members), opts)
+            self._receive_agreed(pg, members.index(source), source)
+        except RuntimeError as e:  # a member died while the epoch formed: the next one goes without it
+            raise _Reform(f"epoch {epoch} failed while forming ({e})") from None
+        self.pg, self.epoch, self.members = pg, epoch, members
+        self.adopted = 0
+        self.base = self.arena.clock()
+        self._hold(self._point(1 + c.max_node_lag))
+        self._set_state(LinkState.RUNNING)
+        log.info("node %d: epoch %d formed with nodes %s at round %d", self.rank, epoch, members, self.agreed.round)
+
+    def _receive_agreed(self, pg: Any, root: int, source: int) -> None:
+        """The agreed state by broadcast from group index ``root`` (node ``source``); a node whose own differs
+        (a newcomer, or a member a round behind) adopts it."""
+        import torch
+
+        c = self.cfg
+        n = self._weights().numel()
+        mine = self.agreed
+        nesterov = int(c.outer_optimizer == "nesterov")
+        meta = torch.tensor([mine.round if mine else -1, n, nesterov], dtype=torch.int64)
+        pg.broadcast(meta, root).wait()
+        if int(meta[1]) != n or int(meta[2]) != nesterov:
+            raise Error(f"node {source} trains a model of {int(meta[1])} parameters with --outer-optimizer "
+                        f"{'nesterov' if int(meta[2]) else 'avg'}, this node one of {n} with {c.outer_optimizer}: "
+                        f"run the same model and flags on every node")
+        anchor = mine.anchor.clone() if mine else self._snapshot()
+        momentum = torch.zeros(n) if c.outer_optimizer == "nesterov" else None
+        if mine is not None and mine.momentum is not None and momentum is not None:
+            momentum.copy_(mine.momentum)
+        before = anchor.clone()
+        pg.broadcast(anchor, root).wait()
+        if momentum is not None:
+            pg.broadcast(momentum, root).wait()
+        new = _Agreed(anchor, momentum, int(meta[0]) if int(meta[0]) >= 0 else 0)
+        if mine is None or mine.round != new.round or not torch.equal(before, anchor):
+            self._adopt(anchor - before)
+        self.agreed = new
+
+    def _snapshot(self):
+        with self._paused():
+            return self._weights().clone()
+
+    def _adopt(self, step) -> None:
+        with self._paused():
+            self._weights().add_(step)
+
+    def _reform(self, why: str) -> None:
+        """Leave the current epoch and form the next: survivors, plus whoever asked to join."""
+        log.warning("node %d: %s; forming the next epoch", self.rank, why)
+        self.reforms += 1
+        if self.pg is not None:
+            self._old_groups.append(self.pg)  # a failed gloo group may block in its destructor: keep it
+        self.pg = None
+        expected = sorted(set(self.members) | self._joiners()) if self.rank == 0 else None
+        if self.rank != 0:
+            self._enter(self.epoch + 1)
+            return
+        for r in expected:
+            if r != 0:
+                self.store.delete_key(f"join/{r}")
+        self._form(self.epoch + 1, expected, first=False)
+
+    def _joiners(self) -> set[int]:
+        return {r for r in range(1, self.cfg.nnodes)
+                if r not in self.members and self.store.check([f"join/{r}"])}
+
+    def _join(self) -> None:
+        """First contact: the first epoch with everyone, or (the job already runs) ask node 0 to let us in."""
+        c = self.cfg
+        if self.rank == 0 or int(self.store.add("epoch_started", 0)) == 0:
+            try:
+                self._form(0, list(range(c.nnodes)), first=True)
+                return
+            except _Reform:
+                pass  # node 0 formed the first epoch without us: join as a node that comes back
+        self.store.set(f"join/{self.rank}", str(self.me))
+        self._enter(int(self._get("epoch")) + 1)
+
+    def _enter(self, epoch: int) -> None:
+        """A node other than 0: be a member of ``epoch`` or, if node 0 formed it without us, of a later one."""
+        deadline = time.monotonic() + self.cfg.node_timeout * 4
+        while True:
+            try:
+                self._form(epoch, None, first=False)
+                return
+            except _Reform:
+                if time.monotonic() > deadline or self.stop.is_set():
+                    raise Timeout(f"node {self.rank}: the running nodes did not let this node in within "
+                                  f"{self.cfg.node_timeout * 4:g} s") from None
+                self.store.set(f"join/{self.rank}", str(self.me))  # node 0 re-forms at its next round
+                epoch = max(epoch, int(self._get("epoch"))) + 1
+
+    # -- one exchange ------------------------------------------------------------
+
+    def _exchange(self) -> None:
+        import torch
+
+        c, a = self.cfg, self.arena
+        j = self.adopted + 1
+        while a.clock() < self._point(j):
+            if self.stop.is_set():
+                return
+            time.sleep(_POLL_S)
+        t0 = time.monotonic()
+        held = c.max_node_lag == 0  # the loop stopped at this exchange point by itself
+        if held:
+            w_x = self._weights().clone()
+        else:
+            w_x = self._snapshot()
+        flag = 1.0 if self.rank == 0 and self._joiners() else 0.0
+        payload = torch.cat([w_x - self.agreed.anchor, torch.tensor([flag])])
+        if c.node_compress == "bf16":
+            payload = payload.bfloat16()
+        p = len(self.members)
+        work = self.pg.allreduce([payload])
+        deadline = time.monotonic() + c.node_timeout + 1
+        while not work.is_completed():  # the loop trains on meanwhile, up to the hold
+            if time.monotonic() > deadline:
+                raise _Reform(f"the exchange of round {self.agreed.round + 1} took more than --node-timeout")
+            if self.stop.is_set():
+                return
+            time.sleep(_POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise _Reform(f"the exchange of round {self.agreed.round + 1} failed ({e})") from None
+        mean = payload[:-1].float() / p
+        old = self.agreed.anchor
+        if c.outer_optimizer == "avg":
+            new = old + mean
+        else:  # DiLoCo: outer SGD with Nesterov momentum on the pseudo-gradient -mean
+            g = -mean
+            m = self.agreed.momentum
+            m.mul_(c.outer_momentum).add_(g)
+            new = old - c.outer_lr * (g + c.outer_momentum * m)
+        if held:
+            self._weights().add_(new - w_x)
+        else:
+            self._adopt(new - w_x)
+        self.agreed.anchor = new
+        self.agreed.round += 1
+        self.adopted = j
+        self._hold(self._point(j + 1 + c.max_node_lag))
+        self.exchanges += 1
+        self.bytes_sent += int(payload.numel() * payload.element_size() * 2 * (p - 1) / p)  # ring: 2(p-1)/p
+        self.last_exchange_unix = time.time()
+        self.last_exchange_ms = (time.monotonic() - t0) * 1000
+        self._write_state()
+        if time.monotonic() - self._saved_at > _SAVE_EVERY_S:
+            self._save_agreed()
+        if payload[-1] > 0:
+            raise _Reform("a node asked to join")
+
+    # -- the agreed state on disk (for --resume) -------------------------------------
+
+    def _save_agreed(self) -> None:
+        """Write the agreed state: a temporary file, fsync, rename (as checkpoints are written)."""
+        from safetensors.torch import save_file
+
+        g = self.agreed
+        if g is None:
+            return
+        path = agreed_path(self.cfg.job)
+        tmp = path.with_name(f".{path.name}.tmp-{self.me}")
+        tensors = {"anchor": g.anchor} | ({"momentum": g.momentum} if g.momentum is not None else {})
+        save_file(tensors, str(tmp), metadata={"round": str(g.round), "outer_optimizer": self.cfg.outer_optimizer})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._saved_at = time.monotonic()
+
+    def _load_agreed(self) -> None:
+        """With --resume: the agreed state this node's link saved last, if it fits the model."""
+        from safetensors import safe_open
+
+        path = agreed_path(self.cfg.job)
+        if not self.cfg.resume or not path.exists():
+            return
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+                anchor = f.get_tensor("anchor")
+                momentum = f.get_tensor("momentum") if "momentum" in f.keys() else None
+        except (OSError, ValueError, RuntimeError) as e:
+            log.warning("node %d: %s is unreadable (%s); starting from the node's weights", self.rank, path, e)
+            return
+        if anchor.numel() != self._weights().numel():
+            log.warning("node %d: %s holds another model; starting from the node's weights", self.rank, path)
+            return
+        if self.cfg.outer_optimizer == "nesterov" and momentum is None:
+            import torch
+
+            momentum = torch.zeros_like(anchor)
+        self.agreed = _Agreed(anchor, momentum if self.cfg.outer_optimizer == "nesterov" else None,
+                              int(meta["round"]))
+        log.info("node %d: resuming the agreed state of round %d from %s", self.rank, self.agreed.round, path)
+
+    # -- life -----------------------------------------------------------------
+
+    def _set_state(self, s: LinkState) -> None:
+        self.state = s
+        self._write_state()
+
+    def _write_state(self) -> None:
+        c = self.cfg
+        lag = 0
+        if self.arena is not None and self.state == LinkState.RUNNING:
+            lag = max(0, (self.arena.clock() - self.base) // c.sync_every - self.adopted)
+        st = {"job": c.job, "pid": self.me, "pid_start_time": self.me_start, "state": self.state.value,
+              "node_rank": self.rank, "nnodes": c.nnodes, "master": f"{c.master_addr}:{c.master_port}",
+              "epoch": self.epoch, "peers": self.members, "round": self.agreed.round if self.agreed else 0,
+              "exchanges": self.exchanges, "reforms": self.reforms, "sync_every": c.sync_every,
+              "outer_optimizer": c.outer_optimizer, "max_node_lag": c.max_node_lag, "lag": lag,
+              "last_exchange_unix": self.last_exchange_unix, "last_exchange_ms": round(self.last_exchange_ms, 2),
+              "bytes_sent": self.bytes_sent}
+        path = state_path(c.job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{self.me}")
+        tmp.write_text(json.dumps(st))
+        os.replace(tmp, path)
+
+    def run(self) -> int:
+        """Link this node to the others until stopped; returns the exit status."""
+        c = self.cfg
+        try:
+            self._open_arena(time.monotonic() + max(60.0, c.node_timeout))
+            # No update until this node holds the agreed weights: its learners must not train on weights
+            # the other nodes will never see (a node that rejoins: weights they have left behind).
+            self._hold(self.arena.clock())
+            self._load_agreed()
+            self._connect()
+            self._join()
+            why = ""
+            while not self.stop.is_set():
+                try:
+                    if why:
+                        self._reform(why)
+                        why = ""
+                    self._exchange()
+                except _Reform as e:
+                    why = str(e)
+                    self._hold(0)  # the node trains on alone while the next epoch forms
+            self._save_agreed()
+            self._set_state(LinkState.STOPPED)
+            return 0
+        except (Error, RuntimeError, OSError) as e:
+            if self.stop.is_set():
+                self._save_agreed()
+                self._set_state(LinkState.STOPPED)
+                return 0
+            self.state = LinkState.FAILED
+            self._write_state()
+            print(f"psd nodelink: node {self.rank} of job {c.job!r}: {e}", file=sys.stderr, flush=True)
+            return 2
+        finally:
+            if self.arena is not None:
+                try:
+                    self._hold(0)  # never leave the loop held behind us
+                    self.arena.close()
+                except Error:
+                    pass
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the watchdog that started us dies, however it dies: the watchdog that replaces it
+    starts its own link, and a node must never have two."""
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m psd.nodelink [psd serve flags]``: what a node's watchdog starts when --nnodes > 1."""
+    from psd.flags import add_flags, serve_fields
+    from psd.server import ServeConfig
+
+    p = argparse.ArgumentParser(prog="python -m psd.nodelink", description="a node's link to the job's other "
+                                "nodes (started by the watchdog of `psd serve --nnodes N`)")
+    add_flags(p, "serve")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s psd nodelink[%(process)d]: %(message)s", datefmt="%H:%M:%S")
+    cfg = ServeConfig(**{f.field: getattr(args, f.dest) for f in serve_fields()})
+    cfg.betas = tuple(cfg.betas)
+    try:
+        validate_nodes(cfg)
+    except ValueError as e:
+        raise SystemExit(f"psd nodelink: {e}") from None
+    link = NodeLink(cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: link.stop.set())
+    _die_with_parent()
+    return link.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

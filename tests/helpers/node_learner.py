@@ -1,0 +1,44 @@
+"""A learner for the several-node tests, started by `psd run` (PSD_RANK, PSD_NODE_RANK, PSD_NNODES).
+
+Learner g = node_rank * learners + rank trains on its own rows of sync_learner's exact problem; it
+waits until its node link has formed (so no step is taken on weights the nodes have not agreed on),
+then takes --steps steps and prints its final weights as JSON. --forever: train until killed.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sync_learner import exact_problem
+
+from psd import learner
+from psd.nodelink import read_state
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=4)
+p.add_argument("--forever", action="store_true")
+args = p.parse_args()
+job, rank = os.environ["PSD_JOB"], int(os.environ["PSD_RANK"])
+world, node, nnodes = int(os.environ["PSD_WORLD"]), int(os.environ["PSD_NODE_RANK"]), int(os.environ["PSD_NNODES"])
+model, x, y = exact_problem()
+g, total = node * world + rank, world * nnodes
+rows = len(x) // total
+xs, ys = x[g * rows:(g + 1) * rows], y[g * rows:(g + 1) * rows]
+with learner.attach(model, job=job) as ps:
+    deadline = time.monotonic() + 60
+    while (read_state(job) or {}).get("state") != "running":
+        if time.monotonic() > deadline:
+            sys.exit("the node link did not form within 60 s")
+        time.sleep(0.02)  # the link announces itself only in its state file
+    print("started", flush=True)
+    step = 0
+    while args.forever or step < args.steps:
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        ps.step()
+        step += 1
+    print(json.dumps(model.weight.detach().reshape(-1).tolist()), flush=True)

@@ -1,0 +1,153 @@
+"""Several nodes (psd/nodelink.py), as several psd jobs on this machine: one --master-port, 127.0.0.1 only.
+
+Each node is a real `psd run` (launcher, watchdog, server, learners, node link); the nodes meet over
+torch.distributed's gloo. The learners (tests/helpers/node_learner.py) wait until their node link has
+formed before they train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HELPERS, child_env, wait_until
+from psd import _native
+from psd.arena import shm_name, shm_path
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(job: str, rank: int, port: int, tmp: Path, *flags: str, learner: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`psd run` for node ``rank`` of 2, its output in tmp/node<rank>.out and .err."""
+    argv = [sys.executable, "-m", "psd.cli", "run", "--job", f"{job}-n{rank}", "--nnodes", "2", "--node-rank",
+            str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "--checkpoint-every", "0",
+            "--checkpoint-dir", str(tmp / f"ck{rank}"), *flags, "--", sys.executable,
+            str(HELPERS / "node_learner.py"), *learner]
+    return subprocess.Popen(argv, stdout=open(tmp / f"node{rank}.out", "w"), stderr=open(tmp / f"node{rank}.err", "w"),
+                            env=child_env(), start_new_session=True)
+
+
+def link_state(job: str) -> dict:
+    try:  # the children's XDG_STATE_HOME (child_env), where their links write
+        return json.loads((Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout)
+
+
+def test_bad_node_flags_say_what_to_do():
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "serve", "--job", "x", "--nnodes", "2", "--node-rank", "2"],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode != 0 and "--node-rank must be 0..1 (--nnodes 2), not 2" in r.stderr
+
+
+def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path):
+    """2 nodes x 2 learners, bsp inside each node, --sync-every 1 --outer-optimizer avg --max-node-lag 0:
+    every step is plain SGD on the 4 learners' combined batch."""
+    sys.path.insert(0, str(HELPERS))
+    from sync_learner import exact_problem
+
+    steps, lr = 4, 2.0 ** -4
+    model, x, y = exact_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ref = model.weight.detach().reshape(-1)
+    port = free_port()
+    procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr), "--sync-every", "1",
+                  "--max-node-lag", "0", "--outer-optimizer", "avg", "--node-timeout", "20",
+                  learner=("--steps", str(steps))) for r in range(2)]
+    for r, p in enumerate(procs):
+        assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
+    for r in range(2):
+        logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
+        outs = [json.loads(line) for line in (tmp_path / f"node{r}.out").read_text().splitlines() if line[:1] == "["]
+        assert len(outs) == 2, logs
+        for out in outs:
+            assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != {ref.tolist()}\n{logs}"
+        st = link_state(f"{job}-n{r}")
+        assert (st["round"], st["peers"], st["state"]) == (steps, [0, 1], "stopped"), f"{st}\n{logs}"
+        # The agreed state, saved at the stop for a later --resume: the last round's weights.
+        saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
+        from safetensors import safe_open
+
+        with safe_open(str(saved), "pt") as f:
+            assert f.metadata()["round"] == str(steps)
+            assert torch.allclose(f.get_tensor("anchor"), ref, atol=1e-6)
+        assert not os.path.exists(shm_path(f"{job}-n{r}"))
+
+
+def test_a_node_that_never_arrives_is_a_clear_timeout(job, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "init.safetensors"))  # weights without a learner
+    p = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--init",
+                          str(tmp_path / "init.safetensors"), "--nnodes", "2", "--master-port", str(free_port()),
+                          "--node-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck")],
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"), env=child_env())
+    err = tmp_path / "err"
+    try:
+        wait_until(lambda: "did not arrive within --node-timeout 2 s" in err.read_text(), timeout=60,
+                   what="node 0 to give up on node 1")
+        assert "--node-rank R --master-addr 127.0.0.1" in err.read_text()
+        wait_until(lambda: "restarting it" in err.read_text(), timeout=30, what="its watchdog to retry")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.read_text()
+    assert not os.path.exists(shm_path(job))
+
+
+def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_path):
+    """Node 1's link SIGKILLed alone: its watchdog restarts it and it rejoins. Then all of node 1
+    SIGKILLed: node 0 goes on alone after at most the timeout, and stops leaving nothing in /dev/shm."""
+    port, timeout = free_port(), 3
+    flags = ("--learners", "1", "--lr", "0.01", "--sync-every", "5", "--max-node-lag", "1", "--node-timeout",
+             str(timeout))
+    procs = [node(job, r, port, tmp_path, *flags, learner=("--forever",)) for r in range(2)]
+    n0, n1 = f"{job}-n0", f"{job}-n1"
+    try:
+        wait_until(lambda: link_state(n1).get("round", 0) >= 3, timeout=60, what="3 rounds")
+        first = link_state(n1)["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: (lambda s: s.get("pid") != first and s.get("state") == "running" and s["peers"] == [0, 1]
+                            and s["exchanges"] >= 2)(link_state(n1)), timeout=60, what="node 1's new link to rejoin")
+        # Now the whole of node 1: every process of it, its arena left behind as a crash leaves it.
+        h = _native.open(shm_name(n1)).header()
+        pids = [procs[1].pid, h["watchdog_pid"], h["server_pid"], link_state(n1)["pid"]]  # learners: PDEATHSIG
+        for pid in set(pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        procs[1].wait(30)
+        before = link_state(n0)["round"]
+        wait_until(lambda: link_state(n0).get("peers") == [0] and link_state(n0)["round"] >= before + 3,
+                   timeout=4 * timeout + 10, what="node 0 to go on alone")
+    finally:
+        assert stop(procs[0]) == 130, (tmp_path / "node0.err").read_text()
+        stop(procs[1])
+        if os.path.exists(shm_path(n1)):
+            _native.unlink(shm_name(n1))
+    assert not os.path.exists(shm_path(n0)), "node 0 stops cleanly"
+    assert "forming the next epoch" in (tmp_path / "node0.err").read_text()
