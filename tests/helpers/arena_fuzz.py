@@ -84,6 +84,7 @@ def cases(template: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     for a, b in zip(ends, [*ends[1:], "total_size"], strict=True):
         if hdr[a] < (hdr[b] if b != "total_size" else hdr["total_size"]):
             regions[a.removesuffix("_off")] = (hdr[a], hdr[b] if b != "total_size" else hdr["total_size"])
+    regions["spec JSON"] = (hdr["spec_off"], hdr["spec_off"] + hdr["spec_len"])
     for name, (lo, hi) in regions.items():
         for i in range(3):
             t = bytearray(template)
