@@ -25,8 +25,8 @@ import torch
 from psd import _native
 from psd.arena import (
     ParamSpec,
+    arena_spec,
     buffers_set,
-    decode_spec,
     default_job,
     encode_spec,
     first_difference,
@@ -235,7 +235,7 @@ class Learner:
                 buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
                 _wait_ready(arena, self.job, self._spec, self._params, buffers, self.timeout)
             arena.remap()
-            mismatch = first_difference(self.job, self._spec, decode_spec(arena.spec()))
+            mismatch = first_difference(self.job, self._spec, arena_spec(arena))
             if mismatch:
                 raise mismatch
             self._check_sparse(arena)
@@ -823,7 +823,7 @@ def pull_state_dict(job: str | None = None) -> dict[str, torch.Tensor]:
         if arena.state != _native.ARENA_READY:
             raise StateError(f"job {job!r} has no weights yet (no learner has attached)")
         arena.remap()
-        spec = decode_spec(arena.spec())
+        spec = arena_spec(arena)
         h = arena.header()
         w, b = weights_view(arena, h), buffers_view(arena, h)
         try:

@@ -24,10 +24,12 @@ __all__ = [
     "SET_BUFFER_DTYPES",
     "SHM_DIR",
     "ParamSpec",
+    "arena_spec",
     "buffers_set",
     "check_space",
     "decode_spec",
     "default_job",
+    "encode_hash",
     "encode_spec",
     "first_difference",
     "install_sigbus_handler",
@@ -258,12 +260,34 @@ def encode_spec(spec: Iterable[ParamSpec]) -> tuple[bytes, int]:
          for p in spec],
         separators=(",", ":"),
     ).encode()
-    return data, int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+    return data, encode_hash(data)
 
 
 def decode_spec(data: bytes) -> list[ParamSpec]:
     """Inverse of encode_spec."""
     return [ParamSpec(d["name"], tuple(d["shape"]), d["dtype"], d.get("kind", "param")) for d in json.loads(data)]
+
+
+def arena_spec(arena: _native.Arena) -> list[ParamSpec]:
+    """The model spec stored in ``arena``, checked against the hash stored beside it (ArenaCorrupt if the
+    two disagree: something overwrote the arena), for callers that read it once the arena holds a spec."""
+    data = arena.spec() or b""
+    bad = ""
+    if encode_hash(data) != arena.header()["spec_hash"]:
+        bad = "does not match its checksum"
+    else:
+        try:
+            return decode_spec(data)
+        except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8 or shape errors: written by no psd
+            bad = f"cannot be read ({type(e).__name__}: {e})"
+    raise ArenaCorrupt(f"the model spec in {SHM_DIR}{arena.name} {bad}: the arena was overwritten; restart its "
+                       f"server with `psd serve --resume` to start over from the last checkpoint, or remove it with "
+                       f"`psd clean`")
+
+
+def encode_hash(data: bytes) -> int:
+    """The 64-bit hash of an encoded spec, as encode_spec gives it and the arena stores it."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 def model_sizes(spec: Iterable[ParamSpec]) -> tuple[int, int, int, int]:

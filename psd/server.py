@@ -26,6 +26,7 @@ from pathlib import Path
 from psd import __version__, _native
 from psd.arena import (
     ParamSpec,
+    arena_spec,
     buffers_set,
     check_space,
     decode_spec,
@@ -390,7 +391,7 @@ class Server:
             a.beat()  # the update loop beats once it runs; until then, this thread does
         if st == _native.ARENA_READY:
             if not self._loop_running:
-                spec = decode_spec(a.spec())
+                spec = arena_spec(a)
                 a.start_loop(piece_geometry(spec), buffers_set(spec))
                 self._loop_running = True
                 log.info("job %r: ready, %d parameters; update loop running", self.config.job,
@@ -424,8 +425,8 @@ class Server:
                                       *sizes[1:])
             check_space(size - h["mapped_size"], f"job {cfg.job!r} with {h['n_params']:,} parameters")
             a.grow()
-        except (Error, ValueError) as e:
-            msg = str(e)
+        except (Error, ValueError, KeyError, TypeError) as e:  # the offered spec is the learner's word
+            msg = str(e) if isinstance(e, (Error, ValueError)) else f"the offered spec is malformed ({e!r})"
         except OSError as e:  # posix_fallocate found /dev/shm fuller than statvfs said
             msg = str(OutOfSharedMemory(f"job {cfg.job!r}: cannot reserve the arena: {e.strerror}"))
         else:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from psd import __version__, _native
-from psd.arena import ParamSpec, decode_spec, encode_spec
+from psd.arena import ParamSpec, arena_spec, decode_spec, encode_spec
 from psd.errors import Error
 
 if TYPE_CHECKING:  # torch is imported where it is used: a restarting server must not wait for it
@@ -111,7 +111,7 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
 
     me = os.getpid()
     h = arena.header()
-    spec = decode_spec(arena.spec())
+    spec = arena_spec(arena)
     arena.pause(me, _native.proc_start_time(me), pause_timeout)
     try:
         flat = weights_view(arena, h).clone()

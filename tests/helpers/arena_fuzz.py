@@ -20,6 +20,7 @@ import random
 import struct
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -67,7 +68,7 @@ def cases(template: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
         ("random 100 bytes", rng.randbytes(100)),
         ("random page", rng.randbytes(4096)),
         ("random 64 KiB", rng.randbytes(1 << 16)),
-        ("another program's file (an ELF binary)", open(sys.executable, "rb").read(1 << 16)),
+        ("another program's file (an ELF binary)", Path(sys.executable).read_bytes()[:1 << 16]),
         ("another layout version", struct.pack_into("<I", t := bytearray(template), 8, h["layout_version"] + 1)
          or bytes(t)),
         ("another fingerprint", struct.pack_into("<I", t := bytearray(template), 12, h["fingerprint"] ^ 1)
@@ -82,12 +83,14 @@ def cases(template: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     hdr = header_of(template)
     ends = ["ranks_off", "spec_off", "weights_off", "optstate_off", "buffers_off", "pieces_off", "slots_off"]
     for a, b in zip(ends, [*ends[1:], "total_size"], strict=True):
-        if hdr[a] < (hdr[b] if b != "total_size" else hdr["total_size"]):
-            regions[a.removesuffix("_off")] = (hdr[a], hdr[b] if b != "total_size" else hdr["total_size"])
+        if hdr[a] < hdr[b]:  # regions the model does not use (no buffers, no optimizer state) are empty
+            regions[a.removesuffix("_off")] = (hdr[a], hdr[b])
+    regions["spec JSON"] = (hdr["spec_off"], hdr["spec_off"] + hdr["spec_len"])
     for name, (lo, hi) in regions.items():
         for i in range(3):
             t = bytearray(template)
             for _ in range(rng.choice((1, 4, 32))):
+                # The header's first case may hit the magic number; the others get past it to the fields.
                 at = rng.randrange(max(lo, 8 if name.startswith("header") and i else 0), hi)
                 t[at] = rng.randrange(256)
             out.append((f"random bytes in the {name} ({i})", bytes(t)))
