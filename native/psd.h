@@ -158,6 +158,31 @@ static inline bool psd_slot_owner_alive(struct psd_slot *s) {
     return psd_owner_alive(PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time));
 }
 
+/* A heartbeat that long work stores as it goes, so that one long update does not look like a hung
+ * server: at most every PSD_BEAT_NS, by the one thread that owns `last` (the update loop's, or
+ * the master of its OpenMP team). A NULL beat (psd bench) does nothing. */
+#define PSD_BEAT_NS (2ull * 1000 * 1000)
+struct psd_beat {
+    _Atomic uint64_t *at; /* the header's heartbeat_ns */
+    uint64_t last;
+};
+static inline void psd_beat_at(struct psd_beat *b, uint64_t now) {
+    if (now - b->last >= PSD_BEAT_NS) {
+        PSD_STORE_RLX(b->at, now); /* read by psd_server_alive: a hint, nothing is published with it */
+        b->last = now;
+    }
+}
+static inline void psd_beat(struct psd_beat *b) {
+    if (b)
+        psd_beat_at(b, psd_now_ns());
+}
+#ifdef _OPENMP
+#include <omp.h>
+#define PSD_OMP_MASTER() (omp_get_thread_num() == 0)
+#else
+#define PSD_OMP_MASTER() 1
+#endif
+
 /* sync.c: robust mutexes and futex condition variables */
 int psd_mutex_init(pthread_mutex_t *m);
 /* Lock, taking over from a dead owner: returns 0, or PSD_EOWNERDEAD when the
@@ -281,7 +306,8 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
                    uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
-void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads);
+void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads,
+                   struct psd_beat *beat);
 /* bench_kernels.c: one thread, one way of writing the loop (psd bench's unrolling measure). */
 enum psd_kernel { PSD_KERNEL_SCALAR, PSD_KERNEL_VECTOR, PSD_KERNEL_UNROLL4, PSD_KERNEL_UNROLL8 };
 int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n, float lr, int kernel);
@@ -291,9 +317,10 @@ double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
 /* The explicit momentum of the next update: --async-momentum (see optim.c). */
 double psd_async_momentum(const struct psd_header *h);
 /* One update of the configured optimizer with gradient g * gscale; t is the
- * 1-based step (Adam's bias correction, the momentum buffer's first step). */
+ * 1-based step (Adam's bias correction, the momentum buffer's first step). Beats `beat` every
+ * PSD_CHUNK floats (of the master thread's share) at most. */
 void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
-                        uint64_t n, double lr, uint64_t t, int threads);
+                        uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat);
 /* Whether the configured optimizer takes sparse gradients (as torch.optim:
  * sgd and adagrad, without weight decay). */
 bool psd_sparse_ok(const struct psd_header *h);

@@ -181,8 +181,10 @@ struct psd_header {
     _Atomic uint64_t generation;
     uint64_t server_started_unix_ns; /* wall clock, for uptime */
 
-    /* -- heartbeat: CLOCK_MONOTONIC ns, stored by the update loop at least
-     *    every PSD_HEARTBEAT_NS while it runs; read by learners and the watchdog. */
+    /* -- heartbeat: CLOCK_MONOTONIC ns, stored by the update loop every
+     *    PSD_BEAT_NS (2 ms) while it works, from inside a long update too (psd_beat),
+     *    every 20 ms while paused, and after each doorbell sleep (at most 100 ms);
+     *    read by learners and the watchdog. */
     alignas(PSD_CACHELINE) _Atomic uint64_t heartbeat_ns;
 
     /* -- weights clock: gradients applied to these weights so far. Written

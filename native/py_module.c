@@ -121,7 +121,7 @@ static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
 typedef int (*sgd_fn)(float *restrict w, const float *restrict g, uint64_t n, float lr, int arg);
 
 static int sgd_threads(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
-    psd_apply_sgd(w, g, n, lr, threads);
+    psd_apply_sgd(w, g, n, lr, threads, NULL);
     return 0;
 }
 

@@ -49,22 +49,32 @@ struct psd_loop {
     /* The piece map of the entry being taken, copied out of the ring before it is checked, so
      * that what is applied is what was checked. */
     uint8_t *entry_map;
+    /* The heartbeat, stored after each pass and, inside a long update, every PSD_BEAT_NS
+     * (psd_beat), so that one long apply does not look like a hung server. */
+    struct psd_beat beat;
 };
 
 /* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
  * vectors in cache in some runs, never slower; the same once memory is the
  * limit: `psd bench`, whose other variants are in bench_kernels.c). */
-void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
+void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads,
+                   struct psd_beat *beat) {
+    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
     /* Small vectors are not worth waking a team. */
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
-        psd_sgd_unroll4(w, g, n, lr);
+        for (int64_t c = 0; c < chunks; c++) {
+            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
+            psd_sgd_unroll4(w + lo, g + lo, hi - lo, lr);
+            psd_beat(beat);
+        }
         return;
     }
-    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
         psd_sgd_unroll4(w + lo, g + lo, hi - lo, lr);
+        if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
+            psd_beat(beat);
     }
 }
 
@@ -127,7 +137,8 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && psd_piece_at(m, j)->steps + 1 == t)
                 j++;
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
-            psd_optimizer_step(cfg, w + lo, g + lo, gscale, s0 + lo, s1 + lo, hi - lo, lr, t, (int)L->threads);
+            psd_optimizer_step(cfg, w + lo, g + lo, gscale, s0 + lo, s1 + lo, hi - lo, lr, t, (int)L->threads,
+                               &L->beat);
             for (; k < j; k++)
                 psd_piece_at(m, k)->steps = t;
         }
@@ -156,6 +167,14 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     PSD_STORE_REL(&h->clock, ++L->clock);
 }
 
+/* dst = src, n floats, beating as it goes. */
+static void copy_beating(struct psd_loop *L, float *dst, const float *src, uint64_t n) {
+    for (uint64_t lo = 0; lo < n; lo += PSD_CHUNK) {
+        memcpy(dst + lo, src + lo, (n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK) * sizeof(float));
+        psd_beat(&L->beat);
+    }
+}
+
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
  * a tensor's first gradient of the round replaces what the sum held. */
 static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
@@ -168,9 +187,9 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         struct psd_piece *ps = psd_piece_at(m, k);
         bool first = ps->round != mark;
         if (map[k] == PSD_PIECE_DENSE && first)
-            memcpy(acc + pg->off, g + pg->off, pg->len * sizeof(float));
+            copy_beating(L, acc + pg->off, g + pg->off, pg->len);
         else if (map[k] == PSD_PIECE_DENSE)
-            psd_apply_sgd(acc + pg->off, g + pg->off, pg->len, -1.0f, (int)L->threads); /* acc += g */
+            psd_apply_sgd(acc + pg->off, g + pg->off, pg->len, -1.0f, (int)L->threads, &L->beat); /* acc += g */
         if (map[k] == PSD_PIECE_SPARSE) {
             if (first)
                 memset(acc + pg->off, 0, pg->len * sizeof(float));
@@ -419,6 +438,9 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
                 continue;
             take_entry(L, i, s, head, &eh);
             applied++;
+            /* A pause (a snapshot) is honoured between two updates: no need to finish the pass. */
+            if (psd_loop_should_pause(m))
+                break;
         } else if (st == PSD_SLOT_DRAINING) {
             free_slot(L, i, s);
         }
@@ -505,7 +527,7 @@ static void *loop_main(void *arg) {
     struct psd_header *h = psd_hdr(L->m);
     /* last_work: when the last gradient was taken (the gaps between them feed
      * gap_ewma); spin_from: when the current spin began. */
-    uint64_t now = psd_now_ns(), last_work = now, spin_from = now, last_beat = 0, gap_ewma = 0;
+    uint64_t now = psd_now_ns(), last_work = now, spin_from = now, gap_ewma = 0;
     uint32_t busy = 0;
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
         if (psd_loop_should_pause(L->m)) {
@@ -514,10 +536,7 @@ static void *loop_main(void *arg) {
         }
         uint32_t applied = round_robin(L, &busy);
         now = psd_now_ns();
-        if (now - last_beat >= PSD_HEARTBEAT_NS) {
-            PSD_STORE_RLX(&h->heartbeat_ns, now);
-            last_beat = now;
-        }
+        psd_beat_at(&L->beat, now);
         if (applied) {
             /* The mean gap between the gradients this pass found (a pass after a nap finds all
              * that arrived during it), so that naps track the learners' pace, not their own. */
@@ -543,7 +562,8 @@ static void *loop_main(void *arg) {
             psd_cond_wait(&h->doorbell, seen, PSD_HEARTBEAT_NS * 5);
         atomic_store(&h->sleeping, 0);
         now = psd_now_ns();
-        PSD_STORE_RLX(&h->heartbeat_ns, now);
+        PSD_STORE_RLX(&h->heartbeat_ns, now); /* read by psd_server_alive */
+        L->beat.last = now;
         spin_from = now - L->spin_ns + L->spin_ns / 8; /* a short spin after waking */
     }
     return NULL;
@@ -619,7 +639,8 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     L->cpus = cpus > 0 ? (uint32_t)cpus : 1;
     atomic_init(&L->stop, 0);
-    PSD_STORE_RLX(&psd_hdr(m)->heartbeat_ns, psd_now_ns());
+    L->beat = (struct psd_beat){&psd_hdr(m)->heartbeat_ns, psd_now_ns()};
+    PSD_STORE_RLX(L->beat.at, L->beat.last);
     int rc = pthread_create(&L->thread, NULL, loop_main, L);
     if (rc) {
         loop_free(L);
