@@ -16,6 +16,8 @@
 
 #include "psd.h"
 
+#define PULL_CHUNK 4096 /* floats read from the shared weights at a time (16 KiB: stays in L1) */
+
 struct psd_puller {
     struct psd_map *m;
     uint32_t slot;
@@ -28,7 +30,26 @@ struct psd_puller {
     _Atomic uint32_t fresh;     /* back holds newer weights than front: set here (release), cleared by take */
     _Atomic uint64_t front_clock, back_clock;
     _Atomic int stop;
+    float chunk[PULL_CHUNK]; /* the pull thread's own: what hogwild_read writes */
 };
+
+/* The one unlocked read of the shared weights (Hogwild: the update loop writes them meanwhile;
+ * a pull holds every update up to the clock loaded before it, and maybe parts of later ones).
+ * Not inlined, and it writes only the thread's own chunk, so that tests/native/tsan.supp can
+ * suppress exactly this read, while a race on the buffers the learner reads is still reported. */
+__attribute__((noinline)) static void hogwild_read(float *chunk, const float *weights, uint64_t n) {
+    memcpy(chunk, weights, n * sizeof(float));
+}
+
+/* Copy the shared weights into dst, a chunk at a time through hogwild_read. */
+static void pull_weights(struct psd_puller *P, float *dst) {
+    const float *w = psd_weights(P->m);
+    for (uint64_t off = 0; off < P->n; off += PULL_CHUNK) {
+        uint64_t k = P->n - off < PULL_CHUNK ? P->n - off : PULL_CHUNK;
+        hogwild_read(P->chunk, w + off, k);
+        memcpy(dst + off, P->chunk, k * sizeof(float));
+    }
+}
 
 static void *puller_main(void *arg) {
     struct psd_puller *P = arg;
@@ -50,7 +71,7 @@ static void *puller_main(void *arg) {
             PSD_ADD_RLX(&s->pulls_skipped, 1); /* the learner's weights are current */
             continue;
         }
-        memcpy(P->buf[atomic_load(&P->back)], psd_weights(P->m), P->n * sizeof(float));
+        pull_weights(P, P->buf[atomic_load(&P->back)]);
         PSD_ADD_RLX(&s->pulls, 1);
         atomic_store(&P->back_clock, clock);
         atomic_store_explicit(&P->fresh, 1, memory_order_release); /* pairs with the acquire in take */

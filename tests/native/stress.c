@@ -192,11 +192,21 @@ static void test_rings(void) {
         CHECK(total == -(float)clock, "snapshot torn: w[N-1] = %g at clock %llu", total, (unsigned long long)clock);
         snapshots++;
         uint64_t c;
-        if (psd_puller_take(puller, &c) >= 0) {
+        int idx = psd_puller_take(puller, &c);
+        if (idx >= 0) {
             CHECK(c >= last_clock, "pulled clock went back from %llu to %llu", (unsigned long long)last_clock,
                   (unsigned long long)c);
             last_clock = c;
             swaps++;
+            /* Read the whole new front, as a learner trains on it: a pull thread still writing it
+             * is a race that ThreadSanitizer reports (only the read of the shared weights is
+             * suppressed). w[N-1] counts updates down: the pull holds at least those up to c. */
+            const float *fb = idx == 0 ? front : back;
+            float sum = 0.0f;
+            for (int j = 0; j < N; j++)
+                sum += fb[j];
+            CHECK(fb[N - 1] <= -(float)c && sum == sum, "front buffer at clock %llu holds w[N-1] = %g",
+                  (unsigned long long)c, fb[N - 1]);
         }
         psd_puller_request(puller);
     }
