@@ -237,6 +237,8 @@ int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n,
 double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
 /* The explicit momentum of the next update: --async-momentum (see optim.c). */
 double psd_async_momentum(const struct psd_header *h);
+/* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
+double psd_async_lr_factor(const struct psd_header *h, double staleness);
 /* One update of the configured optimizer with gradient g * gscale; t is the
  * 1-based step (Adam's bias correction, the momentum buffer's first step). */
 void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,

@@ -131,8 +131,10 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     memcpy(&lr_bits, &lr, sizeof lr_bits);
     if ((h->cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
-    if (h->async_momentum == PSD_ASYNC_MOMENTUM_AUTO)
+    if (h->async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
+        lr *= psd_async_lr_factor(h, staleness);
         note_staleness(h, staleness);
+    }
     apply_pieces(L, g, map, gscale, lr);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
     /* Pairs with the load-acquire of opt_steps in psd_predict. */
