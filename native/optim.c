@@ -66,6 +66,24 @@ double psd_async_momentum(const struct psd_header *h) {
     return eff > 0.0 ? eff : 0.0;
 }
 
+/* The learning-rate factor of one gradient under --async-momentum auto: a gradient staler than the
+ * running mean tau is damped by (1 + tau) / (1 + staleness); at or below the mean it is 1. Taking the
+ * implicit momentum off (above) matches asynchrony's mean effect; a learner descheduled for a while
+ * (an oversubscribed or noisy machine) comes back with gradients far staler than that mean, and at
+ * one process's learning rate those alone could throw a momentum job off (measured: README). Only
+ * momentum and nesterov, as for the momentum itself. */
+double psd_async_lr_factor(const struct psd_header *h, double staleness) {
+    if (h->async_momentum != PSD_ASYNC_MOMENTUM_AUTO ||
+        (h->optimizer != PSD_OPT_MOMENTUM && h->optimizer != PSD_OPT_NESTEROV))
+        return 1.0;
+    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits);
+    double tau;
+    memcpy(&tau, &bits, sizeof tau);
+    if (!(tau >= 0.0) || staleness <= tau)
+        return 1.0;
+    return (1.0 + tau) / (1.0 + staleness);
+}
+
 /* torch.lerp's float formula: exact at both ends. */
 static inline float lerp(float a, float b, float w) {
     return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);

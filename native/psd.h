@@ -321,6 +321,8 @@ int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n,
 double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
 /* The explicit momentum of the next update: --async-momentum (see optim.c). */
 double psd_async_momentum(const struct psd_header *h);
+/* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
+double psd_async_lr_factor(const struct psd_header *h, double staleness);
 /* One update of the configured optimizer with gradient g * gscale; t is the
  * 1-based step (Adam's bias correction, the momentum buffer's first step). Beats `beat` every
  * PSD_CHUNK floats (of the master thread's share) at most. */

@@ -157,8 +157,10 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     memcpy(&lr_bits, &lr, sizeof lr_bits);
     if ((L->cfg.cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
-    if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO)
+    if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
+        lr *= psd_async_lr_factor(&L->cfg, staleness);
         note_staleness(L, staleness);
+    }
     apply_pieces(L, g, map, gscale, lr);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
     /* Pairs with the load-acquire of opt_steps in psd_predict. */

@@ -231,6 +231,31 @@ def test_staleness_lr_divides_the_step_by_the_staleness(job, serve):
     served.stop()
 
 
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_async_momentum_auto_damps_a_gradient_staler_than_the_mean(job, serve, mode):
+    """B's three gradients arrive nearly fresh (staleness 0 to 2: the running mean tau stays near 0);
+    A's, computed on clock 0, meets clock 3: under auto its lr is scaled by (1 + tau) / (1 + 3).
+    Momentum 0 keeps the arithmetic that of plain SGD, so the step is exactly lr x factor x gradient."""
+    served = serve(job, "--learners", "2", "--optimizer", "momentum", "--momentum", "0", "--lr", "0.5",
+                   "--async-momentum", mode)
+    a, b, ma, x = stale_setup(job)
+    tau = header(job)["staleness_avg"]
+    assert 0.0 <= tau < 0.1
+    factor = (1 + tau) / (1 + 3) if mode == "auto" else 1.0
+    before = learner.pull_state_dict(job)
+    ma(x).sum().backward()
+    grads = {k: p.grad.clone() for k, p in ma.named_parameters()}
+    a.step()
+    a.flush()
+    after = learner.pull_state_dict(job)
+    for k in before:
+        assert torch.allclose(before[k] - after[k], 0.5 * factor * grads[k], rtol=1e-5), k
+    assert a._arena.entry_meta(a.slot, 0)["applied_clock"] == 3
+    a.close()
+    b.close()
+    served.stop()
+
+
 def test_non_finite_gradients_are_rejected_counted_and_reported(job, serve):
     served = serve(job, "--learners", "1", "--lr", "0.1")
     model = torch.nn.Linear(4, 2)
