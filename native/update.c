@@ -639,7 +639,8 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
         return EINVAL;
     }
     L->clock = PSD_LOAD_RLX(&psd_hdr(m)->clock); /* restored before READY, or the last server's */
-    /* A new server starts each ring where the last one left it (a free slot's head is 0). */
+    /* A new server starts each ring where the last one left it (a free slot's head is 0). The
+     * load-acquire of state pairs with its store-release in claim / release / reap / free_slot. */
     for (uint32_t i = 0; i < m->g.n_slots; i++)
         L->heads[i] = PSD_LOAD_ACQ(&psd_slot_at(m, i)->state) == PSD_SLOT_FREE ? 0 : PSD_LOAD_RLX(&psd_slot_at(m, i)->head);
     L->threads = threads ? threads : 1;
