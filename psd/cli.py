@@ -343,12 +343,35 @@ def _chaos(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mapped_by(path: str) -> list[int]:
+    """Pids (in this PID namespace) of the processes that map ``path``: /proc/PID/maps names it."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as f:
+                if any(line.rstrip("\n").endswith(" " + path) or line.rstrip("\n").endswith(path + " (deleted)")
+                       for line in f):
+                    pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
 def _clean(args: argparse.Namespace) -> int:
     removed = 0
     for job in list_jobs():
         try:
             a = open_job(job)
         except Error as e:
+            # An arena this psd cannot read (another psd version, or damaged) may still be a live job's:
+            # keep it while any process maps it.
+            users = _mapped_by(str(shm_path(job)))
+            if users:
+                print(f"keeping {shm_path(job)}: this psd cannot read it ({e}), but processes map it "
+                      f"(pids {', '.join(map(str, users[:8]))}): stop that job first, with the psd that started it")
+                continue
             reason = str(e)
         else:
             try:

@@ -72,3 +72,40 @@ def test_clean_removes_arenas_of_dead_servers_only(job, serve):
     assert not os.path.exists(shm_path(dead_job))
     assert os.path.exists(shm_path(job)), "a live job's arena must be kept"
     live.stop()
+
+
+def test_clean_keeps_an_arena_it_cannot_read_while_a_process_maps_it(job, serve):
+    """An arena of another psd version (here: the layout version moved on) may be a live job's: `psd clean`
+    keeps it while a process maps it, and removes it once none does."""
+    import struct
+    from pathlib import Path
+
+    served = serve(job, "--learners", "1")
+    with open(shm_path(job), "rb") as f:
+        head = bytearray(f.read(4096))
+    served.stop()
+    struct.pack_into("<I", head, 8, struct.unpack_from("<I", head, 8)[0] + 1)  # magic, then layout_version
+    other = Path(shm_path(job + "-other"))
+    other.write_bytes(bytes(head))
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys; f = open(sys.argv[1], 'r+b'); "
+                               "m = mmap.mmap(f.fileno(), 0); print('ready', flush=True); sys.stdin.read()",
+                               str(other)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+
+        def clean() -> str:
+            return subprocess.run([sys.executable, "-m", "psd.cli", "clean"], capture_output=True, text=True,
+                                  env=child_env(), timeout=60, check=True).stdout
+
+        out = clean()
+        assert f"keeping {other}" in out and f"pids {holder.pid}" in out, out
+        assert other.exists()
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        out = clean()
+        assert f"removing {other}" in out, out
+        assert not other.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        other.unlink(missing_ok=True)
