@@ -522,7 +522,7 @@ class NodeLink:
             self._open_arena(time.monotonic() + max(60.0, c.node_timeout))
             # No update until this node holds the agreed weights: its learners must not train on weights
             # the other nodes will never see (a node that rejoins: weights they have left behind).
-            self._hold(self.arena.clock())
+            self._hold(max(1, self.arena.clock()))  # 0 would mean no hold
             self._load_agreed()
             self._connect()
             self._join()

@@ -263,6 +263,10 @@ class Server:
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
         self.arena.configure(**cfg.training())
+        if cfg.nnodes > 1 and not took_over:
+            # One node of several: the update loop stops after its first update (before any, when resuming)
+            # until the node link holds it itself and then lets it go with the nodes' agreed weights.
+            self.arena.hold(me, _native.proc_start_time(me), 1)
         log.info(
             "job %r: arena %s, %d learner slots x %d ring entries, %s lr %g, sync %s, %d update thread(s), "
             "generation %d", cfg.job, shm_path(cfg.job), cfg.learners, cfg.ring_depth, cfg.optimizer, cfg.lr, cfg.sync,
