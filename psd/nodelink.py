@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from psd import _native
-from psd.arena import open_job
+from psd.arena import open_job, shm_path
 from psd.errors import Error, JobNotFound, Timeout
 
 __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path", "validate_nodes"]
@@ -162,6 +162,8 @@ class NodeLink:
         self.stop = threading.Event()
         self._old_groups: list = []
         self._saved_at = time.monotonic()
+        self._ident: tuple[int, int] | None = None
+        self._checked_at = 0.0
 
     # -- the arena ------------------------------------------------------------
 
@@ -176,13 +178,29 @@ class NodeLink:
             if a is not None:
                 if a.state == _native.ARENA_READY and a.header()["n_params"]:
                     a.remap()
-                    self.arena = a
+                    self.arena, self._ident = a, a.identity()
                     return
                 a.close()
             if time.monotonic() > deadline or self.stop.is_set():
                 raise JobNotFound(f"job {job!r} has no weights yet: the node link waits for the first learner "
                                   f"to attach (start the node's learners, or give --init)")
             time.sleep(0.05)  # nothing announces READY to other processes
+
+    def _check_arena(self) -> None:
+        """Raise if the node's arena was replaced (its server started over from a checkpoint): the link then
+        exits, and the one its watchdog starts joins the others as a node that comes back."""
+        now = time.monotonic()
+        if now - self._checked_at < 0.5:
+            return
+        self._checked_at = now
+        try:
+            st = os.stat(shm_path(self.cfg.job))
+            same = (st.st_dev, st.st_ino) == self._ident
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise Error(f"job {self.cfg.job!r}: the node's arena was replaced (its server started over); the link "
+                        f"exits so that its next life rejoins with the agreed weights")
 
     def _weights(self):
         from psd.state import weights_view
@@ -393,6 +411,7 @@ class NodeLink:
         while a.clock() < self._point(j):
             if self.stop.is_set():
                 return
+            self._check_arena()
             time.sleep(_POLL_S)
         t0 = time.monotonic()
         held = c.max_node_lag == 0  # the loop stopped at this exchange point by itself
