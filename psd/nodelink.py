@@ -220,7 +220,17 @@ class NodeLink:
 
         class _Pause:
             def __enter__(self):
-                link.arena.pause(link.me, link.me_start, _PAUSE_TIMEOUT_S)
+                # The arena has one pauser slot: a checkpoint that pauses meanwhile can end our pause
+                # early, and ours then times out. Try again (a checkpoint takes milliseconds).
+                for attempt in range(3):
+                    try:
+                        link.arena.pause(link.me, link.me_start, _PAUSE_TIMEOUT_S / 3)
+                        return
+                    except Timeout:
+                        if attempt == 2 or link.stop.is_set():
+                            raise
+                        log.warning("node %d: pausing the update loop timed out (a checkpoint at the same "
+                                    "time?); trying again", link.rank)
 
             def __exit__(self, *exc):
                 link.arena.resume()
