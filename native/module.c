@@ -398,6 +398,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     U64(d, "paused", atomic_load(&h->paused));
     U64(d, "hold_clock", atomic_load(&h->hold_clock));
     U64(d, "holder_pid", (uint32_t)atomic_load(&h->holder_pid));
+    U64(d, "held", atomic_load(&h->held));
     U64(d, "watchdog_pid", (uint32_t)atomic_load(&h->watchdog_pid));
     U64(d, "watchdog_start_time", atomic_load(&h->watchdog_start_time));
     U64(d, "checkpoint_clock", atomic_load(&h->checkpoint_clock));
@@ -1138,10 +1139,11 @@ static PyObject *arena_pause(Arena *a, PyObject *args) {
 
 static PyObject *arena_hold(Arena *a, PyObject *args) {
     int pid;
-    unsigned long long start, clock;
-    if (!PyArg_ParseTuple(args, "iKK", &pid, &start, &clock) || check_open(a))
+    unsigned long long start;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "iKL", &pid, &start, &clock) || check_open(a))
         return NULL;
-    psd_hold(&a->map, pid, start, clock);
+    psd_hold(&a->map, pid, start, (int64_t)clock);
     Py_RETURN_NONE;
 }
 
@@ -1496,7 +1498,8 @@ static PyMethodDef arena_methods[] = {
     {"resume", (PyCFunction)arena_resume, METH_NOARGS, "Let a paused update loop go on."},
     {"hold", (PyCFunction)arena_hold, METH_VARARGS,
      "hold(pid, start_time, clock): the update loop stops right after the update that brings its clock to "
-     "clock (0: no hold), until the hold is moved or cleared, or the holder dies"},
+     "clock, or before any while it is there (clock < 0: no hold), until the hold is moved or cleared, or "
+     "the holder dies; header()['held'] says it stopped"},
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"identity", (PyCFunction)arena_identity, METH_NOARGS, "(device, inode) of the mapped object"},
     {"ranks", (PyCFunction)arena_ranks, METH_NOARGS, "Gradients applied per learner rank."},

@@ -202,7 +202,7 @@ static inline struct psd_rank *psd_rank_at(const struct psd_map *m, uint32_t r) 
 int psd_pause(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t timeout_ns);
 void psd_resume(struct psd_map *m);
 /* pause.c: holding the loop at a clock (the node link's exchange points) */
-void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t clock);
+void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, int64_t clock);
 bool psd_loop_should_hold(struct psd_map *m);
 void psd_loop_hold(struct psd_map *m, _Atomic int *stop);
 bool psd_loop_should_pause(struct psd_map *m);
