@@ -7,9 +7,12 @@
  * stall training.
  *
  * A hold is the node link's: the loop stops by itself right after the update
- * that brings the clock to `hold_clock`, so a node cannot run past a cross-node
- * exchange point (--max-node-lag) by even one update, which a pause requested
- * from outside could not promise. A dead holder releases its hold the same way.
+ * that brings the clock to the hold's clock (or before any, when it is there),
+ * so a node cannot run past a cross-node exchange point (--max-node-lag) by even
+ * one update, which a pause requested from outside could not promise; and the
+ * link reads and writes the weights under a hold, not a pause, because the
+ * pause has one pauser slot that checkpoints use. A dead holder releases its
+ * hold the same way.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -84,47 +87,60 @@ void psd_resume(struct psd_map *m) {
     psd_cond_broadcast(&h->pause_cond);
 }
 
-void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t clock) {
+void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, int64_t clock) {
     struct psd_header *h = psd_hdr(m);
     atomic_store(&h->holder_pid, pid);
     atomic_store(&h->holder_start_time, start_time);
-    /* seq_cst; pairs with the load-acquire in psd_loop_should_hold / psd_loop_hold, which
-     * then see the holder's identity. */
-    atomic_store(&h->hold_clock, clock);
+    /* seq_cst; pairs with the loads of hold_clock in hold_due (the loop then sees the holder's
+     * identity and every weight the holder wrote before it), and with the loop's store of held
+     * (see psd_loop_hold). clock < 0: no hold. */
+    atomic_store(&h->hold_clock, clock < 0 ? 0 : (uint64_t)clock + 1);
     psd_cond_broadcast(&h->pause_cond); /* a held loop rechecks at once */
+}
+
+static bool hold_due(struct psd_header *h, uint64_t at) {
+    return at != 0 && PSD_LOAD_RLX(&h->clock) + 1 >= at; /* clock: only the loop writes it */
 }
 
 bool psd_loop_should_hold(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
     /* Pairs with the seq_cst store of hold_clock in psd_hold. */
-    uint64_t at = PSD_LOAD_ACQ(&h->hold_clock);
-    return at != 0 && PSD_LOAD_RLX(&h->clock) >= at; /* clock: only the loop writes it */
+    return hold_due(h, PSD_LOAD_ACQ(&h->hold_clock));
 }
 
 void psd_loop_hold(struct psd_map *m, _Atomic int *stop) {
     struct psd_header *h = psd_hdr(m);
-    while (!atomic_load(stop)) {
-        uint32_t seen = psd_cond_prepare(&h->pause_cond);
-        /* Pairs with the seq_cst store of hold_clock in psd_hold. */
-        uint64_t at = PSD_LOAD_ACQ(&h->hold_clock);
-        if (at == 0 || PSD_LOAD_RLX(&h->clock) < at) {
+    for (;;) {
+        /* seq_cst; read by the holder after its store of hold_clock (Arena.header "held"). */
+        atomic_store(&h->held, 1);
+        while (!atomic_load(stop)) {
+            uint32_t seen = psd_cond_prepare(&h->pause_cond);
+            /* Pairs with the seq_cst store of hold_clock in psd_hold. */
+            uint64_t at = PSD_LOAD_ACQ(&h->hold_clock);
+            if (!hold_due(h, at)) {
+                psd_cond_done(&h->pause_cond);
+                break;
+            }
+            if (!psd_owner_alive(atomic_load(&h->holder_pid), atomic_load(&h->holder_start_time))) {
+                /* The holder died: release its hold, unless a new holder set another meanwhile
+                 * (seq_cst compare-exchange; pairs with psd_hold's store). */
+                atomic_compare_exchange_strong(&h->hold_clock, &at, 0);
+                psd_cond_done(&h->pause_cond);
+                continue;
+            }
+            if (psd_loop_should_pause(m)) { /* a checkpoint while held: the loop writes nothing either way */
+                psd_cond_done(&h->pause_cond);
+                psd_loop_pause(m, stop);
+                continue;
+            }
+            psd_cond_wait(&h->pause_cond, seen, PAUSE_SLICE_NS);
             psd_cond_done(&h->pause_cond);
-            break;
+            PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* held is not hung */
         }
-        if (!psd_owner_alive(atomic_load(&h->holder_pid), atomic_load(&h->holder_start_time))) {
-            /* The holder died: release its hold, unless a new holder set another meanwhile
-             * (seq_cst compare-exchange; pairs with psd_hold's store). */
-            atomic_compare_exchange_strong(&h->hold_clock, &at, 0);
-            psd_cond_done(&h->pause_cond);
-            continue;
-        }
-        if (psd_loop_should_pause(m)) { /* a checkpoint while held: the loop writes nothing either way */
-            psd_cond_done(&h->pause_cond);
-            psd_loop_pause(m, stop);
-            continue;
-        }
-        psd_cond_wait(&h->pause_cond, seen, PAUSE_SLICE_NS);
-        psd_cond_done(&h->pause_cond);
-        PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* held is not hung */
+        /* seq_cst, then a seq_cst load of hold_clock: a holder that stored hold_clock and then saw
+         * held == 1 has its hold seen here, so the loop holds again instead of applying. */
+        atomic_store(&h->held, 0);
+        if (atomic_load(stop) || !hold_due(h, atomic_load(&h->hold_clock)))
+            return;
     }
 }

@@ -138,8 +138,8 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(applied, ATOMIC) X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC)                   \
     X(staleness_max, ATOMIC) X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(lock_recoveries, ATOMIC)                 \
     X(evicted, ATOMIC) X(evicted_pid, PID) X(evicted_rank, SIGNED) X(evicted_rule, ATOMIC) X(sleeping, ATOMIC)   \
-    X(pause_req, ATOMIC) X(paused, ATOMIC) X(hold_clock, ATOMIC) X(holder_pid, PID) X(watchdog_pid, PID)         \
-    X(watchdog_start_time, ATOMIC)                                                                               \
+    X(pause_req, ATOMIC) X(paused, ATOMIC) X(hold_clock, ATOMIC) X(holder_pid, PID) X(held, ATOMIC)             \
+    X(watchdog_pid, PID) X(watchdog_start_time, ATOMIC)                                                          \
     X(checkpoint_clock, ATOMIC) X(checkpoint_unix_ns, ATOMIC) X(server_restarts, ATOMIC)
 #define PSD_SLOT_FIELDS(X)                                                                                       \
     X(state, state, ATOMIC) X(pid, pid, PID) X(start_time, start_time, ATOMIC) X(claims, claims, ATOMIC)         \
@@ -281,7 +281,7 @@ static inline struct psd_rank *psd_rank_at(const struct psd_map *m, uint32_t r) 
 int psd_pause(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t timeout_ns);
 void psd_resume(struct psd_map *m);
 /* pause.c: holding the loop at a clock (the node link's exchange points) */
-void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, uint64_t clock);
+void psd_hold(struct psd_map *m, pid_t pid, uint64_t start_time, int64_t clock);
 bool psd_loop_should_hold(struct psd_map *m);
 void psd_loop_hold(struct psd_map *m, _Atomic int *stop);
 bool psd_loop_should_pause(struct psd_map *m);

@@ -231,15 +231,18 @@ struct psd_header {
     _Atomic uint64_t pauser_start_time;
     struct psd_cond pause_cond;
     /* -- hold (same line: the same waiters): the node link (psd/nodelink.py) stops the loop at
-     *    a cross-node exchange point. It writes `holder_pid` and `holder_start_time`, then
-     *    stores `hold_clock` (seq_cst); the update loop, right after an update that brings
-     *    `clock` to `hold_clock` or past it (before bsp's `rounds` is bumped, so learners
-     *    wait too), or before any update while `clock` is at `hold_clock` already, waits on `pause_cond` until `hold_clock` is cleared or raised above the
-     *    clock, or the holder is dead (then the loop clears it). 0: no hold. A pause
-     *    request is honoured while held. */
+     *    a clock. It writes `holder_pid` and `holder_start_time`, then stores `hold_clock`
+     *    (seq_cst): the clock to hold at plus one (0: no hold). The update loop, right after
+     *    an update that brings `clock` to that clock or past it (before bsp's `rounds` is
+     *    bumped, so learners wait too), or before any update while `clock` is there already,
+     *    sets `held` and waits on `pause_cond` until `hold_clock` is cleared or raised above
+     *    the clock, or the holder is dead (then the loop clears it); it clears `held` and
+     *    checks once more before it goes on. A holder that stores `hold_clock` and then sees
+     *    `held` set knows that no update is applied until it releases the hold (a seq_cst
+     *    Dekker pair). A pause request is honoured while held. */
     _Atomic uint64_t hold_clock;
     _Atomic int32_t holder_pid;
-    uint32_t pad_hold;
+    _Atomic uint32_t held; /* written by the loop, read by the holder (Arena.header "held") */
     _Atomic uint64_t holder_start_time;
 
     /* -- supervision: written by the watchdog; read by `psd status` and tools. */

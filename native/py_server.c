@@ -214,10 +214,11 @@ static PyObject *arena_pause(Arena *a, PyObject *args) {
 
 static PyObject *arena_hold(Arena *a, PyObject *args) {
     int pid;
-    unsigned long long start, clock;
-    if (!PyArg_ParseTuple(args, "iKK", &pid, &start, &clock) || check_open(a))
+    unsigned long long start;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "iKL", &pid, &start, &clock) || check_open(a))
         return NULL;
-    psd_hold(&a->map, pid, start, clock);
+    psd_hold(&a->map, pid, start, (int64_t)clock);
     Py_RETURN_NONE;
 }
 
@@ -314,7 +315,8 @@ PyMethodDef py_server_methods[] = {
     {"resume", (PyCFunction)arena_resume, METH_NOARGS, "Let a paused update loop go on."},
     {"hold", (PyCFunction)arena_hold, METH_VARARGS,
      "hold(pid, start_time, clock): the update loop stops right after the update that brings its clock to "
-     "clock (0: no hold), until the hold is moved or cleared, or the holder dies"},
+     "clock, or before any while it is there (clock < 0: no hold), until the hold is moved or cleared, or "
+     "the holder dies; header()['held'] says it stopped"},
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"restore", (PyCFunction)(void (*)(void))arena_restore, METH_VARARGS | METH_KEYWORDS,
      "restore(clock, generation, ranks): server, before READY: continue from a checkpoint"},

@@ -11,12 +11,13 @@ or by DiLoCo's outer SGD with Nesterov momentum on minus the mean delta
 made while the exchange ran: ``w += new_anchor - w_at_exchange``. Inside a node
 training stays asynchronous (HPSGD); across nodes it is local SGD / DiLoCo.
 
-Only the update loop writes weights concurrently, so every write here happens
-while the loop is stopped: under the arena's pause (what checkpoints use) or,
-at an exchange point, under the loop's *hold* (``Arena.hold``): the loop stops
-by itself right after the update that reaches ``hold_clock``, so
-``--max-node-lag D`` bounds exactly how many exchange points a node may pass
-before the exchange of the first one is adopted (D = 0: lockstep).
+Only the update loop writes weights concurrently, so every read and write here
+happens while the loop is stopped by the *hold* (``Arena.hold``): the loop stops
+by itself right after the update that reaches the hold's clock (or before any,
+when it is there already) and says so in ``held``. Not the pause that
+checkpoints use: the arena has one pauser slot, and a checkpoint's resume would
+end our pause. The same hold at the exchange point D exchanges past the last
+one adopted is ``--max-node-lag D`` (D = 0: lockstep).
 
 Rendezvous and membership use a TCPStore that node 0's link hosts on
 ``--master-addr:--master-port``; each membership (an *epoch*) gets a fresh
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from psd import _native
-from psd.arena import open_job
+from psd.arena import open_job, shm_path
 from psd.errors import Error, JobNotFound, Timeout
 
 __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path", "validate_nodes"]
@@ -56,7 +57,7 @@ __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_
 log = logging.getLogger("psd.nodelink")
 
 _POLL_S = 0.001  # the clock is polled: the update loop announces nothing to other processes
-_PAUSE_TIMEOUT_S = 5.0
+_STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
 
 
@@ -161,7 +162,10 @@ class NodeLink:
         self.adopted = 0  # local exchanges adopted since `base`
         self.stop = threading.Event()
         self._old_groups: list = []
+        self._bound = -1  # the clock the update loop is held at (-1: none)
         self._saved_at = time.monotonic()
+        self._ident: tuple[int, int] | None = None
+        self._checked_at = 0.0
 
     # -- the arena ------------------------------------------------------------
 
@@ -176,13 +180,29 @@ class NodeLink:
             if a is not None:
                 if a.state == _native.ARENA_READY and a.header()["n_params"]:
                     a.remap()
-                    self.arena = a
+                    self.arena, self._ident = a, a.identity()
                     return
                 a.close()
             if time.monotonic() > deadline or self.stop.is_set():
                 raise JobNotFound(f"job {job!r} has no weights yet: the node link waits for the first learner "
                                   f"to attach (start the node's learners, or give --init)")
             time.sleep(0.05)  # nothing announces READY to other processes
+
+    def _check_arena(self) -> None:
+        """Raise if the node's arena was replaced (its server started over from a checkpoint): the link then
+        exits, and the one its watchdog starts joins the others as a node that comes back."""
+        now = time.monotonic()
+        if now - self._checked_at < 0.5:
+            return
+        self._checked_at = now
+        try:
+            st = os.stat(shm_path(self.cfg.job))
+            same = (st.st_dev, st.st_ino) == self._ident
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise Error(f"job {self.cfg.job!r}: the node's arena was replaced (its server started over); the link "
+                        f"exits so that its next life rejoins with the agreed weights")
 
     def _weights(self):
         from psd.state import weights_view
@@ -191,23 +211,37 @@ class NodeLink:
         return weights_view(self.arena, h)[: h["n_train"]]
 
     def _hold(self, clock: int) -> None:
+        """Let the update loop run up to ``clock`` and hold it there (-1: no hold)."""
+        self._bound = clock
         self.arena.hold(self.me, self.me_start, clock)
 
     def _point(self, j: int) -> int:
         return self.base + self.cfg.sync_every * j
 
-    def _paused(self):
-        """A context that pauses the update loop (unless it is held at an exchange point anyway)."""
+    def _stopped(self):
+        """A context in which the update loop applies nothing: it holds the loop at the current clock and
+        waits until the loop says it is held (``held``, stored after the hold was seen); on leaving, the
+        hold goes back to the exchange bound. Checkpoints pause a held loop as any other."""
         link = self
 
-        class _Pause:
+        class _Stop:
             def __enter__(self):
-                link.arena.pause(link.me, link.me_start, _PAUSE_TIMEOUT_S)
+                a = link.arena
+                a.hold(link.me, link.me_start, a.clock())
+                deadline = time.monotonic() + _STOP_TIMEOUT_S
+                while not a.header()["held"]:
+                    if not a.server_alive():
+                        return  # no update loop runs: nothing writes the weights
+                    if time.monotonic() > deadline:
+                        a.hold(link.me, link.me_start, link._bound)
+                        raise Timeout(f"the update loop of job {link.cfg.job!r} did not stop within "
+                                      f"{_STOP_TIMEOUT_S:g} s; see `psd status --job {link.cfg.job}`")
+                    time.sleep(_POLL_S)  # the loop announces its hold only in the header
 
             def __exit__(self, *exc):
-                link.arena.resume()
+                link.arena.hold(link.me, link.me_start, link._bound)
 
-        return _Pause()
+        return _Stop()
 
     # -- rendezvous and membership -----------------------------------------------
 
@@ -330,11 +364,11 @@ class NodeLink:
         self.agreed = new
 
     def _snapshot(self):
-        with self._paused():
+        with self._stopped():
             return self._weights().clone()
 
     def _adopt(self, step) -> None:
-        with self._paused():
+        with self._stopped():
             self._weights().add_(step)
 
     def _reform(self, why: str) -> None:
@@ -393,6 +427,7 @@ class NodeLink:
         while a.clock() < self._point(j):
             if self.stop.is_set():
                 return
+            self._check_arena()
             time.sleep(_POLL_S)
         t0 = time.monotonic()
         held = c.max_node_lag == 0  # the loop stopped at this exchange point by itself
@@ -535,7 +570,7 @@ class NodeLink:
                     self._exchange()
                 except _Reform as e:
                     why = str(e)
-                    self._hold(0)  # the node trains on alone while the next epoch forms
+                    self._hold(-1)  # the node trains on alone while the next epoch forms
             self._save_agreed()
             self._set_state(LinkState.STOPPED)
             return 0
@@ -551,7 +586,7 @@ class NodeLink:
         finally:
             if self.arena is not None:
                 try:
-                    self._hold(0)  # never leave the loop held behind us
+                    self._hold(-1)  # never leave the loop held behind us
                     self.arena.close()
                 except Error:
                     pass

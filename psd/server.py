@@ -278,6 +278,10 @@ class Server:
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
         self.arena.configure(**cfg.training())
+        if cfg.nnodes > 1 and not took_over:
+            # One node of several: the update loop applies nothing until the node link takes this hold
+            # over and lets it go with the nodes' agreed weights.
+            self.arena.hold(me, _native.proc_start_time(me), self.arena.clock())
         log.info(
             "job %r: arena %s, %d learner slots x %d ring entries, %s lr %g, sync %s, %d update thread(s), "
             "generation %d", cfg.job, shm_path(cfg.job), cfg.learners, cfg.ring_depth, cfg.optimizer, cfg.lr, cfg.sync,

@@ -62,40 +62,44 @@ def test_bad_node_flags_say_what_to_do():
 
 def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path):
     """2 nodes x 2 learners, bsp inside each node, --sync-every 1 --outer-optimizer avg --max-node-lag 0:
-    every step is plain SGD on the 4 learners' combined batch."""
+    every step is plain SGD on the 4 learners' combined batch; then the whole job, resumed with --resume on
+    both nodes, goes on from the agreed state as if it had never stopped."""
     sys.path.insert(0, str(HELPERS))
+    from safetensors import safe_open
     from sync_learner import exact_problem
 
     steps, lr = 4, 2.0 ** -4
     model, x, y = exact_problem()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    ref = model.weight.detach().reshape(-1)
-    port = free_port()
-    procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr), "--sync-every", "1",
-                  "--max-node-lag", "0", "--outer-optimizer", "avg", "--node-timeout", "20",
-                  learner=("--steps", str(steps))) for r in range(2)]
-    for r, p in enumerate(procs):
-        assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
-    for r in range(2):
-        logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
-        outs = [json.loads(line) for line in (tmp_path / f"node{r}.out").read_text().splitlines() if line[:1] == "["]
-        assert len(outs) == 2, logs
-        for out in outs:
-            assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != {ref.tolist()}\n{logs}"
-        st = link_state(f"{job}-n{r}")
-        assert (st["round"], st["peers"], st["state"]) == (steps, [0, 1], "stopped"), f"{st}\n{logs}"
-        # The agreed state, saved at the stop for a later --resume: the last round's weights.
-        saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
-        from safetensors import safe_open
-
-        with safe_open(str(saved), "pt") as f:
-            assert f.metadata()["round"] == str(steps)
-            assert torch.allclose(f.get_tensor("anchor"), ref, atol=1e-6)
-        assert not os.path.exists(shm_path(f"{job}-n{r}"))
+    refs = []
+    for _ in range(2):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        refs.append(model.weight.detach().reshape(-1).clone())
+    for phase, ref in enumerate(refs):
+        port = free_port()
+        procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr), "--sync-every",
+                      "1", "--max-node-lag", "0", "--outer-optimizer", "avg", "--node-timeout", "20",
+                      *(["--resume"] if phase else []), learner=("--steps", str(steps))) for r in range(2)]
+        for r, p in enumerate(procs):
+            assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
+        for r in range(2):
+            logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
+            outs = [json.loads(line) for line in (tmp_path / f"node{r}.out").read_text().splitlines()
+                    if line[:1] == "["]
+            assert len(outs) == 2, logs
+            for out in outs:
+                assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != {ref.tolist()}\n{logs}"
+            st = link_state(f"{job}-n{r}")
+            assert (st["round"], st["peers"], st["state"]) == ((phase + 1) * steps, [0, 1], "stopped"), f"{st}\n{logs}"
+            # The agreed state, saved at the stop for --resume: the last round's weights.
+            saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
+            with safe_open(str(saved), "pt") as f:
+                assert f.metadata()["round"] == str((phase + 1) * steps)
+                assert torch.allclose(f.get_tensor("anchor"), ref, atol=1e-6)
+            assert not os.path.exists(shm_path(f"{job}-n{r}"))
 
 
 def test_a_node_that_never_arrives_is_a_clear_timeout(job, tmp_path):
