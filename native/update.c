@@ -218,6 +218,17 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     uint32_t outcome = PSD_OUTCOME_APPLIED;
     const float *g = psd_entry_grad(e);
     const uint8_t *map = psd_entry_pieces(h, e);
+    if (e->claim != PSD_LOAD_RLX(&s->claims)) {
+        /* Pushed by a learner that no longer owns the slot (taken back while it lived, and
+         * handed on): never applied, never a contribution to a round; counted. */
+        PSD_ADD_RLX(&s->ignored, 1);
+        PSD_ADD_RLX(&h->ignored, 1);
+        e->applied_clock = clock;
+        e->outcome = PSD_OUTCOME_IGNORED;
+        atomic_store(&s->head, head + 1); /* as below: pairs with the load-acquire of head in tail_entry */
+        psd_cond_broadcast_if_waiters(&s->not_full);
+        return;
+    }
     if ((e->flags & PSD_ENTRY_NONFINITE) || !pieces_valid(L, g, map)) {
         outcome = PSD_OUTCOME_REJECTED;
         PSD_ADD_RLX(&s->rejected, 1);
@@ -286,8 +297,9 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
     uint64_t tail = PSD_LOAD_ACQ(&s->tail);
     if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_DRAINING && tail == PSD_LOAD_RLX(&s->head)) {
         PSD_ADD_RLX(&h->retired_pushed, tail);
-        if (!psd_slot_owner_alive(s))
+        if (PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE) /* taken back by the reaper */
             PSD_ADD_RLX(&h->reclaimed, 1);
+        PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
         PSD_STORE_RLX(&s->tail, 0);
         atomic_store(&s->head, 0);
         PSD_STORE_RLX(&s->not_full.waiters, 0); /* a dead waiter's announcement */

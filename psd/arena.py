@@ -92,8 +92,12 @@ def check_space(needed: int, what: str) -> None:
         )
 
 
-def open_job(job: str, settle: float = 1.0) -> _native.Arena:
+def open_job(job: str, settle: float = 1.0, role: str = "full") -> _native.Arena:
     """Map ``job``'s arena, or raise an error that says how to start it.
+
+    ``role`` says what this process may write: ``full`` (the server, the watchdog: everything),
+    ``learner`` (only the header's shared page, the slots it claims, and its offer window) or
+    ``reader`` (nothing: ``psd status``, ``top``, ``inspect``). A write outside them faults.
 
     An arena that a server is creating this very moment is waited for, up to
     ``settle`` seconds (creation takes milliseconds; a creator that died halfway
@@ -105,7 +109,7 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
     deadline = time.monotonic() + settle
     while True:
         try:
-            return _native.open(name)
+            return _native.open(name, role)
         except ArenaIncomplete:
             if time.monotonic() > deadline:
                 raise ArenaCorrupt(f"{SHM_DIR}{name} was never completed (its server died while creating it); "
@@ -221,7 +225,7 @@ def wait_for_job(job: str, timeout: float = 30.0, server_pid: int | None = None)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            a = open_job(job)
+            a = open_job(job, role="reader")
         except JobNotFound:
             pass
         else:

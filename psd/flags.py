@@ -103,6 +103,9 @@ def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     return OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM
 
 
+LIVENESS = ("auto", "lease")
+
+
 def _build() -> tuple[Flag, ...]:
     optimizers, schedules, async_momentum = _choices()
     return (
@@ -154,6 +157,13 @@ def _build() -> tuple[Flag, ...]:
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
                   "(estimated from the measured staleness) off --momentum; off applies --momentum as given, as "
                   "torch.optim", "auto", choices=async_momentum, metavar="MODE", readme_default="`auto`"),
+        # -- liveness of learners
+        _serve("--liveness", "how the server tells that a learner died: auto (its pid and start time in /proc, "
+               "where the server shares its PID namespace and /proc shows it; else its lease), lease (the lease "
+               "only: for /proc mounted hidepid, or learners in other containers)", "auto", choices=LIVENESS,
+               metavar="M", readme_default="`auto`"),
+        _serve("--lease", "seconds a learner's slot outlives its last heartbeat where /proc cannot tell whether it "
+               "lives; its pushes and a native thread renew it", 5.0, type=float, metavar="S"),
         # -- where the job starts from and what the watchdog does
         _serve("--init", "start from these weights (.safetensors) instead of the first learner's", None,
                metavar="FILE"),
