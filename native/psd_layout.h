@@ -292,7 +292,7 @@ struct psd_slot {
      *    pid, start_time and claims are also read without the mutex (relaxed),
      *    and rechecked under it before anything is changed. */
     alignas(PSD_CACHELINE) _Atomic uint32_t state;
-    _Atomic int32_t pid;
+    _Atomic int32_t pid;         /* as the owner sees itself: meaningful only in its PID namespace (pid_ns) */
     _Atomic uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
     _Atomic uint64_t claims;     /* grows at every claim: tells reattached learners apart */
     _Atomic int32_t rank;        /* the learner's rank, or -1 */

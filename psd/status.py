@@ -158,11 +158,12 @@ def format_job(j: dict) -> str:
     lines.append(f"  last checkpoint: {ck}   slots reclaimed {j['reclaimed_slots']}  "
                  f"server restarts {j['server_restarts']}  liveness {j['liveness']} (lease {j['lease_s']:g} s)")
     if j["learners"]:
-        lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'pushed':>8} {'queued':>6} "
+        lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'by':5} {'pushed':>8} {'queued':>6} "
                      f"{'rejected':>8} {'dropped':>7} {'clock':>8} {'stale':>6} {'loss':>8}")
         for s in j["learners"]:
             state = s["state"] if s["alive"] else "dead"
-            lines.append(f"  {s['slot']:>4} {s['rank']:>4} {s['pid']:>7} {state:8} {s['pushed']:>8} "
+            lines.append(f"  {s['slot']:>4} {s['rank']:>4} {s['pid']:>7} {state:8} {s['liveness'] or '-':5} "
+                         f"{s['pushed']:>8} "
                          f"{s['queued']:>6} {s['rejected']:>8} {s['dropped']:>7} {s['clock']:>8} "
                          f"{s['staleness_mean']:>6.2f} "
                          f"{s['last_loss']:>8.4f}")
