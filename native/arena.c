@@ -49,13 +49,25 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
                  uint32_t state_vectors, struct psd_geom *g) {
     const uint64_t max_elems = UINT64_C(1) << 40;
     if (state_vectors > 3 || n_slots == 0 || n_slots > PSD_MAX_SLOTS || ring_k == 0 || ring_k > PSD_MAX_RING ||
-        (ring_k & (ring_k - 1)) != 0 || model->n_params == 0 || model->n_params > max_elems ||
-        model->n_train == 0 || model->n_train > model->n_params || model->n_buffers > max_elems ||
-        model->n_pieces == 0 || model->n_pieces > model->n_train || spec_cap > max_elems)
+        (ring_k & (ring_k - 1)) != 0 || spec_cap > max_elems)
         return EINVAL;
+    *g = (struct psd_geom){.n_slots = n_slots, .ring_k = ring_k, .spec_cap = spec_cap, .ranks_off = PSD_HEADER_SIZE,
+                           .spec_off = PSD_HEADER_SIZE + ranks_bytes(n_slots),
+                           .total_size = psd_header_span(n_slots, spec_cap)};
+    if (!model)
+        return 0;
+    if (model->n_params == 0 || model->n_params > max_elems || model->n_train == 0 ||
+        model->n_train > model->n_params || model->n_buffers > max_elems || model->n_pieces == 0 ||
+        model->n_pieces > model->n_train)
+        return EINVAL;
+    g->state_vectors = state_vectors;
+    g->n_params = model->n_params;
+    g->n_train = model->n_train;
+    g->n_buffers = model->n_buffers;
+    g->n_pieces = model->n_pieces;
     uint64_t payload = psd_grad_span(model->n_train) + model->n_buffers * sizeof(double) + model->n_pieces;
     g->entry_stride = sizeof(struct psd_entry) + round_up(payload, PSD_CACHELINE);
-    g->weights_off = psd_header_span(n_slots, spec_cap);
+    g->weights_off = g->total_size;
     uint64_t weights_bytes = round_up(model->n_params * sizeof(float), PSD_PAGE);
     uint64_t state_bytes = psd_state_stride(model->n_train) * state_vectors;
     uint64_t buffer_bytes = round_up(model->n_buffers * sizeof(double), PSD_PAGE);
@@ -65,11 +77,61 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
     g->buffers_off = g->optstate_off + state_bytes;
     g->pieces_off = g->buffers_off + buffer_bytes;
     g->slots_off = g->pieces_off + piece_bytes; /* all below 2^46: no wrap so far */
+    g->weights_bytes = model->n_params * sizeof(float);
+    g->optstate_bytes = state_bytes;
     if (!mul_ok(ring_k, g->entry_stride, &ring_bytes) || !add_ok(ring_bytes, sizeof(struct psd_slot), &ring_bytes) ||
         !page_ok(ring_bytes, &g->slot_stride) || !mul_ok(n_slots, g->slot_stride, &slots_bytes) ||
         !add_ok(g->slots_off, slots_bytes, &g->total_size) || g->total_size > (uint64_t)SIZE_MAX / 2)
         return EINVAL;
     return 0;
+}
+
+/* Whether the header stores the offsets of model geometry g (psd_arena_grow wrote them). */
+static bool header_matches(const struct psd_header *h, const struct psd_geom *g) {
+    return h->total_size == g->total_size && h->weights_off == g->weights_off &&
+           h->weights_bytes == g->weights_bytes && h->optstate_off == g->optstate_off &&
+           h->optstate_bytes == g->optstate_bytes && h->buffers_off == g->buffers_off &&
+           h->pieces_off == g->pieces_off && h->slots_off == g->slots_off && h->slot_stride == g->slot_stride &&
+           h->entry_stride == g->entry_stride;
+}
+
+/* One reading of the header's geometry; EAGAIN if the state moved meanwhile. */
+static int adopt_once(struct psd_map *m, struct psd_geom *out) {
+    const struct psd_header *h = psd_hdr(m);
+    /* Pairs with the store-release of state in psd_arena_set_state: the model geometry of a
+     * grown arena was written before. */
+    uint32_t state = PSD_LOAD_ACQ(&h->state);
+    struct psd_geom fixed, full;
+    if (psd_geometry(h->n_slots, h->ring_k, h->spec_cap, NULL, 0, &fixed) || h->ranks_off != fixed.ranks_off ||
+        h->spec_off != fixed.spec_off || fixed.total_size > m->size)
+        return PSD_EGEOMETRY;
+    *out = fixed;
+    bool grown = state == PSD_ARENA_INIT_WEIGHTS || state == PSD_ARENA_READY ||
+                 (state == PSD_ARENA_STOPPED && h->weights_off != 0);
+    if (!grown)
+        return 0;
+    const struct psd_model model = {h->n_params, h->n_train, h->n_buffers, h->n_pieces};
+    int rc = psd_geometry(fixed.n_slots, fixed.ring_k, fixed.spec_cap, &model,
+                          psd_state_vectors(h->optimizer, h->sync_mode), &full);
+    if (PSD_LOAD_ACQ(&h->state) != state) /* pairs with the store-release in psd_arena_set_state */
+        return EAGAIN;
+    if (rc || !header_matches(h, &full))
+        return PSD_EGEOMETRY;
+    if (full.total_size <= m->size) /* else mapped before it grew: a remap adopts the model */
+        *out = full;
+    return 0;
+}
+
+int psd_arena_adopt(struct psd_map *m) {
+    struct psd_geom g;
+    int rc = EAGAIN;
+    for (int tries = 0; rc == EAGAIN && tries < 8; tries++)
+        rc = adopt_once(m, &g);
+    if (rc == EAGAIN)
+        rc = PSD_EGEOMETRY; /* the state kept moving: a server resetting the arena in a loop */
+    if (rc == 0)
+        m->g = g;
+    return rc;
 }
 
 static int reserve(int fd, uint64_t size) {
@@ -89,6 +151,7 @@ static void map_init(struct psd_map *m) {
     m->n_held = 0;
     m->held = NULL;
     m->lease = NULL;
+    memset(&m->g, 0, sizeof m->g);
 }
 
 /* [off, off + len) rounded out to pages, if it lies within the mapping: offsets read from
@@ -134,22 +197,22 @@ static int map_role(struct psd_map *m, size_t size) {
 int psd_arena_protect(struct psd_map *m) {
     if (m->role != PSD_ROLE_LEARNER)
         return 0;
-    const struct psd_header *h = psd_hdr(m);
+    /* The mapping's own checked geometry, never the header's: a stray write there moves nothing. */
+    const struct psd_geom *g = &m->g;
     bool offer = m->offering != 0;
     int rc = protect(m, 0, PSD_PAGE, offer);
     if (!rc)
-        rc = protect(m, h->spec_off, h->spec_cap, offer);
-    /* Pairs with the store-release of state after psd_arena_grow: the geometry is written. */
-    if (rc || PSD_LOAD_ACQ(&h->state) < PSD_ARENA_INIT_WEIGHTS || h->weights_off == 0 || m->size < h->total_size)
+        rc = protect(m, g->spec_off, g->spec_cap, offer);
+    if (rc || !psd_has_model(m))
         return rc;
-    if ((rc = protect(m, h->weights_off, h->weights_bytes, offer)) != 0 ||
-        (rc = protect(m, h->buffers_off, h->n_buffers * sizeof(double), offer)) != 0)
+    if ((rc = protect(m, g->weights_off, g->weights_bytes, offer)) != 0 ||
+        (rc = protect(m, g->buffers_off, g->n_buffers * sizeof(double), offer)) != 0)
         return rc;
-    for (uint32_t i = 0; i < m->n_held && i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->n_held && i < g->n_slots; i++) {
         uint64_t off;
-        if (!mul_ok(i, h->slot_stride, &off) || !add_ok(off, h->slots_off, &off))
+        if (!mul_ok(i, g->slot_stride, &off) || !add_ok(off, g->slots_off, &off))
             return EINVAL;
-        if ((rc = protect(m, off, h->slot_stride, PSD_LOAD_RLX(&m->held[i]) != 0)) != 0)
+        if ((rc = protect(m, off, g->slot_stride, PSD_LOAD_RLX(&m->held[i]) != 0)) != 0)
             return rc;
     }
     return 0;
@@ -165,11 +228,10 @@ int psd_arena_offer_window(struct psd_map *m, bool open) {
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version) {
     struct psd_geom g;
-    const struct psd_model one = {1, 1, 0, 1};
-    int rc = psd_geometry(n_slots, ring_k, spec_cap, &one, 0, &g);
+    int rc = psd_geometry(n_slots, ring_k, spec_cap, NULL, 0, &g);
     if (rc)
         return rc;
-    size_t size = psd_header_span(n_slots, spec_cap);
+    size_t size = (size_t)g.total_size;
     map_init(m);
     int fd = shm_open(shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd < 0)
@@ -190,6 +252,7 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     m->fd = fd;
     m->base = base;
     m->size = size;
+    m->g = g;
 
     struct psd_header *h = psd_hdr(m);
     memset(h, 0, sizeof *h);
@@ -198,8 +261,8 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     strncpy(h->psd_version, version, PSD_VERSION_LEN - 1);
     h->n_slots = n_slots;
     h->ring_k = ring_k;
-    h->ranks_off = PSD_HEADER_SIZE;
-    h->spec_off = PSD_HEADER_SIZE + ranks_bytes(n_slots);
+    h->ranks_off = g.ranks_off;
+    h->spec_off = g.spec_off;
     h->spec_cap = spec_cap;
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
@@ -256,10 +319,11 @@ int psd_arena_open_as(struct psd_map *m, const char *shm_name, uint32_t role) {
         return magic == 0 ? PSD_EINIT : PSD_EBADMAGIC; /* mapping stays open: the caller closes it */
     if (h->layout_version != PSD_LAYOUT_VERSION || h->fingerprint != psd_fingerprint())
         return PSD_EVERSION; /* mapping stays open so the caller can name the version */
-    return 0;
+    return psd_arena_adopt(m); /* mapping stays open on an error: the caller closes it */
 }
 
-int psd_arena_remap(struct psd_map *m) {
+/* Map the whole file, at the size fstat gives now. */
+static int map_file_size(struct psd_map *m) {
     struct stat st;
     if (fstat(m->fd, &st) != 0)
         return errno;
@@ -274,17 +338,28 @@ int psd_arena_remap(struct psd_map *m) {
         return 0;
     }
     /* A mapping of several protections is several mappings, which mremap does not move as
-     * one: map afresh, then open the windows again. The lease thread reads through the base. */
-    bool leasing = m->lease != NULL;
+     * one: map afresh (psd_arena_remap opens the windows again). The lease thread reads
+     * through the base. */
     psd_lease_stop(m);
     munmap(m->base, m->size);
     m->base = NULL;
     m->size = 0;
-    int rc = map_role(m, (size_t)st.st_size);
-    if (!rc)
-        rc = psd_arena_protect(m);
-    if (!rc && leasing)
-        rc = psd_lease_start(m);
+    return map_role(m, (size_t)st.st_size);
+}
+
+int psd_arena_remap(struct psd_map *m) {
+    size_t was = m->size;
+    int rc = map_file_size(m);
+    if (rc)
+        return rc;
+    /* A mapping that holds its model keeps its geometry (a stray write into the header cannot
+     * move it), unless the file changed size under it: then it was regrown, or truncated. */
+    if (!(psd_has_model(m) && m->size == was))
+        rc = psd_arena_adopt(m);
+    if (rc == 0 && m->size != was)
+        rc = psd_arena_protect(m); /* a learner's windows, over its new mapping */
+    if (rc == 0 && m->held)
+        rc = psd_lease_start(m); /* it held slots: renew them again */
     return rc;
 }
 
@@ -315,9 +390,8 @@ static int offer(struct psd_map *m, const void *spec, uint64_t len, uint64_t has
 
 int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
                        const struct psd_model *model, pid_t pid, uint64_t start_time) {
-    struct psd_header *h = psd_hdr(m);
     struct psd_geom g;
-    if (len > h->spec_cap || psd_geometry(h->n_slots, h->ring_k, h->spec_cap, model, 0, &g) != 0)
+    if (len > m->g.spec_cap || psd_geometry(m->g.n_slots, m->g.ring_k, m->g.spec_cap, model, 0, &g) != 0)
         return PSD_ESPEC;
     /* A learner's offer window: the header's server page and the spec, only for this call. */
     bool window = m->role == PSD_ROLE_LEARNER && !m->offering;
@@ -341,7 +415,7 @@ static int offer(struct psd_map *m, const void *spec, uint64_t len, uint64_t has
         psd_mutex_unlock(&h->admission);
         return PSD_ESTATE; /* somebody else offered first */
     }
-    memcpy(m->base + h->spec_off, spec, len);
+    memcpy(m->base + m->g.spec_off, spec, len);
     h->spec_len = len;
     h->spec_hash = hash;
     h->n_params = model->n_params;
@@ -360,9 +434,10 @@ static int offer(struct psd_map *m, const void *spec, uint64_t len, uint64_t has
 int psd_arena_grow(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
     struct psd_geom g;
+    /* The model's sizes, as the offerer wrote them, read once: everything below uses g. */
     const struct psd_model model = {h->n_params, h->n_train, h->n_buffers, h->n_pieces};
     uint32_t vectors = psd_state_vectors(h->optimizer, h->sync_mode);
-    int rc = psd_geometry(h->n_slots, h->ring_k, h->spec_cap, &model, vectors, &g);
+    int rc = psd_geometry(m->g.n_slots, m->g.ring_k, m->g.spec_cap, &model, vectors, &g);
     if (rc)
         return rc;
     if ((rc = reserve(m->fd, g.total_size)) != 0) {
@@ -372,22 +447,29 @@ int psd_arena_grow(struct psd_map *m) {
         }
         return rc;
     }
-    if ((rc = psd_arena_remap(m)) != 0)
+    if ((rc = map_file_size(m)) != 0)
         return rc;
+    if (g.total_size > m->size)
+        return PSD_EGEOMETRY; /* shrunk under us since it was reserved */
     h = psd_hdr(m);
     if (h->weights_off != 0) /* a regrow after a reset starts clean; fresh pages are zero */
         memset(m->base + g.weights_off, 0, (size_t)(g.total_size - g.weights_off));
+    m->g = g;
+    h->n_params = g.n_params;
+    h->n_train = g.n_train;
+    h->n_buffers = g.n_buffers;
+    h->n_pieces = g.n_pieces;
     h->weights_off = g.weights_off;
-    h->weights_bytes = h->n_params * sizeof(float);
+    h->weights_bytes = g.weights_bytes;
     h->optstate_off = g.optstate_off;
-    h->optstate_bytes = g.buffers_off - g.optstate_off;
+    h->optstate_bytes = g.optstate_bytes;
     h->buffers_off = g.buffers_off;
     h->pieces_off = g.pieces_off;
     h->slots_off = g.slots_off;
     h->slot_stride = g.slot_stride;
     h->entry_stride = g.entry_stride;
     h->total_size = g.total_size;
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if ((rc = psd_mutex_init(&s->mutex)) != 0)
             return rc;

@@ -80,8 +80,7 @@ struct psd_lease {
 
 /* Bump the beat of every slot m still holds under the token it claimed with. */
 static void renew(struct psd_map *m) {
-    const struct psd_header *h = psd_hdr(m);
-    for (uint32_t i = 0; i < m->n_held && i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->n_held && i < m->g.n_slots; i++) {
         uint64_t token = PSD_LOAD_RLX(&m->held[i]);
         if (!token)
             continue;

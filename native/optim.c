@@ -183,7 +183,7 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, fl
 
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness) {
     const struct psd_header *h = psd_hdr(m);
-    if (n != h->n_params)
+    if (n != m->g.n_params)
         return EINVAL;
     uint64_t t = PSD_LOAD_ACQ(&h->opt_steps);
     uint64_t bits = PSD_LOAD_RLX(&h->lr_bits);
@@ -192,7 +192,12 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double stalenes
     if (t == 0 || staleness <= 0.0 || lr == 0.0)
         return 0; /* nothing to predict from yet */
     const float *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
-    n = h->n_train; /* the optimizer state covers the trainable weights; frozen ones never move */
+    /* The optimizer is read from the header: its direction must lie in the state this mapping
+     * was grown with (momentum: one vector, Adam: two). */
+    uint32_t needs = h->optimizer == PSD_OPT_ADAM || h->optimizer == PSD_OPT_ADAMW ? 2 : 1;
+    if (m->g.state_vectors < needs)
+        return PSD_ESTATE;
+    n = m->g.n_train; /* the optimizer state covers the trainable weights; frozen ones never move */
     switch (h->optimizer) {
     case PSD_OPT_MOMENTUM:
     case PSD_OPT_NESTEROV: {
@@ -251,16 +256,24 @@ int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t 
     return (int64_t)nnz;
 }
 
-void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t row_len, float gscale,
-                     float *s0, double lr, uint64_t t) {
+/* The row count of a sparse piece of a tensor of len elements, 0 if it does not fit: the entry
+ * was checked (psd_sparse_rows), but a learner can still write into it, so the kernels below
+ * bound every count and row index they read again. */
+static uint64_t sparse_count_within(const void *span, uint64_t len, uint64_t row_len) {
     uint64_t nnz = sparse_count(span);
+    return nnz <= len / row_len && 8 + 8 * nnz + 4 * nnz * row_len <= 4 * len ? nnz : 0;
+}
+
+void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
+                     float gscale, float *s0, double lr, uint64_t t) {
+    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
     const float *v = sparse_values(span, nnz);
     if (h->optimizer == PSD_OPT_ADAGRAD) {
         /* torch's sparse Adagrad: sum[rows] += g^2; w[rows] -= clr * g / (sqrt(sum[rows]) + eps). */
         float neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay)), eps = (float)h->eps;
         for (uint64_t k = 0; k < nnz; k++) {
-            uint64_t base = (uint64_t)sparse_row(span, k) * row_len;
-            for (uint64_t j = 0; j < row_len; j++) {
+            uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
+            for (uint64_t j = 0; r < rows && j < row_len; j++) {
                 float d = v[k * row_len + j] * gscale, s = s0[base + j] + d * d;
                 s0[base + j] = s;
                 w[base + j] = w[base + j] + neg_clr * (d / (sqrtf(s) + eps));
@@ -270,18 +283,19 @@ void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uin
     }
     float neg_lr = (float)-lr; /* torch's SGD: w[rows] += -lr * g */
     for (uint64_t k = 0; k < nnz; k++) {
-        uint64_t base = (uint64_t)sparse_row(span, k) * row_len;
-        for (uint64_t j = 0; j < row_len; j++)
+        uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
+        for (uint64_t j = 0; r < rows && j < row_len; j++)
             w[base + j] = w[base + j] + neg_lr * (v[k * row_len + j] * gscale);
     }
 }
 
-void psd_sparse_add(float *acc, const void *span, uint64_t row_len) {
-    uint64_t nnz = sparse_count(span);
+void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len) {
+    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
     const float *v = sparse_values(span, nnz);
     for (uint64_t k = 0; k < nnz; k++) {
-        float *row = acc + (uint64_t)sparse_row(span, k) * row_len;
-        for (uint64_t j = 0; j < row_len; j++)
+        uint64_t r = (uint64_t)sparse_row(span, k);
+        float *row = acc + r * row_len;
+        for (uint64_t j = 0; r < rows && j < row_len; j++)
             row[j] += v[k * row_len + j];
     }
 }

@@ -29,7 +29,8 @@
 #define PSD_ETIMEOUT (-30592)   /* a bounded wait ran out */
 #define PSD_ESLOT (-30591)      /* the slot is no longer this learner's */
 #define PSD_EINIT (-30590)      /* the arena is still being created (no magic yet) */
-#define PSD_ELAST (-30590)
+#define PSD_EGEOMETRY (-30589)  /* the header's geometry disagrees with itself or the file's size */
+#define PSD_ELAST (-30589)
 
 const char *psd_strerror(int code);
 
@@ -54,11 +55,27 @@ enum psd_role {
 
 struct psd_lease;
 
+/* Where everything of an arena lies: this process's own copy, computed with
+ * overflow-checked arithmetic (psd_geometry) and checked against the file's
+ * size whenever a mapping is made, taken over or grown (psd_arena_adopt,
+ * psd_arena_grow). Nothing here is read back from shared memory afterwards,
+ * so a stray write into the header cannot move what a process addresses.
+ * Until the arena is grown for a model, the model fields are 0 and
+ * total_size covers the header, ranks and spec only. */
+struct psd_geom {
+    uint32_t n_slots, ring_k, state_vectors;
+    uint64_t spec_cap, ranks_off, spec_off;
+    uint64_t n_params, n_train, n_buffers, n_pieces;
+    uint64_t total_size, weights_off, optstate_off, buffers_off, pieces_off, slots_off, slot_stride, entry_stride;
+    uint64_t weights_bytes, optstate_bytes;
+};
+
 /* A mapping of an arena in this process. */
 struct psd_map {
     int fd;
     uint8_t *base;
-    size_t size;
+    size_t size;       /* bytes mapped (the file's size when mapped) */
+    struct psd_geom g; /* this mapping's checked geometry (above) */
     uint32_t role;           /* enum psd_role */
     uint32_t offering;       /* learner: the offer window (header, spec, weights, buffers) is writable */
     uint32_t n_held;         /* entries of `held` */
@@ -70,74 +87,76 @@ struct psd_map {
 static inline struct psd_header *psd_hdr(const struct psd_map *m) {
     return (struct psd_header *)m->base;
 }
+/* Whether the mapping holds the model's regions (weights, state, rings). */
+static inline bool psd_has_model(const struct psd_map *m) { return m->g.n_params != 0; }
 static inline struct psd_slot *psd_slot_at(const struct psd_map *m, uint32_t i) {
-    const struct psd_header *h = psd_hdr(m);
-    return (struct psd_slot *)(m->base + h->slots_off + (uint64_t)i * h->slot_stride);
+    return (struct psd_slot *)(m->base + m->g.slots_off + (uint64_t)i * m->g.slot_stride);
 }
 static inline struct psd_entry *psd_entry_at(const struct psd_map *m, uint32_t i, uint64_t idx) {
-    const struct psd_header *h = psd_hdr(m);
     uint8_t *ring = (uint8_t *)psd_slot_at(m, i) + sizeof(struct psd_slot);
-    return (struct psd_entry *)(ring + (idx & (h->ring_k - 1)) * h->entry_stride);
+    return (struct psd_entry *)(ring + (idx & (m->g.ring_k - 1)) * m->g.entry_stride);
 }
 static inline float *psd_entry_grad(struct psd_entry *e) {
     return (float *)((uint8_t *)e + sizeof(struct psd_entry));
 }
 /* Bytes of an entry's gradient span, rounded so the buffer deltas after it are 8-aligned. */
 static inline uint64_t psd_grad_span(uint64_t n_train) { return (n_train * sizeof(float) + 7) / 8 * 8; }
-static inline double *psd_entry_bufdelta(const struct psd_header *h, struct psd_entry *e) {
-    return (double *)((uint8_t *)psd_entry_grad(e) + psd_grad_span(h->n_train));
+static inline double *psd_entry_bufdelta(const struct psd_map *m, struct psd_entry *e) {
+    return (double *)((uint8_t *)psd_entry_grad(e) + psd_grad_span(m->g.n_train));
 }
-static inline uint8_t *psd_entry_pieces(const struct psd_header *h, struct psd_entry *e) {
-    return (uint8_t *)(psd_entry_bufdelta(h, e) + h->n_buffers);
+static inline uint8_t *psd_entry_pieces(const struct psd_map *m, struct psd_entry *e) {
+    return (uint8_t *)(psd_entry_bufdelta(m, e) + m->g.n_buffers);
 }
 static inline double *psd_buffers(const struct psd_map *m) {
-    return (double *)(m->base + psd_hdr(m)->buffers_off);
+    return (double *)(m->base + m->g.buffers_off);
 }
 static inline struct psd_piece *psd_piece_at(const struct psd_map *m, uint64_t k) {
-    return (struct psd_piece *)(m->base + psd_hdr(m)->pieces_off) + k;
+    return (struct psd_piece *)(m->base + m->g.pieces_off) + k;
 }
 static inline float *psd_weights(const struct psd_map *m) {
-    return (float *)(m->base + psd_hdr(m)->weights_off);
+    return (float *)(m->base + m->g.weights_off);
 }
-/* Optimizer-state vector i (see psd_state_vectors), n_train floats; the bsp /
- * kasync accumulator is the last one. */
+/* Optimizer-state vector i (i < g.state_vectors, see psd_state_vectors), n_train floats; the
+ * bsp / kasync accumulator is the last one. */
 static inline uint64_t psd_state_stride(uint64_t n_train) {
     return (n_train * sizeof(float) + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
 }
 static inline float *psd_state(const struct psd_map *m, uint32_t i) {
-    const struct psd_header *h = psd_hdr(m);
-    uint64_t stride = psd_state_stride(h->n_train);
-    return (float *)(m->base + h->optstate_off + i * stride);
+    return (float *)(m->base + m->g.optstate_off + i * psd_state_stride(m->g.n_train));
 }
 /* bsp / kasync: the sum of the round's gradients, the last state vector. */
 static inline float *psd_accumulator(const struct psd_map *m) {
-    const struct psd_header *h = psd_hdr(m);
-    return psd_state(m, psd_state_vectors(h->optimizer, h->sync_mode) - 1);
+    return psd_state(m, m->g.state_vectors - 1);
 }
 
-/* What `psd status` shows of the header and of a slot (py_inspect.c), listed
- * once. X(field, how): how to read it, PLAIN (fixed before a store-release of
- * state), ATOMIC, PID (an atomic pid, shown unsigned), PLAIN_PID, REAL (a
- * double). Slots: X(key, field, how), also SIGNED and BITS (a double's bits). */
+/* What `psd status` shows of the header and of a slot (py_inspect.c), and the
+ * offsets the binding exports for fault injection, listed once. X(field, how):
+ * how to read it, FIXED (the fixed geometry: this mapping's checked copy),
+ * MODEL (model geometry: the checked copy once the mapping holds the model,
+ * else what the header says), PLAIN (fixed before a store-release of state),
+ * ATOMIC, PID (an atomic pid, shown unsigned), PLAIN_PID, REAL (a double).
+ * Slots: X(key, field, how), also SIGNED and BITS (a double's bits). */
 #define PSD_HEADER_FIELDS(X)                                                                                     \
-    X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, PLAIN) X(ring_k, PLAIN) X(spec_cap, PLAIN)        \
-    X(created_unix_ns, PLAIN) X(total_size, PLAIN) X(n_params, PLAIN) X(n_train, PLAIN) X(n_buffers, PLAIN)     \
-    X(n_pieces, PLAIN) X(buffers_off, PLAIN) X(pieces_off, PLAIN) X(weights_off, PLAIN)                          \
-    X(weights_bytes, PLAIN) X(optstate_off, PLAIN) X(optstate_bytes, PLAIN) X(slots_off, PLAIN)                  \
-    X(slot_stride, PLAIN) X(entry_stride, PLAIN) X(ranks_off, PLAIN) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
-    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, PLAIN) X(sync_mode, PLAIN)                   \
+    X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, FIXED) X(ring_k, FIXED) X(spec_cap, FIXED)        \
+    X(ranks_off, FIXED) X(spec_off, FIXED) X(created_unix_ns, PLAIN) X(total_size, MODEL) X(n_params, MODEL)     \
+    X(n_train, MODEL) X(n_buffers, MODEL) X(n_pieces, MODEL) X(buffers_off, MODEL) X(pieces_off, MODEL)          \
+    X(weights_off, MODEL) X(weights_bytes, MODEL) X(optstate_off, MODEL) X(optstate_bytes, MODEL)                \
+    X(slots_off, MODEL) X(slot_stride, MODEL) X(entry_stride, MODEL) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
+    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, PLAIN)                \
+    X(sync_mode, PLAIN)                                                                                          \
     X(threads, PLAIN) X(spin_us, PLAIN) X(sync_param, PLAIN) X(push_every, PLAIN) X(schedule, PLAIN)             \
     X(cfg_flags, PLAIN) X(step_size, PLAIN) X(t_max, PLAIN) X(warmup, PLAIN) X(max_staleness, PLAIN)             \
     X(async_momentum, PLAIN) X(lease_ms, PLAIN) X(lr, REAL) X(momentum, REAL) X(dampening, REAL) X(beta1, REAL) X(beta2, REAL)      \
     X(eps, REAL) X(weight_decay, REAL) X(lr_decay, REAL) X(gamma, REAL) X(eta_min, REAL)                         \
     X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
     X(acc_staleness, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
-    X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(clock, ATOMIC) X(applied, ATOMIC)                  \
-    X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC) X(staleness_max, ATOMIC)             \
-    X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(ignored, ATOMIC) X(lock_recoveries, ATOMIC) X(evicted, ATOMIC)                        \
-    X(evicted_pid, PID) X(evicted_rule, ATOMIC) X(sleeping, ATOMIC) X(pause_req, ATOMIC) X(paused, ATOMIC)       \
-    X(watchdog_pid, PID) X(watchdog_start_time, ATOMIC) X(checkpoint_clock, ATOMIC)                              \
-    X(checkpoint_unix_ns, ATOMIC) X(server_restarts, ATOMIC)
+    X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(heartbeat_ns, ATOMIC)      \
+    X(clock, ATOMIC) X(applied, ATOMIC) X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC)  \
+    X(staleness_max, ATOMIC) X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(ignored, ATOMIC)                         \
+    X(lock_recoveries, ATOMIC) X(evicted, ATOMIC) X(evicted_pid, PID) X(evicted_rank, SIGNED)                   \
+    X(evicted_rule, ATOMIC) X(sleeping, ATOMIC) X(pause_req, ATOMIC) X(paused, ATOMIC) X(watchdog_pid, PID)     \
+    X(watchdog_start_time, ATOMIC) X(checkpoint_clock, ATOMIC) X(checkpoint_unix_ns, ATOMIC)                     \
+    X(server_restarts, ATOMIC)
 #define PSD_SLOT_FIELDS(X)                                                                                       \
     X(state, state, ATOMIC) X(pid, pid, PID) X(start_time, start_time, ATOMIC) X(claims, claims, ATOMIC)         \
     X(rank, rank, SIGNED) X(waiters, not_full.waiters, ATOMIC) X(tail, tail, ATOMIC) X(head, head, ATOMIC)       \
@@ -147,6 +166,8 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(ssp_base, ssp_base, ATOMIC) X(round_joined, round_joined, ATOMIC) X(last_loss, last_loss_bits, BITS)       \
     X(pid_ns, pid_ns, ATOMIC) X(ignored, ignored, ATOMIC) X(lease_beat, lease_beat, ATOMIC)                     \
     X(reap_reason, reap_reason, ATOMIC) X(liveness, liveness, ATOMIC)
+/* The fields of a ring entry's header (struct psd_entry), for the offsets the binding exports. */
+#define PSD_ENTRY_FIELDS(X) X(seq) X(clock) X(batch_size) X(flags) X(loss) X(claim) X(applied_clock) X(outcome)
 
 /* sync.c: clocks and process identity */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
@@ -207,14 +228,15 @@ struct psd_model {
     uint64_t n_buffers; /* float64 buffer elements */
     uint64_t n_pieces;  /* trainable tensors, 1..n_train */
 };
-/* Where everything of an arena sized for a model lies. */
-struct psd_geom {
-    uint64_t total_size, weights_off, optstate_off, buffers_off, pieces_off, slots_off, slot_stride, entry_stride;
-};
 size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap);
-/* Overflow-checked: EINVAL for a geometry out of range or too large to address. */
+/* Overflow-checked: EINVAL for a geometry out of range or too large to address. model NULL: an
+ * arena not grown yet (header, ranks and spec). */
 int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const struct psd_model *model,
                  uint32_t state_vectors, struct psd_geom *g);
+/* Take the geometry the header describes into m->g, checked: recomputed from the header's shape
+ * fields, equal to the offsets the header stores, within the mapping. The model's part only once
+ * the arena is grown (state INIT_WEIGHTS or later) and mapped whole. PSD_EGEOMETRY otherwise. */
+int psd_arena_adopt(struct psd_map *m);
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version);
 int psd_arena_open(struct psd_map *m, const char *shm_name); /* PSD_ROLE_FULL */
@@ -225,6 +247,8 @@ int psd_arena_open_as(struct psd_map *m, const char *shm_name, uint32_t role);
 int psd_arena_offer_window(struct psd_map *m, bool open);
 /* Re-apply m's protections (after a claim, a release, a remap). */
 int psd_arena_protect(struct psd_map *m);
+/* Map the file at its size now; adopt the header's geometry unless the mapping holds its model
+ * already and the size did not change. */
 int psd_arena_remap(struct psd_map *m);
 void psd_arena_close(struct psd_map *m);
 int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
@@ -280,7 +304,7 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
 bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
 
 static inline struct psd_rank *psd_rank_at(const struct psd_map *m, uint32_t r) {
-    return (struct psd_rank *)(m->base + psd_hdr(m)->ranks_off) + r;
+    return (struct psd_rank *)(m->base + m->g.ranks_off) + r;
 }
 
 /* pause.c: consistent snapshots */
@@ -332,11 +356,12 @@ bool psd_sparse_ok(const struct psd_header *h);
 /* Check a sparse piece stored in `span` (cap float32 of room) of a tensor of
  * rows x row_len; returns its row count, or -1 if it is malformed. */
 int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t row_len);
-/* One update of the rows given in a sparse piece (already checked). */
-void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t row_len, float gscale,
-                     float *s0, double lr, uint64_t t);
-/* acc (a tensor of rows x row_len) += the sparse piece's rows. */
-void psd_sparse_add(float *acc, const void *span, uint64_t row_len);
+/* One update of the rows given in a sparse piece of a tensor of len elements (checked; a count or
+ * row that no longer fits is skipped). */
+void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
+                     float gscale, float *s0, double lr, uint64_t t);
+/* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows. */
+void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len);
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness);
 

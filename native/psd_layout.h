@@ -60,7 +60,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 4
+#define PSD_LAYOUT_VERSION 5
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -215,8 +215,9 @@ struct psd_header {
     _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
     _Atomic uint64_t ignored;        /* entries whose claim token was not their slot's claim */
     _Atomic uint64_t evicted;        /* learners evicted for breaking a rule of their slot */
-    _Atomic int32_t evicted_pid;     /* the last one's pid, and the rule (enum psd_rule) */
-    _Atomic uint32_t evicted_rule;   /* written before `evicted` is bumped (release) */
+    _Atomic int32_t evicted_pid;     /* the last one's pid, rank and the rule (enum psd_rule), */
+    _Atomic int32_t evicted_rank;    /* written before `evicted` is bumped (release) */
+    _Atomic uint32_t evicted_rule;
 
     /* -- staleness histogram, written only by the update loop (relaxed):
      *    bucket 0 counts staleness 0, bucket i > 0 counts [2^(i-1), 2^i), the
@@ -379,7 +380,13 @@ enum psd_rule {
     PSD_RULE_TAIL = 1, /* tail - head must be at most ring_k */
     PSD_RULE_SEQ = 2,  /* an entry's seq must be the index it was published at */
     PSD_RULE_RANK = 3, /* rank must be -1 or a rank of this job */
+    PSD_RULE_HEAD = 4, /* head is the update loop's: nobody else may move it */
+    PSD_RULE_FLAGS = 5, /* an entry's flags must be known PSD_ENTRY_* bits */
+    PSD_RULE_BATCH = 6, /* an entry's batch_size must be at most PSD_MAX_BATCH */
+    PSD_RULE_CLOCK = 7, /* an entry's clock must not be ahead of the weights clock */
+    PSD_RULE_PIECES = 8, /* an entry's piece map must hold known kinds, its sparse pieces rows of their tensor */
 };
+#define PSD_MAX_BATCH (UINT32_C(1) << 24) /* samples in one gradient; more is a stray write */
 
 /* psd_entry.flags, set by the learner. */
 #define PSD_ENTRY_NONFINITE 1u /* the gradient holds a NaN or an infinity: never applied */

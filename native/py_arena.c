@@ -22,12 +22,12 @@ int check_slot(Arena *a, unsigned int slot) {
     if (check_open(a))
         return -1;
     struct psd_header *h = psd_hdr(&a->map);
-    if (PSD_LOAD_ACQ(&h->state) < PSD_ARENA_INIT_WEIGHTS || a->map.size < h->total_size) {
+    if (PSD_LOAD_ACQ(&h->state) < PSD_ARENA_INIT_WEIGHTS || !psd_has_model(&a->map)) {
         raise_code(PSD_ESTATE, "slot", NULL);
         return -1;
     }
-    if (slot >= h->n_slots) {
-        PyErr_Format(PyExc_IndexError, "slot %u out of range (job has %u)", slot, h->n_slots);
+    if (slot >= a->map.g.n_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %u out of range (job has %u)", slot, a->map.g.n_slots);
         return -1;
     }
     return 0;
@@ -156,9 +156,8 @@ static PyObject *arena_grad_offset(Arena *a, PyObject *args) {
     unsigned int slot, k;
     if (!PyArg_ParseTuple(args, "II", &slot, &k) || check_slot(a, slot))
         return NULL;
-    struct psd_header *h = psd_hdr(&a->map);
-    if (k >= h->ring_k) {
-        PyErr_Format(PyExc_IndexError, "ring entry %u out of range (ring has %u)", k, h->ring_k);
+    if (k >= a->map.g.ring_k) {
+        PyErr_Format(PyExc_IndexError, "ring entry %u out of range (ring has %u)", k, a->map.g.ring_k);
         return NULL;
     }
     uint8_t *g = (uint8_t *)psd_entry_grad(psd_entry_at(&a->map, slot, k));

@@ -19,14 +19,17 @@
         Py_DECREF(o_);                                                                             \
     } while (0)
 
-/* How each kind of field in PSD_HEADER_FIELDS / PSD_SLOT_FIELDS (psd.h) is read and shown. */
-#define READ_PLAIN(f) PyLong_FromUnsignedLongLong((unsigned long long)(f))
-#define READ_ATOMIC(f) PyLong_FromUnsignedLongLong((unsigned long long)atomic_load(&(f)))
-#define READ_PID(f) PyLong_FromUnsignedLong((uint32_t)atomic_load(&(f)))
-#define READ_PLAIN_PID(f) PyLong_FromUnsignedLong((uint32_t)(f))
-#define READ_SIGNED(f) PyLong_FromLong(atomic_load(&(f)))
-#define READ_REAL(f) PyFloat_FromDouble(f)
-#define READ_BITS(f) PyFloat_FromDouble(bits_to_double(atomic_load(&(f))))
+/* How each kind of field in PSD_HEADER_FIELDS / PSD_SLOT_FIELDS (psd.h) is read from the struct
+ * at `o` and shown; geometry comes from this mapping's checked copy (`a` is the Arena). */
+#define READ_PLAIN(o, f) PyLong_FromUnsignedLongLong((unsigned long long)(o)->f)
+#define READ_FIXED(o, f) READ_PLAIN(&a->map.g, f)
+#define READ_MODEL(o, f) PyLong_FromUnsignedLongLong(psd_has_model(&a->map) ? a->map.g.f : (o)->f)
+#define READ_ATOMIC(o, f) PyLong_FromUnsignedLongLong((unsigned long long)atomic_load(&(o)->f))
+#define READ_PID(o, f) PyLong_FromUnsignedLong((uint32_t)atomic_load(&(o)->f))
+#define READ_PLAIN_PID(o, f) PyLong_FromUnsignedLong((uint32_t)(o)->f)
+#define READ_SIGNED(o, f) PyLong_FromLong(atomic_load(&(o)->f))
+#define READ_REAL(o, f) PyFloat_FromDouble((o)->f)
+#define READ_BITS(o, f) PyFloat_FromDouble(bits_to_double(atomic_load(&(o)->f)))
 
 static double bits_to_double(uint64_t bits) {
     double v;
@@ -56,7 +59,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     PyObject *d = PyDict_New();
     if (!d)
         return NULL;
-#define HEADER_FIELD(f, how) SET(d, #f, READ_##how(h->f));
+#define HEADER_FIELD(f, how) SET(d, #f, READ_##how(h, f));
     PSD_HEADER_FIELDS(HEADER_FIELD)
 #undef HEADER_FIELD
     SET(d, "psd_version", text_field(h->psd_version, PSD_VERSION_LEN));
@@ -67,7 +70,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     SET(d, "state_vectors", PyLong_FromUnsignedLong(psd_state_vectors(h->optimizer, h->sync_mode)));
     SET(d, "lr_now", PyFloat_FromDouble(current_lr(h)));
     SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(h)));
-    SET(d, "staleness_avg", READ_BITS(h->staleness_avg_bits));
+    SET(d, "staleness_avg", READ_BITS(h, staleness_avg_bits));
     PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
     for (int i = 0; hist && i < PSD_HIST_BUCKETS; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&h->staleness_hist[i]));
@@ -88,7 +91,7 @@ static PyObject *arena_slot_info(Arena *a, PyObject *args) {
     PyObject *d = PyDict_New();
     if (!d)
         return NULL;
-#define SLOT_FIELD(key, f, how) SET(d, #key, READ_##how(s->f));
+#define SLOT_FIELD(key, f, how) SET(d, #key, READ_##how(s, f));
     PSD_SLOT_FIELDS(SLOT_FIELD)
 #undef SLOT_FIELD
     return d;
@@ -101,7 +104,10 @@ static PyObject *arena_spec(Arena *a, PyObject *noargs) {
     struct psd_header *h = psd_hdr(&a->map);
     if (PSD_LOAD_ACQ(&h->state) < PSD_ARENA_SPEC_OFFERED)
         Py_RETURN_NONE;
-    return PyBytes_FromStringAndSize((const char *)a->map.base + h->spec_off, (Py_ssize_t)h->spec_len);
+    uint64_t len = h->spec_len; /* written by the offerer: checked against the spec region */
+    if (len > a->map.g.spec_cap)
+        return raise_code(PSD_ESPEC, "read the offered spec (longer than the spec region)", a->name);
+    return PyBytes_FromStringAndSize((const char *)a->map.base + a->map.g.spec_off, (Py_ssize_t)len);
 }
 
 static PyObject *arena_training(Arena *a, PyObject *noargs) {
@@ -129,8 +135,8 @@ static PyObject *arena_counters(Arena *a, PyObject *noargs) {
     struct psd_header *h = psd_hdr(&a->map);
     uint64_t pushed = atomic_load(&h->retired_pushed), pending = 0;
     uint32_t active = 0;
-    if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY && a->map.size >= h->total_size) {
-        for (uint32_t i = 0; i < h->n_slots; i++) {
+    if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY && psd_has_model(&a->map)) {
+        for (uint32_t i = 0; i < a->map.g.n_slots; i++) {
             struct psd_slot *s = psd_slot_at(&a->map, i);
             if (atomic_load(&s->state) == PSD_SLOT_FREE)
                 continue;
@@ -191,11 +197,10 @@ static PyObject *arena_ranks(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
-    struct psd_header *h = psd_hdr(&a->map);
-    PyObject *list = PyList_New(h->n_slots);
+    PyObject *list = PyList_New(a->map.g.n_slots);
     if (!list)
         return NULL;
-    for (uint32_t r = 0; r < h->n_slots; r++) {
+    for (uint32_t r = 0; r < a->map.g.n_slots; r++) {
         PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&psd_rank_at(&a->map, r)->applied));
         if (!v) {
             Py_DECREF(list);

@@ -104,7 +104,7 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     if (PyErr_Occurred())
         return NULL;
     int rc;
-    if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
+    if (a->map.g.n_params < (UINT64_C(1) << 16)) {
         rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
     } else {
         Py_BEGIN_ALLOW_THREADS rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
@@ -144,9 +144,9 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
     struct psd_src *src = NULL;
     const double *bufdelta = NULL;
     int rc = 0;
-    if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count != psd_hdr(&a->map)->n_pieces) {
+    if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count != a->map.g.n_pieces) {
         PyErr_Format(PyExc_ValueError, "push_from: ptrs and lens must both have one item per trainable tensor (%llu)",
-                     (unsigned long long)psd_hdr(&a->map)->n_pieces);
+                     (unsigned long long)a->map.g.n_pieces);
         goto out;
     }
     src = PyMem_Calloc((size_t)count + 1, sizeof *src);
@@ -186,7 +186,7 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
         if (PyErr_Occurred())
             goto out;
     }
-    if (psd_hdr(&a->map)->n_params < (UINT64_C(1) << 16)) {
+    if (a->map.g.n_params < (UINT64_C(1) << 16)) {
         rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
     } else {
         Py_BEGIN_ALLOW_THREADS rc =
@@ -195,7 +195,7 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
     }
     if (rc == EINVAL)
         PyErr_Format(PyExc_ValueError, "push_from: the tensors do not match the job's %llu trainable elements, "
-                     "or a sparse gradient names rows outside its tensor", (unsigned long long)psd_hdr(&a->map)->n_train);
+                     "or a sparse gradient names rows outside its tensor", (unsigned long long)a->map.g.n_train);
     else if (rc)
         raise_code(rc, "push gradient", a->name);
 out:
@@ -248,7 +248,7 @@ static PyObject *arena_has_space(Arena *a, PyObject *args) {
         return NULL;
     struct psd_slot *s = psd_slot_at(&a->map, slot);
     /* Pairs with the store-release of head in the update loop. */
-    return PyBool_FromLong(PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < psd_hdr(&a->map)->ring_k);
+    return PyBool_FromLong(PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < a->map.g.ring_k);
 }
 
 static PyObject *arena_wait_round(Arena *a, PyObject *args) {
@@ -312,7 +312,7 @@ static PyObject *arena_pull_into(Arena *a, PyObject *args) {
     }
     struct psd_header *h = psd_hdr(&a->map);
     struct psd_slot *s = psd_slot_at(&a->map, slot);
-    if ((uint64_t)dst.len != h->n_params * sizeof(float)) {
+    if ((uint64_t)dst.len != a->map.g.n_params * sizeof(float)) {
         PyBuffer_Release(&dst);
         PyErr_SetString(PyExc_ValueError, "pull_into: the buffer must hold n_params float32");
         return NULL;
@@ -434,7 +434,7 @@ static PyObject *arena_start_puller(Arena *a, PyObject *args) {
         PyObject_Free(P);
         return NULL;
     }
-    uint64_t n = psd_hdr(&a->map)->n_params;
+    uint64_t n = a->map.g.n_params;
     if ((uint64_t)P->front.len != n * sizeof(float) || (uint64_t)P->back.len != n * sizeof(float)) {
         PyBuffer_Release(&P->front);
         PyBuffer_Release(&P->back);

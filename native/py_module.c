@@ -21,7 +21,7 @@ static const struct {
     {PSD_ESPEC, "SpecError"},        {PSD_EOWNERDEAD, "Error"},
     {PSD_EEXPORTS, "ArenaBusy"},     {PSD_ESERVER, "ServerGone"},
     {PSD_ETIMEOUT, "Timeout"},       {PSD_ESLOT, "SlotLost"},
-    {PSD_EINIT, "ArenaIncomplete"},
+    {PSD_EINIT, "ArenaIncomplete"}, {PSD_EGEOMETRY, "ArenaCorrupt"},
 };
 
 PyObject *error_type(const char *cls) { return PyObject_GetAttrString(errors_module, cls); }
@@ -213,6 +213,39 @@ static PyMethodDef *join_methods(void) {
     return all; /* ends with the zeroed sentinel; lives as long as the type */
 }
 
+/* {field: byte offset} of a struct's fields, for fault injection (tests, psd chaos); NULL on error. */
+static PyObject *offsets(void) {
+    PyObject *all = Py_BuildValue("{s:N,s:N,s:N}", "header", PyDict_New(), "slot", PyDict_New(), "entry", PyDict_New());
+    if (!all)
+        return NULL;
+    PyObject *h = PyDict_GetItemString(all, "header"), *s = PyDict_GetItemString(all, "slot"),
+             *e = PyDict_GetItemString(all, "entry");
+    int bad = 0;
+#define PUT(d, key, type, f)                                                                       \
+    do {                                                                                           \
+        PyObject *v_ = PyLong_FromSize_t(offsetof(type, f));                                       \
+        bad |= !v_ || PyDict_SetItemString((d), (key), v_);                                        \
+        Py_XDECREF(v_);                                                                            \
+    } while (0);
+#define HEADER_OFFSET(f, how) PUT(h, #f, struct psd_header, f)
+#define SLOT_OFFSET(key, f, how) PUT(s, #key, struct psd_slot, f)
+#define ENTRY_OFFSET(f) PUT(e, #f, struct psd_entry, f)
+    PSD_HEADER_FIELDS(HEADER_OFFSET)
+    PUT(h, "staleness_avg_bits", struct psd_header, staleness_avg_bits)
+    PUT(h, "state_cond.waiters", struct psd_header, state_cond.waiters)
+    PUT(h, "doorbell.waiters", struct psd_header, doorbell.waiters)
+    PUT(h, "sync_cond.waiters", struct psd_header, sync_cond.waiters)
+    PSD_SLOT_FIELDS(SLOT_OFFSET)
+    PSD_ENTRY_FIELDS(ENTRY_OFFSET)
+#undef HEADER_OFFSET
+#undef SLOT_OFFSET
+#undef ENTRY_OFFSET
+#undef PUT
+    if (bad)
+        Py_CLEAR(all);
+    return all;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
     if (!ArenaType.tp_methods && !(ArenaType.tp_methods = join_methods())) {
         PyErr_NoMemory();
@@ -230,6 +263,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyModule_AddObject(m, "Arena", (PyObject *)&ArenaType) < 0 ||
         PyModule_AddFunctions(m, py_arena_functions) < 0 || PyModule_AddFunctions(m, py_server_functions) < 0)
         return NULL;
+    PyObject *offs = offsets();
+    if (!offs || PyModule_AddObject(m, "OFFSETS", offs) < 0) {
+        Py_XDECREF(offs);
+        return NULL;
+    }
     PyModule_AddIntConstant(m, "LAYOUT_VERSION", PSD_LAYOUT_VERSION);
     PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
     PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);

@@ -33,6 +33,9 @@ static PyObject *arena_grow(Arena *a, PyObject *noargs) {
         return NULL;
     if (a->exports)
         return raise_code(PSD_EEXPORTS, "grow arena", NULL);
+    if (a->loop) /* the loop has a copy of this mapping: growing would move it under the loop */
+        return raise_code(PSD_ESTATE, "grow arena (the update loop runs on it; the state went back by a stray "
+                                      "write?)", a->name);
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = psd_arena_grow(&a->map);
     Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "grow arena", a->name);
@@ -245,7 +248,7 @@ static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
     if (!seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t r = 0; r < n && (uint64_t)r < h->n_slots; r++) {
+    for (Py_ssize_t r = 0; r < n && (uint64_t)r < a->map.g.n_slots; r++) {
         unsigned long long v = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, r));
         if (PyErr_Occurred()) {
             Py_DECREF(seq);

@@ -49,13 +49,13 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
     /* Pairs with the store-release of READY in psd_arena_set_state. */
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return PSD_ESTATE;
-    if (m->size < h->total_size)
+    if (!psd_has_model(m))
         return PSD_ESTATE; /* not mapped at the grown size yet */
     uint64_t pid_ns = psd_pid_ns();
     int rc = psd_mutex_lock(h, &h->admission);
     if (!psd_locked(rc))
         return rc;
-    if ((rc = held_table(m, h->n_slots)) != 0) {
+    if ((rc = held_table(m, m->g.n_slots)) != 0) {
         psd_mutex_unlock(&h->admission);
         return rc;
     }
@@ -66,7 +66,7 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
             PSD_STORE_RLX(&m->held[i], 0);
     }
     rc = PSD_ENOSLOT;
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE)
             continue;
@@ -80,7 +80,7 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
         PSD_STORE_RLX(&s->start_time, start_time);
         PSD_STORE_RLX(&s->pid_ns, pid_ns);
         PSD_ADD_RLX(&s->claims, 1);
-        PSD_STORE_RLX(&s->rank, rank >= 0 && (uint32_t)rank < h->n_slots ? rank : -1);
+        PSD_STORE_RLX(&s->rank, rank >= 0 && (uint32_t)rank < m->g.n_slots ? rank : -1);
         PSD_STORE_RLX(&s->learner_clock, 0);
         PSD_STORE_RLX(&s->pulls, 0);
         PSD_STORE_RLX(&s->pulls_skipped, 0);
@@ -91,6 +91,8 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
         PSD_STORE_RLX(&s->staleness_max, 0);
         PSD_STORE_RLX(&s->dropped, 0);
         PSD_STORE_RLX(&s->round_joined, 0);
+        PSD_STORE_RLX(&s->tail, 0); /* a free slot's ring is empty (free_slot, evict): so it stays, */
+        PSD_STORE_RLX(&s->head, 0); /* whatever a stray write left in it (the loop's head is 0 too) */
         uint64_t mine, slowest;
         PSD_STORE_RLX(&s->ssp_base, 0);
         psd_ssp_clocks(m, i, true, &mine, &slowest); /* ssp: join at the slowest learner's clock */
@@ -255,7 +257,7 @@ static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, ui
     *tail = PSD_LOAD_RLX(&s->tail); /* only this process writes it */
     /* Pairs with the store-release of head in the update loop: the entry at
      * `tail` is no longer being read. */
-    if (*tail - PSD_LOAD_ACQ(&s->head) >= psd_hdr(m)->ring_k)
+    if (*tail - PSD_LOAD_ACQ(&s->head) >= m->g.ring_k)
         return PSD_ESTATE; /* caller must psd_wait_space() first */
     *e = psd_entry_at(m, slot, *tail);
     return 0;
@@ -286,23 +288,22 @@ static void publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint6
 }
 
 /* Copy the buffer deltas (if any) into the entry; the entry flags they add. */
-static uint32_t put_buffers(const struct psd_header *h, struct psd_entry *e, const double *bufdelta) {
-    if (!bufdelta || !h->n_buffers)
+static uint32_t put_buffers(const struct psd_map *m, struct psd_entry *e, const double *bufdelta) {
+    if (!bufdelta || !m->g.n_buffers)
         return 0;
-    return PSD_ENTRY_BUFFERS | (copy_check_f64(psd_entry_bufdelta(h, e), bufdelta, h->n_buffers) ? PSD_ENTRY_NONFINITE : 0);
+    return PSD_ENTRY_BUFFERS | (copy_check_f64(psd_entry_bufdelta(m, e), bufdelta, m->g.n_buffers) ? PSD_ENTRY_NONFINITE : 0);
 }
 
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
              const double *bufdelta) {
-    struct psd_header *h = psd_hdr(m);
     struct psd_entry *e;
     uint64_t tail;
     int rc = tail_entry(m, slot, &e, &tail);
     if (rc)
         return rc;
-    bool finite = scale_and_check(psd_entry_grad(e), h->n_train, scale);
-    memset(psd_entry_pieces(h, e), PSD_PIECE_DENSE, h->n_pieces);
-    uint32_t flags = put_buffers(h, e, bufdelta) | (finite ? 0 : PSD_ENTRY_NONFINITE);
+    bool finite = scale_and_check(psd_entry_grad(e), m->g.n_train, scale);
+    memset(psd_entry_pieces(m, e), PSD_PIECE_DENSE, m->g.n_pieces);
+    uint32_t flags = put_buffers(m, e, bufdelta) | (finite ? 0 : PSD_ENTRY_NONFINITE);
     publish(m, slot, e, tail, clock, batch, loss, flags);
     return 0;
 }
@@ -347,18 +348,17 @@ static uint8_t put_sparse(float *span, const struct psd_src *p, float scale, uin
 
 int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
                   const struct psd_src *src, uint32_t count, uint32_t dtype, const double *bufdelta) {
-    struct psd_header *h = psd_hdr(m);
-    if (count != h->n_pieces || dtype > PSD_DTYPE_F16)
+    if (count != m->g.n_pieces || dtype > PSD_DTYPE_F16)
         return EINVAL;
     uint64_t total = 0;
     for (uint32_t k = 0; k < count; k++) {
-        if (src[k].len > h->n_train - total)
+        if (src[k].len > m->g.n_train - total)
             return EINVAL; /* more than the model (checked piece by piece: a sum could wrap) */
         if (src[k].data && src[k].rows && !sparse_src_ok(&src[k]))
             return EINVAL;
         total += src[k].len;
     }
-    if (total != h->n_train)
+    if (total != m->g.n_train)
         return EINVAL;
     struct psd_entry *e;
     uint64_t tail;
@@ -366,7 +366,7 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
     if (rc)
         return rc;
     float *dst = psd_entry_grad(e);
-    uint8_t *map = psd_entry_pieces(h, e);
+    uint8_t *map = psd_entry_pieces(m, e);
     uint32_t bad = 0;
 #ifdef PSD_HAVE_STREAM
     bool stream = dtype == PSD_DTYPE_F32 && total * sizeof(float) >= PSD_STREAM_BYTES;
@@ -391,7 +391,7 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
     if (stream)
         _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
 #endif
-    uint32_t flags = put_buffers(h, e, bufdelta) | (bad ? PSD_ENTRY_NONFINITE : 0);
+    uint32_t flags = put_buffers(m, e, bufdelta) | (bad ? PSD_ENTRY_NONFINITE : 0);
     publish(m, slot, e, tail, clock, batch, loss, flags);
     return 0;
 }
@@ -436,7 +436,7 @@ static bool has_space(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
     struct psd_slot *s = psd_slot_at(m, slot);
     /* Pairs with the store-release of head in the update loop. */
-    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < psd_hdr(m)->ring_k;
+    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < m->g.ring_k;
 }
 
 static bool is_drained(struct psd_map *m, uint32_t slot, uint64_t claim) {
@@ -476,7 +476,7 @@ void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *min
     struct psd_slot *me = psd_slot_at(m, slot);
     *mine = PSD_LOAD_RLX(&me->ssp_base) + PSD_LOAD_RLX(&me->tail);
     *slowest = UINT64_MAX;
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         if (i == slot)
             continue;
         struct psd_slot *s = psd_slot_at(m, i);
@@ -556,7 +556,7 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return 0;
     uint64_t now = psd_now_ns(), lease_ns = psd_lease_ns(h);
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || owner_gone(h, s, now, lease_ns) == PSD_REAP_NONE)
             continue;

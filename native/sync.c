@@ -31,6 +31,8 @@ static const char *const psd_errors[] = {
     [PSD_ETIMEOUT - PSD_EFIRST] = "timed out",
     [PSD_ESLOT - PSD_EFIRST] = "the learner slot was taken back by the server",
     [PSD_EINIT - PSD_EFIRST] = "the arena is still being created",
+    [PSD_EGEOMETRY - PSD_EFIRST] = "the arena's header describes a geometry that does not match its model or its "
+                                   "size (corrupt, or overwritten by a stray process)",
 };
 
 const char *psd_strerror(int code) {

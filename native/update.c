@@ -24,7 +24,13 @@
 #include "psd.h"
 
 struct psd_loop {
-    struct psd_map *m;
+    /* The server's mapping, copied at start with its checked geometry (psd.h psd_geom): the loop
+     * never reads geometry from shared memory. m points at `map`. */
+    struct psd_map map, *m;
+    /* The configuration line of the header (lr .. async_momentum), copied and checked at start,
+     * and the running mean of staleness that --async-momentum reads: only `cfg`'s configuration
+     * fields and staleness_avg_bits are used, which no learner can change under the loop. */
+    struct psd_header cfg;
     pthread_t thread;
     _Atomic int stop; /* set by psd_loop_stop, read each round */
     uint32_t threads;
@@ -36,6 +42,13 @@ struct psd_loop {
     struct psd_piece_geom *pieces;
     uint8_t *round_map;
     uint64_t buffers_set; /* leading buffer elements an entry sets; the rest it adds to */
+    uint64_t clock;       /* the weights clock: the loop's own, stored out after each update */
+    /* Per slot, the head this loop stored last (0 for a free slot): the loop never takes a head
+     * back from shared memory, and a slot whose head another process moved is evicted. */
+    uint64_t *heads;
+    /* The piece map of the entry being taken, copied out of the ring before it is checked, so
+     * that what is applied is what was checked. */
+    uint8_t *entry_map;
 };
 
 /* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
@@ -63,7 +76,7 @@ static void atomic_max(_Atomic uint64_t *p, uint64_t v) {
 }
 
 /* Staleness bookkeeping for one consumed gradient (the update loop alone writes these). */
-static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entry *e, uint64_t staleness) {
+static void count_applied(struct psd_map *m, struct psd_slot *s, const struct psd_entry *e, uint64_t staleness) {
     struct psd_header *h = psd_hdr(m);
     double loss = e->loss;
     uint64_t loss_bits;
@@ -74,7 +87,7 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entr
     atomic_max(&s->staleness_max, staleness);
     PSD_ADD_RLX(&h->applied, 1);
     int32_t rank = PSD_LOAD_RLX(&s->rank); /* checked by slot_rule before the entry was taken */
-    if (rank >= 0 && (uint32_t)rank < h->n_slots)
+    if (rank >= 0 && (uint32_t)rank < m->g.n_slots)
         PSD_ADD_RLX(&psd_rank_at(m, (uint32_t)rank)->applied, 1);
     PSD_ADD_RLX(&h->staleness_sum, staleness);
     atomic_max(&h->staleness_max, staleness);
@@ -82,14 +95,16 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, struct psd_entr
     PSD_ADD_RLX(&h->staleness_hist[bucket < PSD_HIST_BUCKETS ? bucket : PSD_HIST_BUCKETS - 1], 1);
 }
 
-/* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads. */
-static void note_staleness(struct psd_header *h, double staleness) {
-    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits); /* only this thread writes it */
+/* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads
+ * (the loop's own copy), and show it in the header. */
+static void note_staleness(struct psd_loop *L, double staleness) {
+    uint64_t bits = PSD_LOAD_RLX(&L->cfg.staleness_avg_bits); /* only this thread uses it */
     double avg;
     memcpy(&avg, &bits, sizeof avg);
     avg += (staleness - avg) / PSD_STALENESS_WINDOW;
     memcpy(&bits, &avg, sizeof bits);
-    PSD_STORE_RLX(&h->staleness_avg_bits, bits);
+    PSD_STORE_RLX(&L->cfg.staleness_avg_bits, bits);
+    PSD_STORE_RLX(&psd_hdr(L->m)->staleness_avg_bits, bits); /* read by psd status only */
 }
 
 /* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
@@ -97,7 +112,7 @@ static void note_staleness(struct psd_header *h, double staleness) {
  * step go to the optimizer as one range (one call for a whole dense model). */
 static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double lr) {
     struct psd_map *m = L->m;
-    struct psd_header *h = psd_hdr(m);
+    const struct psd_header *cfg = &L->cfg;
     float *w = psd_weights(m), *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
     for (uint64_t k = 0; k < L->n_pieces;) {
         const struct psd_piece_geom *pg = &L->pieces[k];
@@ -105,14 +120,14 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
         if (map[k] == PSD_PIECE_ABSENT) {
             k++;
         } else if (map[k] == PSD_PIECE_SPARSE) {
-            psd_sparse_step(h, w + pg->off, g + pg->off, pg->row_len, gscale, s0 + pg->off, lr, t);
+            psd_sparse_step(cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off, lr, t);
             psd_piece_at(m, k++)->steps = t;
         } else {
             uint64_t j = k + 1;
             while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && psd_piece_at(m, j)->steps + 1 == t)
                 j++;
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
-            psd_optimizer_step(h, w + lo, g + lo, gscale, s0 + lo, s1 + lo, hi - lo, lr, t, (int)L->threads);
+            psd_optimizer_step(cfg, w + lo, g + lo, gscale, s0 + lo, s1 + lo, hi - lo, lr, t, (int)L->threads);
             for (; k < j; k++)
                 psd_piece_at(m, k)->steps = t;
         }
@@ -126,19 +141,19 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint64_t t = PSD_LOAD_RLX(&h->opt_steps) + 1; /* only this thread writes it */
-    double lr = psd_scheduled_lr(h, t - 1);
+    double lr = psd_scheduled_lr(&L->cfg, t - 1);
     uint64_t lr_bits;
     memcpy(&lr_bits, &lr, sizeof lr_bits);
-    if ((h->cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
+    if ((L->cfg.cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
-    if (h->async_momentum == PSD_ASYNC_MOMENTUM_AUTO)
-        note_staleness(h, staleness);
+    if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO)
+        note_staleness(L, staleness);
     apply_pieces(L, g, map, gscale, lr);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
     /* Pairs with the load-acquire of opt_steps in psd_predict. */
     PSD_STORE_REL(&h->opt_steps, t);
     /* Pairs with the load-acquire of clock before a learner's pull. */
-    PSD_STORE_REL(&h->clock, PSD_LOAD_RLX(&h->clock) + 1);
+    PSD_STORE_REL(&h->clock, ++L->clock);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
@@ -159,25 +174,35 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         if (map[k] == PSD_PIECE_SPARSE) {
             if (first)
                 memset(acc + pg->off, 0, pg->len * sizeof(float));
-            psd_sparse_add(acc + pg->off, g + pg->off, pg->row_len);
+            psd_sparse_add(acc + pg->off, g + pg->off, pg->len, pg->row_len);
         }
         if (map[k] != PSD_PIECE_ABSENT)
             ps->round = mark;
     }
 }
 
-/* Whether an entry's piece map (written by a learner) can be used: known
- * kinds, and sparse pieces only where the optimizer takes them, well formed. */
-static bool pieces_valid(struct psd_loop *L, const float *g, const uint8_t *map) {
-    const struct psd_header *h = psd_hdr(L->m);
+/* Whether an entry's piece map (the loop's copy) and its sparse pieces are well formed: known
+ * kinds, and each sparse piece's row count and row indices within its tensor. An honest learner
+ * writes nothing else (psd_push_from checks the rows it is given). */
+static bool pieces_well_formed(const struct psd_loop *L, const float *g, const uint8_t *map) {
     for (uint64_t k = 0; k < L->n_pieces; k++) {
         const struct psd_piece_geom *pg = &L->pieces[k];
         if (map[k] > PSD_PIECE_SPARSE)
             return false;
-        if (map[k] == PSD_PIECE_SPARSE &&
-            (!psd_sparse_ok(h) || psd_sparse_rows(g + pg->off, pg->len, pg->len / pg->row_len, pg->row_len) < 0))
+        if (map[k] == PSD_PIECE_SPARSE && psd_sparse_rows(g + pg->off, pg->len, pg->len / pg->row_len, pg->row_len) < 0)
             return false;
     }
+    return true;
+}
+
+/* Whether the configured optimizer can take the entry's sparse pieces (as torch.optim: sgd and
+ * adagrad without weight decay); an honest learner can push others, and they are rejected. */
+static bool sparse_taken(const struct psd_loop *L, const uint8_t *map) {
+    if (psd_sparse_ok(&L->cfg))
+        return true;
+    for (uint64_t k = 0; k < L->n_pieces; k++)
+        if (map[k] == PSD_PIECE_SPARSE)
+            return false;
     return true;
 }
 
@@ -206,34 +231,37 @@ static void finish_round(struct psd_loop *L) {
     psd_cond_broadcast_if_waiters(&h->sync_cond);
 }
 
-/* Consume the entry at `head` of slot i: reject, drop, apply, or (bsp,
- * kasync) add it to the round's sum; then hand the entry back. */
-static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head) {
+/* Consume the entry at `head` of slot i, whose header `eh` (the loop's copy) and piece map
+ * (L->entry_map) slot_rule checked: reject, drop, apply, or (bsp, kasync) add it to the round's
+ * sum; then hand the entry back. */
+static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head,
+                       const struct psd_entry *eh) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     struct psd_entry *e = psd_entry_at(m, i, head);
-    uint64_t clock = PSD_LOAD_RLX(&h->clock); /* only this thread writes it */
-    uint64_t staleness = clock > e->clock ? clock - e->clock : 0;
-    bool summed = h->sync_mode == PSD_SYNC_BSP || h->sync_mode == PSD_SYNC_KASYNC;
+    uint64_t clock = L->clock;
+    uint64_t staleness = clock - eh->clock; /* eh->clock <= clock: checked by slot_rule */
+    bool summed = L->cfg.sync_mode == PSD_SYNC_BSP || L->cfg.sync_mode == PSD_SYNC_KASYNC;
     uint32_t outcome = PSD_OUTCOME_APPLIED;
     const float *g = psd_entry_grad(e);
-    const uint8_t *map = psd_entry_pieces(h, e);
-    if (e->claim != PSD_LOAD_RLX(&s->claims)) {
+    const uint8_t *map = L->entry_map;
+    if (eh->claim != PSD_LOAD_RLX(&s->claims)) {
         /* Pushed by a learner that no longer owns the slot (taken back while it lived, and
          * handed on): never applied, never a contribution to a round; counted. */
         PSD_ADD_RLX(&s->ignored, 1);
         PSD_ADD_RLX(&h->ignored, 1);
         e->applied_clock = clock;
         e->outcome = PSD_OUTCOME_IGNORED;
+        L->heads[i] = head + 1;
         atomic_store(&s->head, head + 1); /* as below: pairs with the load-acquire of head in tail_entry */
         psd_cond_broadcast_if_waiters(&s->not_full);
         return;
     }
-    if ((e->flags & PSD_ENTRY_NONFINITE) || !pieces_valid(L, g, map)) {
+    if ((eh->flags & PSD_ENTRY_NONFINITE) || !sparse_taken(L, map)) {
         outcome = PSD_OUTCOME_REJECTED;
         PSD_ADD_RLX(&s->rejected, 1);
         PSD_ADD_RLX(&h->rejected, 1);
-    } else if (staleness > h->max_staleness) {
+    } else if (staleness > L->cfg.max_staleness) {
         outcome = PSD_OUTCOME_DROPPED;
         PSD_ADD_RLX(&s->dropped, 1);
         PSD_ADD_RLX(&h->dropped, 1);
@@ -245,32 +273,33 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
         PSD_ADD_RLX(&h->acc_count, 1);
     }
     if (outcome == PSD_OUTCOME_APPLIED) {
-        if (e->flags & PSD_ENTRY_BUFFERS) {
+        if (eh->flags & PSD_ENTRY_BUFFERS) {
             /* Real-valued statistics: the learner's running average, which started from the job's
              * value it last pulled, becomes the job's (adding its change instead would feed the
              * learners' delays back into the average, which then oscillates). Counters: the
              * learner's increments add up, so they count every learner's batches. */
             double *b = psd_buffers(m);
-            const double *d = psd_entry_bufdelta(h, e);
-            uint64_t set = L->buffers_set < h->n_buffers ? L->buffers_set : h->n_buffers;
+            const double *d = psd_entry_bufdelta(m, e);
+            uint64_t set = L->buffers_set < m->g.n_buffers ? L->buffers_set : m->g.n_buffers;
             memcpy(b, d, set * sizeof *b);
-            for (uint64_t i = set; i < h->n_buffers; i++)
+            for (uint64_t i = set; i < m->g.n_buffers; i++)
                 b[i] += d[i];
         }
-        count_applied(m, s, e, staleness);
+        count_applied(m, s, eh, staleness);
     }
-    if (h->sync_mode == PSD_SYNC_BSP) {
+    if (L->cfg.sync_mode == PSD_SYNC_BSP) {
         PSD_STORE_RLX(&s->round_joined, PSD_LOAD_RLX(&h->rounds) + 1);
         PSD_ADD_RLX(&h->acc_members, 1);
     }
     /* kasync: the K-th gradient completes the round before its entry is handed
      * back, so a learner whose ring drained sees the update. */
-    if (h->sync_mode == PSD_SYNC_KASYNC && PSD_LOAD_RLX(&h->acc_count) >= h->sync_param)
+    if (L->cfg.sync_mode == PSD_SYNC_KASYNC && PSD_LOAD_RLX(&h->acc_count) >= L->cfg.sync_param)
         finish_round(L);
     e->applied_clock = clock;
     e->outcome = outcome;
     /* The entry is free again: pairs with the load-acquire of head in
      * psd_push / has_space. seq_cst so the load of waiters below stays after it. */
+    L->heads[i] = head + 1;
     atomic_store(&s->head, head + 1);
     psd_cond_broadcast_if_waiters(&s->not_full);
 }
@@ -280,7 +309,7 @@ static bool round_complete(struct psd_map *m) {
     struct psd_header *h = psd_hdr(m);
     if (PSD_LOAD_RLX(&h->acc_members) == 0)
         return false;
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !joined_this_round(h, s))
             return false;
@@ -289,18 +318,19 @@ static bool round_complete(struct psd_map *m) {
 }
 
 /* A draining slot whose ring is empty: account for it and hand it back. */
-static void free_slot(struct psd_map *m, struct psd_slot *s) {
-    struct psd_header *h = psd_hdr(m);
+static void free_slot(struct psd_loop *L, uint32_t i, struct psd_slot *s) {
+    struct psd_header *h = psd_hdr(L->m);
     if (!psd_locked(psd_mutex_lock(h, &s->mutex)))
         return; /* try again next round */
     /* Pairs with the store of tail in psd_push. */
     uint64_t tail = PSD_LOAD_ACQ(&s->tail);
-    if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_DRAINING && tail == PSD_LOAD_RLX(&s->head)) {
+    if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_DRAINING && tail == L->heads[i]) {
         PSD_ADD_RLX(&h->retired_pushed, tail);
         if (PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE) /* taken back by the reaper */
             PSD_ADD_RLX(&h->reclaimed, 1);
         PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
         PSD_STORE_RLX(&s->tail, 0);
+        L->heads[i] = 0;
         atomic_store(&s->head, 0);
         PSD_STORE_RLX(&s->not_full.waiters, 0); /* a dead waiter's announcement */
         PSD_STORE_RLX(&s->pid, 0);
@@ -315,17 +345,34 @@ static void free_slot(struct psd_map *m, struct psd_slot *s) {
     psd_cond_broadcast(&s->not_full);
 }
 
-/* The rule a slot breaks (enum psd_rule), checked before each entry is taken:
- * every value a learner writes and the loop uses is checked first. */
-static uint32_t slot_rule(struct psd_map *m, uint32_t i, struct psd_slot *s, uint64_t head, uint64_t tail) {
-    const struct psd_header *h = psd_hdr(m);
-    if (tail - head > h->ring_k)
+/* The rule a slot breaks (enum psd_rule), checked before each entry is taken: every value a
+ * learner writes and the loop uses is checked first. The entry's header is copied into *eh and
+ * its piece map into L->entry_map, and only the copies are used afterwards. */
+static uint32_t slot_rule(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head, uint64_t tail,
+                          struct psd_entry *eh) {
+    const struct psd_map *m = L->m;
+    if (PSD_LOAD_RLX(&s->head) != head) /* only this loop writes it */
+        return PSD_RULE_HEAD;
+    if (tail - head > m->g.ring_k)
         return PSD_RULE_TAIL;
     int32_t rank = PSD_LOAD_RLX(&s->rank);
-    if (rank < -1 || (rank >= 0 && (uint32_t)rank >= h->n_slots))
+    if (rank < -1 || (rank >= 0 && (uint32_t)rank >= m->g.n_slots))
         return PSD_RULE_RANK;
-    if (head != tail && psd_entry_at(m, i, head)->seq != head)
+    if (head == tail)
+        return PSD_RULE_NONE;
+    struct psd_entry *e = psd_entry_at(m, i, head);
+    memcpy(eh, e, sizeof *eh);
+    if (eh->seq != head)
         return PSD_RULE_SEQ;
+    if (eh->flags & ~(PSD_ENTRY_NONFINITE | PSD_ENTRY_BUFFERS))
+        return PSD_RULE_FLAGS;
+    if (eh->batch_size > PSD_MAX_BATCH)
+        return PSD_RULE_BATCH;
+    if (eh->clock > L->clock) /* computed on weights the server never had */
+        return PSD_RULE_CLOCK;
+    memcpy(L->entry_map, psd_entry_pieces(m, e), L->n_pieces);
+    if (!pieces_well_formed(L, psd_entry_grad(e), L->entry_map))
+        return PSD_RULE_PIECES;
     return PSD_RULE_NONE;
 }
 
@@ -333,21 +380,22 @@ static uint32_t slot_rule(struct psd_map *m, uint32_t i, struct psd_slot *s, uin
  * anything more from its ring (its tail cannot be trusted; what it pushed and
  * was applied stays counted: pushed == applied + rejected + dropped holds for
  * the others). Its next push fails with PSD_ESLOT. */
-static void evict(struct psd_map *m, struct psd_slot *s, uint32_t rule) {
-    struct psd_header *h = psd_hdr(m);
+static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t rule) {
+    struct psd_header *h = psd_hdr(L->m);
     if (!psd_locked(psd_mutex_lock(h, &s->mutex)))
         return; /* try again next round */
-    uint64_t head = PSD_LOAD_RLX(&s->head);
-    PSD_ADD_RLX(&h->retired_pushed, head);
+    PSD_ADD_RLX(&h->retired_pushed, L->heads[i]); /* what the loop took from this ring */
     PSD_STORE_RLX(&h->evicted_pid, PSD_LOAD_RLX(&s->pid));
+    PSD_STORE_RLX(&h->evicted_rank, PSD_LOAD_RLX(&s->rank));
     PSD_STORE_RLX(&h->evicted_rule, rule);
     PSD_STORE_RLX(&s->tail, 0);
+    L->heads[i] = 0;
     PSD_STORE_RLX(&s->head, 0);
     PSD_STORE_RLX(&s->pid, 0);
     PSD_STORE_RLX(&s->rank, -1);
     PSD_STORE_RLX(&s->start_time, 0);
     PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
-    /* Pairs with the load-acquire of evicted in the server's watch (evicted_pid and _rule). */
+    /* Pairs with the load-acquire of evicted in the server's watch (evicted_pid, _rank and _rule). */
     PSD_STORE_REL(&h->evicted, PSD_LOAD_RLX(&h->evicted) + 1);
     psd_mutex_unlock(&s->mutex);
     psd_cond_broadcast(&s->not_full);
@@ -360,31 +408,32 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint32_t applied = 0;
-    bool bsp = h->sync_mode == PSD_SYNC_BSP;
+    bool bsp = L->cfg.sync_mode == PSD_SYNC_BSP;
     *busy = 0;
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         /* Pairs with the store-release of state in claim / release / reap. */
         uint32_t st = PSD_LOAD_ACQ(&s->state);
         if (st == PSD_SLOT_FREE)
             continue;
         ++*busy;
-        uint64_t head = PSD_LOAD_RLX(&s->head); /* only this thread writes it */
+        uint64_t head = L->heads[i];
         /* Pairs with the store of tail in psd_push: the entry is whole. */
         uint64_t tail = PSD_LOAD_ACQ(&s->tail);
-        uint32_t rule = slot_rule(m, i, s, head, tail);
+        struct psd_entry eh;
+        uint32_t rule = slot_rule(L, i, s, head, tail, &eh);
         if (rule != PSD_RULE_NONE) {
-            evict(m, s, rule);
+            evict(L, i, s, rule);
             continue;
         }
         if (head != tail) {
             /* bsp: one gradient per learner per round; the rest wait for the next. */
             if (bsp && joined_this_round(h, s))
                 continue;
-            take_entry(L, i, s, head);
+            take_entry(L, i, s, head, &eh);
             applied++;
         } else if (st == PSD_SLOT_DRAINING) {
-            free_slot(m, s);
+            free_slot(L, i, s);
         }
     }
     if (bsp && round_complete(m)) {
@@ -394,21 +443,22 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
     return applied;
 }
 
-static bool any_pending(struct psd_map *m) {
+static bool any_pending(struct psd_loop *L) {
+    struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
-    for (uint32_t i = 0; i < h->n_slots; i++) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         uint32_t st = atomic_load(&s->state);
         if (st == PSD_SLOT_FREE)
             continue;
         /* seq_cst load: the other half of the Dekker pair in psd_push. */
-        if (atomic_load(&s->tail) == atomic_load(&s->head)) {
+        if (atomic_load(&s->tail) == L->heads[i]) {
             if (st == PSD_SLOT_DRAINING)
                 return true; /* to be freed */
             continue;
         }
         /* bsp: a learner that already gave this round its gradient waits for the others. */
-        if (h->sync_mode == PSD_SYNC_BSP && joined_this_round(h, s))
+        if (L->cfg.sync_mode == PSD_SYNC_BSP && joined_this_round(h, s))
             continue;
         return true;
     }
@@ -449,13 +499,14 @@ static uint64_t spin_budget(const struct psd_loop *L, uint64_t gap_ewma, uint32_
 
 static uint64_t nap_length(const struct psd_loop *L, uint64_t gap_ewma, uint32_t busy, uint64_t idle_ns) {
     struct psd_header *h = psd_hdr(L->m);
+    struct psd_map *m = L->m;
     if (busy + L->threads <= L->cpus || !gap_ewma || idle_ns >= PSD_NAP_WINDOW_NS)
         return 0;
     /* Learners blocked on a round or on the slowest peer use no core, and the gradient that
      * releases them must not wait out a nap: sleep on the doorbell instead. */
-    if (h->sync_mode == PSD_SYNC_BSP || PSD_LOAD_RLX(&h->sync_cond.waiters))
+    if (L->cfg.sync_mode == PSD_SYNC_BSP || PSD_LOAD_RLX(&h->sync_cond.waiters))
         return 0;
-    uint64_t nap = h->ring_k * busy * gap_ewma / 2;
+    uint64_t nap = m->g.ring_k * busy * gap_ewma / 2;
     return nap < PSD_NAP_MIN_NS ? PSD_NAP_MIN_NS : nap > PSD_NAP_MAX_NS ? PSD_NAP_MAX_NS : nap;
 }
 
@@ -501,7 +552,7 @@ static void *loop_main(void *arg) {
         }
         uint32_t seen = atomic_load(&h->doorbell.seq);
         atomic_store(&h->sleeping, 1); /* seq_cst: the loop's half of the Dekker pair */
-        if (!any_pending(L->m) && !atomic_load(&L->stop) && !psd_loop_should_pause(L->m))
+        if (!any_pending(L) && !atomic_load(&L->stop) && !psd_loop_should_pause(L->m))
             psd_cond_wait(&h->doorbell, seen, PSD_HEARTBEAT_NS * 5);
         atomic_store(&h->sleeping, 0);
         now = psd_now_ns();
@@ -512,15 +563,32 @@ static void *loop_main(void *arg) {
 }
 
 static void loop_free(struct psd_loop *L) {
+    free(L->heads);
+    free(L->entry_map);
     free(L->pieces);
     free(L->round_map);
     free(L);
 }
 
+/* Copy the header's configuration line into cfg and check it: known optimizer, sync mode and
+ * schedule, and the state vectors the arena was grown with. */
+static bool take_config(struct psd_header *cfg, const struct psd_map *m) {
+    const size_t first = offsetof(struct psd_header, lr);
+    const size_t end = offsetof(struct psd_header, async_momentum) + sizeof cfg->async_momentum;
+    memcpy((uint8_t *)cfg + first, m->base + first, end - first);
+    uint64_t bits = PSD_LOAD_RLX(&psd_hdr(m)->staleness_avg_bits); /* the last server's running mean */
+    double avg;
+    memcpy(&avg, &bits, sizeof avg);
+    PSD_STORE_RLX(&cfg->staleness_avg_bits, avg >= 0.0 && avg < 1e18 ? bits : 0);
+    return cfg->optimizer <= PSD_OPT_ADAGRAD && cfg->sync_mode <= PSD_SYNC_KASYNC &&
+           cfg->schedule <= PSD_SCHED_COSINE && psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;
+}
+
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,
                    uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out) {
-    const struct psd_header *h = psd_hdr(m);
-    const struct psd_piece_geom whole = {0, h->n_train, 1};
+    if (!psd_has_model(m))
+        return EINVAL;
+    const struct psd_piece_geom whole = {0, m->g.n_train, 1};
     if (!pieces) {
         pieces = &whole;
         n_pieces = 1;
@@ -528,26 +596,40 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     /* The pieces must tile the trainable prefix exactly, as the header says. */
     uint64_t off = 0;
     for (uint64_t k = 0; k < n_pieces; k++) {
-        if (pieces[k].off != off || pieces[k].len == 0 || pieces[k].len > h->n_train - off ||
+        if (pieces[k].off != off || pieces[k].len == 0 || pieces[k].len > m->g.n_train - off ||
             pieces[k].row_len == 0 || pieces[k].len % pieces[k].row_len)
             return EINVAL;
         off += pieces[k].len;
     }
-    if (off != h->n_train || n_pieces != h->n_pieces || buffers_set > h->n_buffers)
+    if (off != m->g.n_train || n_pieces != m->g.n_pieces || buffers_set > m->g.n_buffers)
         return EINVAL;
-    struct psd_loop *L = calloc(1, sizeof *L);
+    /* It holds a struct psd_header (cfg), whose shared page is PSD_PAGE aligned. */
+    size_t bytes = (sizeof(struct psd_loop) + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
+    struct psd_loop *L = aligned_alloc(PSD_PAGE, bytes);
     if (!L)
         return ENOMEM;
+    memset(L, 0, bytes);
     L->pieces = malloc(n_pieces * sizeof *L->pieces);
     L->round_map = malloc(n_pieces);
-    if (!L->pieces || !L->round_map) {
+    L->entry_map = malloc(n_pieces);
+    L->heads = calloc(m->g.n_slots, sizeof *L->heads);
+    if (!L->pieces || !L->round_map || !L->entry_map || !L->heads) {
         loop_free(L);
         return ENOMEM;
     }
     memcpy(L->pieces, pieces, n_pieces * sizeof *L->pieces);
     L->n_pieces = n_pieces;
     L->buffers_set = buffers_set;
-    L->m = m;
+    L->map = *m;
+    L->m = &L->map;
+    if (!take_config(&L->cfg, m)) {
+        loop_free(L);
+        return EINVAL;
+    }
+    L->clock = PSD_LOAD_RLX(&psd_hdr(m)->clock); /* restored before READY, or the last server's */
+    /* A new server starts each ring where the last one left it (a free slot's head is 0). */
+    for (uint32_t i = 0; i < m->g.n_slots; i++)
+        L->heads[i] = PSD_LOAD_ACQ(&psd_slot_at(m, i)->state) == PSD_SLOT_FREE ? 0 : PSD_LOAD_RLX(&psd_slot_at(m, i)->head);
     L->threads = threads ? threads : 1;
     L->spin_ns = (uint64_t)spin_us * 1000;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);

@@ -46,9 +46,15 @@ log = logging.getLogger("psd.server")
 
 SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
 # enum psd_rule: why the update loop evicted a learner.
+# enum psd_rule (native/psd_layout.h): why the update loop evicted a learner
 EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of the head",
                   2: "a ring entry's sequence number was not the index it was published at",
-                  3: "its rank was outside the job's ranks"}
+                  3: "its rank was outside the job's ranks",
+                  4: "its ring's head, which only the server writes, was moved",
+                  5: "a ring entry had flags this psd does not know",
+                  6: "a ring entry's batch size was beyond any real batch",
+                  7: "a ring entry claimed weights newer than the server's",
+                  8: "a ring entry's piece map or sparse rows did not fit the model"}
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # --async-momentum, in the order of enum psd_async_momentum (psd_layout.h)
 ASYNC_MOMENTUM = ("off", "auto")
@@ -434,10 +440,11 @@ class Server:
         if h["evicted"] != self._evicted:
             self._evicted = h["evicted"]
             rule = EVICTION_RULES.get(h["evicted_rule"], f"rule {h['evicted_rule']}")
-            log.error("job %r: evicted learner pid %d: %s (a stray write into its slot?); its slot is free, "
-                      "nothing more of its ring was applied, and the job goes on", self.config.job,
-                      h["evicted_pid"], rule)
-            self.events.emit("learner_evicted", learner_pid=h["evicted_pid"], rule=rule, evicted=h["evicted"])
+            log.error("job %r: evicted learner pid %d (rank %d): %s (a stray write into its slot?); its slot is "
+                      "free, nothing more of its ring was applied, and the job goes on", self.config.job,
+                      h["evicted_pid"], h["evicted_rank"], rule)
+            self.events.emit("learner_evicted", learner_pid=h["evicted_pid"], rank=h["evicted_rank"], rule=rule,
+                             evicted=h["evicted"])
         for i in range(a.header()["n_slots"]):
             info = a.slot_info(i)
             pid = info["pid"] if info["state"] == _native.SLOT_ACTIVE else 0
