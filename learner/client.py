@@ -97,12 +97,16 @@ def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], params: l
         elif st == _native.ARENA_INIT_WEIGHTS and arena.header()["offer_pid"] == me:
             arena.remap()
             h = arena.header()
-            w, b = weights_view(arena, h), buffers_view(arena, h)
-            w.copy_(torch.cat([p.detach().reshape(-1).float() for p in params]))  # the model may be on a GPU
-            if buffers:
-                b.copy_(torch.cat([t.detach().reshape(-1).double() for t in buffers]))
-            del w, b
-            arena.set_state(_native.ARENA_READY)
+            arena.offer_window(True)  # the weights, the buffers and the state: writable only meanwhile
+            try:
+                w, b = weights_view(arena, h), buffers_view(arena, h)
+                w.copy_(torch.cat([p.detach().reshape(-1).float() for p in params]))  # the model may be on a GPU
+                if buffers:
+                    b.copy_(torch.cat([t.detach().reshape(-1).double() for t in buffers]))
+                del w, b
+                arena.set_state(_native.ARENA_READY)
+            finally:
+                arena.offer_window(False)
             return
         if deadline.expired():
             raise Timeout(f"job {job!r} did not become ready within {timeout:g} s (state {st}); "
@@ -229,7 +233,7 @@ class Learner:
 
     def _connect(self, slot_timeout: float) -> None:
         """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
-        arena = open_job(self.job)
+        arena = open_job(self.job, role="learner")
         try:
             if arena.state != _native.ARENA_READY:
                 buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
@@ -655,7 +659,8 @@ class DeviceLearner(Learner):
                                           offset=a.grad_offset(self.slot, k)) for k in range(self._k)]
         # Buffer deltas, one per ring entry: the push thread publishes them with their gradient.
         self._bstages = [torch.empty(self.n_buffers, dtype=torch.float64) for _ in range(self._k)]
-        self._streams.register(a)
+        self._streams.register(a, [(h["slots_off"] + self.slot * h["slot_stride"], h["slot_stride"], False),
+                                   (h["weights_off"], h["weights_bytes"], True)])
         self._pipe = p = DevicePipe(self._streams, n, self._entries, self._weights, self._publish, self.n_train)
         self._tail = a.tail(self.slot)
         self.clock = a.clock()
@@ -818,7 +823,7 @@ def pull_state_dict(job: str | None = None) -> dict[str, torch.Tensor]:
     it with the default ``strict=True``.
     """
     job = job or default_job()
-    arena = open_job(job)
+    arena = open_job(job, role="reader")
     try:
         if arena.state != _native.ARENA_READY:
             raise StateError(f"job {job!r} has no weights yet (no learner has attached)")

@@ -58,7 +58,7 @@ class SyncStreams:
     def wait(self, stream, event) -> None:
         pass
 
-    def register(self, buf) -> None:
+    def register(self, buf, regions: list[tuple[int, int, bool]]) -> None:
         pass
 
     def unregister(self, buf) -> None:
@@ -90,15 +90,23 @@ class CudaStreams:
     def wait(self, stream, event) -> None:
         stream.wait_event(event)
 
-    def register(self, buf) -> None:
-        """Pin host memory in place (the arena mapping): copies then DMA with no bounce buffer."""
-        t = torch.frombuffer(buf, dtype=torch.uint8)
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-        if int(rc) != 0:
-            log.warning("cudaHostRegister of the arena failed (error %s); copies go through a bounce buffer",
-                        int(rc))
-            return
-        self._registered.append(t.data_ptr())
+    def register(self, buf, regions: list[tuple[int, int, bool]]) -> None:
+        """Pin regions of the arena mapping in place, (offset, bytes, read_only) each: copies then DMA with
+        no bounce buffer. A learner maps most of the arena read-only, so the weights are registered
+        read-only (cudaHostRegisterReadOnly) and only its own slot writable."""
+        base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+        for offset, size, read_only in regions:
+            page = 4096
+            lo, hi = offset // page * page, -(-(offset + size) // page) * page
+            flags = 8 if read_only else 0  # cudaHostRegisterReadOnly
+            rc = torch.cuda.cudart().cudaHostRegister(base + lo, hi - lo, flags)
+            if int(rc) != 0 and read_only:
+                rc = torch.cuda.cudart().cudaHostRegister(base + lo, hi - lo, 0)  # no read-only support
+            if int(rc) != 0:
+                log.warning("cudaHostRegister of the arena failed (error %s); copies go through a bounce buffer",
+                            int(rc))
+                continue
+            self._registered.append(base + lo)
 
     def unregister(self, buf) -> None:
         for ptr in self._registered:

@@ -5,10 +5,18 @@
  * learner offers its model's spec; the server then grows the arena to hold the
  * weights and the learner rings. Space is reserved with posix_fallocate, so a
  * full /dev/shm is an error here and never a SIGBUS on first touch.
+ *
+ * Each process maps the arena with the least it needs to write (enum
+ * psd_role): a learner's mapping is one read-only mmap of the whole object,
+ * with its writable windows mapped over it at their offsets (MAP_FIXED, same
+ * object, same offset), so every offset stays valid from one base and a stray
+ * write elsewhere faults in the learner, not in the job. Windows opened later
+ * (a claimed slot, the offer window) change protection in place (mprotect).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -134,6 +142,89 @@ static int reserve(int fd, uint64_t size) {
     return rc == EINVAL ? 0 : rc; /* EINVAL: filesystem cannot reserve; ftruncate stands */
 }
 
+static void map_init(struct psd_map *m) {
+    m->fd = -1;
+    m->base = NULL;
+    m->size = 0;
+    m->role = PSD_ROLE_FULL;
+    m->offering = 0;
+    m->n_held = 0;
+    m->held = NULL;
+    m->lease = NULL;
+    memset(&m->g, 0, sizeof m->g);
+}
+
+/* [off, off + len) rounded out to pages, if it lies within the mapping: offsets read from
+ * shared memory are checked before they steer a protection change. */
+static bool span(const struct psd_map *m, uint64_t off, uint64_t len, uint64_t *lo, uint64_t *n) {
+    uint64_t end;
+    if (!add_ok(off, len, &end) || !page_ok(end, &end))
+        return false;
+    *lo = off / PSD_PAGE * PSD_PAGE;
+    if (end > m->size || *lo > end)
+        return false;
+    *n = end - *lo;
+    return true;
+}
+
+static int protect(struct psd_map *m, uint64_t off, uint64_t len, bool writable) {
+    uint64_t lo, n;
+    if (!span(m, off, len, &lo, &n))
+        return EINVAL;
+    if (n && mprotect(m->base + lo, n, PROT_READ | (writable ? PROT_WRITE : 0)) != 0)
+        return errno;
+    return 0;
+}
+
+/* Map the object's first `size` bytes with the role's protections, at a new base. */
+static int map_role(struct psd_map *m, size_t size) {
+    int prot = m->role == PSD_ROLE_FULL ? PROT_READ | PROT_WRITE : PROT_READ;
+    void *base = mmap(NULL, size, prot, MAP_SHARED, m->fd, 0);
+    if (base == MAP_FAILED)
+        return errno;
+    m->base = base;
+    m->size = size;
+    if (m->role == PSD_ROLE_LEARNER && size >= PSD_HEADER_SIZE) {
+        /* The header's shared page, writable over the read-only mapping at its own offset. */
+        void *p = mmap(m->base + PSD_PAGE, PSD_HEADER_SIZE - PSD_PAGE, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_FIXED, m->fd, PSD_PAGE);
+        if (p == MAP_FAILED)
+            return errno; /* the caller closes the mapping */
+    }
+    return 0;
+}
+
+int psd_arena_protect(struct psd_map *m) {
+    if (m->role != PSD_ROLE_LEARNER)
+        return 0;
+    /* The mapping's own checked geometry, never the header's: a stray write there moves nothing. */
+    const struct psd_geom *g = &m->g;
+    bool offer = m->offering != 0;
+    int rc = protect(m, 0, PSD_PAGE, offer);
+    if (!rc)
+        rc = protect(m, g->spec_off, g->spec_cap, offer);
+    if (rc || !psd_has_model(m))
+        return rc;
+    if ((rc = protect(m, g->weights_off, g->weights_bytes, offer)) != 0 ||
+        (rc = protect(m, g->buffers_off, g->n_buffers * sizeof(double), offer)) != 0)
+        return rc;
+    for (uint32_t i = 0; i < m->n_held && i < g->n_slots; i++) {
+        uint64_t off;
+        if (!mul_ok(i, g->slot_stride, &off) || !add_ok(off, g->slots_off, &off))
+            return EINVAL;
+        if ((rc = protect(m, off, g->slot_stride, PSD_LOAD_RLX(&m->held[i]) != 0)) != 0)
+            return rc;
+    }
+    return 0;
+}
+
+int psd_arena_offer_window(struct psd_map *m, bool open) {
+    if (m->role != PSD_ROLE_LEARNER)
+        return 0;
+    m->offering = open;
+    return psd_arena_protect(m);
+}
+
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version) {
     struct psd_geom g;
@@ -141,6 +232,7 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     if (rc)
         return rc;
     size_t size = (size_t)g.total_size;
+    map_init(m);
     int fd = shm_open(shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd < 0)
         return errno;
@@ -193,7 +285,14 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
 }
 
 int psd_arena_open(struct psd_map *m, const char *shm_name) {
-    int fd = shm_open(shm_name, O_RDWR | O_CLOEXEC, 0);
+    return psd_arena_open_as(m, shm_name, PSD_ROLE_FULL);
+}
+
+int psd_arena_open_as(struct psd_map *m, const char *shm_name, uint32_t role) {
+    if (role > PSD_ROLE_READER)
+        return EINVAL;
+    map_init(m);
+    int fd = shm_open(shm_name, (role == PSD_ROLE_READER ? O_RDONLY : O_RDWR) | O_CLOEXEC, 0);
     if (fd < 0)
         return errno;
     struct stat st;
@@ -206,15 +305,13 @@ int psd_arena_open(struct psd_map *m, const char *shm_name) {
         close(fd);
         return PSD_EINIT; /* created, not yet sized */
     }
-    void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) {
-        int rc = errno;
-        close(fd);
+    m->fd = fd;
+    m->role = role;
+    int rc = map_role(m, (size_t)st.st_size);
+    if (rc) {
+        psd_arena_close(m);
         return rc;
     }
-    m->fd = fd;
-    m->base = base;
-    m->size = (size_t)st.st_size;
     struct psd_header *h = psd_hdr(m);
     /* Pairs with the store-release of magic in psd_arena_create. */
     uint64_t magic = PSD_LOAD_ACQ(&h->magic);
@@ -232,12 +329,22 @@ static int map_file_size(struct psd_map *m) {
         return errno;
     if ((size_t)st.st_size == m->size)
         return 0;
-    void *base = mremap(m->base, m->size, (size_t)st.st_size, MREMAP_MAYMOVE);
-    if (base == MAP_FAILED)
-        return errno;
-    m->base = base;
-    m->size = (size_t)st.st_size;
-    return 0;
+    if (m->role == PSD_ROLE_FULL) {
+        void *base = mremap(m->base, m->size, (size_t)st.st_size, MREMAP_MAYMOVE);
+        if (base == MAP_FAILED)
+            return errno;
+        m->base = base;
+        m->size = (size_t)st.st_size;
+        return 0;
+    }
+    /* A mapping of several protections is several mappings, which mremap does not move as
+     * one: map afresh (psd_arena_remap opens the windows again). The lease thread reads
+     * through the base. */
+    psd_lease_stop(m);
+    munmap(m->base, m->size);
+    m->base = NULL;
+    m->size = 0;
+    return map_role(m, (size_t)st.st_size);
 }
 
 int psd_arena_remap(struct psd_map *m) {
@@ -247,12 +354,20 @@ int psd_arena_remap(struct psd_map *m) {
         return rc;
     /* A mapping that holds its model keeps its geometry (a stray write into the header cannot
      * move it), unless the file changed size under it: then it was regrown, or truncated. */
-    if (psd_has_model(m) && m->size == was)
-        return 0;
-    return psd_arena_adopt(m);
+    if (!(psd_has_model(m) && m->size == was))
+        rc = psd_arena_adopt(m);
+    if (rc == 0 && m->size != was)
+        rc = psd_arena_protect(m); /* a learner's windows, over its new mapping */
+    if (rc == 0 && m->held)
+        rc = psd_lease_start(m); /* it held slots: renew them again */
+    return rc;
 }
 
 void psd_arena_close(struct psd_map *m) {
+    psd_lease_stop(m); /* before the unmap: it renews through the mapping */
+    free((void *)m->held);
+    m->held = NULL;
+    m->n_held = 0;
     if (m->base)
         munmap(m->base, m->size);
     if (m->fd >= 0)
@@ -270,12 +385,29 @@ void psd_arena_set_state(struct psd_map *m, uint32_t state) {
     psd_cond_broadcast(&h->state_cond);
 }
 
+static int offer(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash, const struct psd_model *model,
+                 pid_t pid, uint64_t start_time);
+
 int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash,
                        const struct psd_model *model, pid_t pid, uint64_t start_time) {
-    struct psd_header *h = psd_hdr(m);
     struct psd_geom g;
     if (len > m->g.spec_cap || psd_geometry(m->g.n_slots, m->g.ring_k, m->g.spec_cap, model, 0, &g) != 0)
         return PSD_ESPEC;
+    /* A learner's offer window: the header's server page and the spec, only for this call. */
+    bool window = m->role == PSD_ROLE_LEARNER && !m->offering;
+    int rc = window ? psd_arena_offer_window(m, true) : 0;
+    if (rc == 0)
+        rc = offer(m, spec, len, hash, model, pid, start_time);
+    if (window) {
+        int closed = psd_arena_offer_window(m, false);
+        rc = rc ? rc : closed;
+    }
+    return rc;
+}
+
+static int offer(struct psd_map *m, const void *spec, uint64_t len, uint64_t hash, const struct psd_model *model,
+                 pid_t pid, uint64_t start_time) {
+    struct psd_header *h = psd_hdr(m);
     int rc = psd_mutex_lock(h, &h->admission);
     if (!psd_locked(rc))
         return rc;
@@ -292,6 +424,7 @@ int psd_arena_set_spec(struct psd_map *m, const void *spec, uint64_t len, uint64
     h->n_pieces = model->n_pieces;
     h->offer_pid = pid;
     h->offer_start_time = start_time;
+    h->offer_pid_ns = psd_pid_ns(); /* the offerer is always the calling process */
     h->fail_msg[0] = '\0';
     psd_arena_set_state(m, PSD_ARENA_SPEC_OFFERED);
     psd_mutex_unlock(&h->admission);

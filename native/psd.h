@@ -46,6 +46,15 @@ const char *psd_strerror(int code);
 #define PSD_LOCK_TIMEOUT_S 5                    /* longest wait for a robust mutex */
 #define PSD_HUNG_NS (1000ull * 1000 * 1000)     /* a loop that has not beaten for this long is hung */
 
+/* How a process maps an arena (psd_arena_open_as): what it may write. */
+enum psd_role {
+    PSD_ROLE_FULL = 0,    /* server, watchdog: everything read-write */
+    PSD_ROLE_LEARNER = 1, /* read-only but the shared page, its claimed slots, its offer window */
+    PSD_ROLE_READER = 2,  /* psd status, top, inspect: everything read-only (fd opened O_RDONLY) */
+};
+
+struct psd_lease;
+
 /* Where everything of an arena lies: this process's own copy, computed with
  * overflow-checked arithmetic (psd_geometry) and checked against the file's
  * size whenever a mapping is made, taken over or grown (psd_arena_adopt,
@@ -67,6 +76,12 @@ struct psd_map {
     uint8_t *base;
     size_t size;       /* bytes mapped (the file's size when mapped) */
     struct psd_geom g; /* this mapping's checked geometry (above) */
+    uint32_t role;           /* enum psd_role */
+    uint32_t offering;       /* learner: the offer window (header, spec, weights, buffers) is writable */
+    uint32_t n_held;         /* entries of `held` */
+    _Atomic uint64_t *held;  /* per slot, the claim token this mapping holds (0: none); its slots
+                              * are mapped writable and renewed by its lease thread */
+    struct psd_lease *lease; /* the lease thread, started at the first claim */
 };
 
 static inline struct psd_header *psd_hdr(const struct psd_map *m) {
@@ -127,37 +142,67 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(n_train, MODEL) X(n_buffers, MODEL) X(n_pieces, MODEL) X(buffers_off, MODEL) X(pieces_off, MODEL)          \
     X(weights_off, MODEL) X(weights_bytes, MODEL) X(optstate_off, MODEL) X(optstate_bytes, MODEL)                \
     X(slots_off, MODEL) X(slot_stride, MODEL) X(entry_stride, MODEL) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
-    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(optimizer, PLAIN) X(sync_mode, PLAIN)                   \
+    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, PLAIN)                \
+    X(sync_mode, PLAIN)                                                                                          \
     X(threads, PLAIN) X(spin_us, PLAIN) X(sync_param, PLAIN) X(push_every, PLAIN) X(schedule, PLAIN)             \
     X(cfg_flags, PLAIN) X(step_size, PLAIN) X(t_max, PLAIN) X(warmup, PLAIN) X(max_staleness, PLAIN)             \
-    X(async_momentum, PLAIN) X(lr, REAL) X(momentum, REAL) X(dampening, REAL) X(beta1, REAL) X(beta2, REAL)      \
+    X(async_momentum, PLAIN) X(lease_ms, PLAIN) X(lr, REAL) X(momentum, REAL) X(dampening, REAL) X(beta1, REAL) X(beta2, REAL)      \
     X(eps, REAL) X(weight_decay, REAL) X(lr_decay, REAL) X(gamma, REAL) X(eta_min, REAL)                         \
     X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
     X(acc_staleness, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
-    X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(heartbeat_ns, ATOMIC) X(clock, ATOMIC)             \
-    X(applied, ATOMIC) X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC)                   \
-    X(staleness_max, ATOMIC) X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(lock_recoveries, ATOMIC)                 \
-    X(evicted, ATOMIC) X(evicted_pid, PID) X(evicted_rank, SIGNED) X(evicted_rule, ATOMIC) X(sleeping, ATOMIC)   \
-    X(pause_req, ATOMIC) X(paused, ATOMIC) X(hold_clock, ATOMIC) X(holder_pid, PID) X(held, ATOMIC)             \
-    X(watchdog_pid, PID) X(watchdog_start_time, ATOMIC)                                                          \
-    X(checkpoint_clock, ATOMIC) X(checkpoint_unix_ns, ATOMIC) X(server_restarts, ATOMIC)
+    X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(heartbeat_ns, ATOMIC)      \
+    X(clock, ATOMIC) X(applied, ATOMIC) X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC)  \
+    X(staleness_max, ATOMIC) X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(ignored, ATOMIC)                         \
+    X(lock_recoveries, ATOMIC) X(evicted, ATOMIC) X(evicted_pid, PID) X(evicted_rank, SIGNED)                   \
+    X(evicted_rule, ATOMIC) X(sleeping, ATOMIC) X(pause_req, ATOMIC) X(paused, ATOMIC) X(hold_clock, ATOMIC)     \
+    X(holder_pid, PID) X(held, ATOMIC) X(watchdog_pid, PID)                                                      \
+    X(watchdog_start_time, ATOMIC) X(checkpoint_clock, ATOMIC) X(checkpoint_unix_ns, ATOMIC)                     \
+    X(server_restarts, ATOMIC)
 #define PSD_SLOT_FIELDS(X)                                                                                       \
     X(state, state, ATOMIC) X(pid, pid, PID) X(start_time, start_time, ATOMIC) X(claims, claims, ATOMIC)         \
     X(rank, rank, SIGNED) X(waiters, not_full.waiters, ATOMIC) X(tail, tail, ATOMIC) X(head, head, ATOMIC)       \
     X(learner_clock, learner_clock, ATOMIC) X(pulls, pulls, ATOMIC) X(pulls_skipped, pulls_skipped, ATOMIC)      \
     X(full_waits, full_waits, ATOMIC) X(applied, applied, ATOMIC) X(rejected, rejected, ATOMIC)                  \
     X(staleness_sum, staleness_sum, ATOMIC) X(staleness_max, staleness_max, ATOMIC) X(dropped, dropped, ATOMIC)  \
-    X(ssp_base, ssp_base, ATOMIC) X(round_joined, round_joined, ATOMIC) X(last_loss, last_loss_bits, BITS)
+    X(ssp_base, ssp_base, ATOMIC) X(round_joined, round_joined, ATOMIC) X(last_loss, last_loss_bits, BITS)       \
+    X(pid_ns, pid_ns, ATOMIC) X(ignored, ignored, ATOMIC) X(lease_beat, lease_beat, ATOMIC)                     \
+    X(reap_reason, reap_reason, ATOMIC) X(liveness, liveness, ATOMIC)
 /* The fields of a ring entry's header (struct psd_entry), for the offsets the binding exports. */
-#define PSD_ENTRY_FIELDS(X) X(seq) X(clock) X(batch_size) X(flags) X(loss) X(applied_clock) X(outcome)
+#define PSD_ENTRY_FIELDS(X) X(seq) X(clock) X(batch_size) X(flags) X(loss) X(claim) X(applied_clock) X(outcome)
 
 /* sync.c: clocks and process identity */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
 uint64_t psd_proc_start_time(pid_t pid); /* 0 if no such process */
+bool psd_proc_stat(pid_t pid, uint64_t *start_time, bool *zombie); /* false: /proc cannot show it */
 bool psd_owner_alive(pid_t pid, uint64_t start_time);
-static inline bool psd_slot_owner_alive(struct psd_slot *s) {
-    return psd_owner_alive(PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time));
+
+/* lease.c: liveness with or without /proc */
+enum psd_live {
+    PSD_LIVE_UNKNOWN = 0, /* /proc cannot tell: another PID namespace, hidepid, no /proc, --liveness lease */
+    PSD_LIVE_YES = 1,
+    PSD_LIVE_NO = 2,
+};
+/* Inode of this process's PID namespace (/proc/self/ns/pid), 0 if it cannot be read. */
+uint64_t psd_pid_ns(void);
+/* Whether /proc may be asked at all: not under --liveness lease (PSD_CFG_LEASE_ONLY in h, or
+ * the environment variable PSD_LIVENESS=lease of this process). */
+bool psd_proc_usable(const struct psd_header *h);
+/* Is pid (of PID namespace pid_ns, started at start_time) alive, as far as /proc can tell? */
+enum psd_live psd_liveness(const struct psd_header *h, pid_t pid, uint64_t start_time, uint64_t pid_ns);
+static inline enum psd_live psd_slot_liveness(const struct psd_header *h, struct psd_slot *s) {
+    return psd_liveness(h, PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time), PSD_LOAD_RLX(&s->pid_ns));
 }
+/* A peer learner that may hold others back: alive unless /proc says it is gone (the reaper
+ * decides by the lease when /proc cannot tell; it then moves the slot out of ACTIVE). */
+static inline bool psd_slot_owner_alive(const struct psd_header *h, struct psd_slot *s) {
+    return psd_slot_liveness(h, s) != PSD_LIVE_NO;
+}
+/* The lease length of an arena, in ns. */
+uint64_t psd_lease_ns(const struct psd_header *h);
+/* Learner: start renewing the lease of every slot m holds (a native thread, never the GIL);
+ * psd_arena_close stops it. Idempotent. */
+int psd_lease_start(struct psd_map *m);
+void psd_lease_stop(struct psd_map *m);
 
 /* A heartbeat that long work stores as it goes, so that one long update does not look like a hung
  * server: at most every PSD_BEAT_NS, by the one thread that owns `last` (the update loop's, or
@@ -220,7 +265,14 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
 int psd_arena_adopt(struct psd_map *m);
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version);
-int psd_arena_open(struct psd_map *m, const char *shm_name);
+int psd_arena_open(struct psd_map *m, const char *shm_name); /* PSD_ROLE_FULL */
+/* Map with the protections of `role` (enum psd_role). */
+int psd_arena_open_as(struct psd_map *m, const char *shm_name, uint32_t role);
+/* Learner: open (writable) or close (read-only) the offer window: the header's server page and
+ * the spec, and, once the arena was grown, the weights and the buffers. No-op for other roles. */
+int psd_arena_offer_window(struct psd_map *m, bool open);
+/* Re-apply m's protections (after a claim, a release, a remap). */
+int psd_arena_protect(struct psd_map *m);
 /* Map the file at its size now; adopt the header's geometry unless the mapping holds its model
  * already and the size did not change. */
 int psd_arena_remap(struct psd_map *m);
@@ -232,6 +284,8 @@ void psd_arena_set_state(struct psd_map *m, uint32_t state);
 int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns);
 
 /* ring.c: the learner side, and slot bookkeeping */
+/* Claim a free slot for pid: maps it writable in m (PSD_ROLE_LEARNER), records the claim token
+ * that m's pushes carry, and starts m's lease thread. */
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
                    uint64_t *claim);
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
@@ -270,6 +324,8 @@ void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *min
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
+/* Server: move ACTIVE slots whose owner is dead (/proc) or whose lease ran out (where /proc
+ * cannot tell) to DRAINING; their pids in pids[0..*n). */
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
 bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
 

@@ -8,7 +8,12 @@
  *
  * Arena (one POSIX shared-memory object per job, /dev/shm/psd.<job>):
  *
- *   [0, PSD_HEADER_SIZE)            struct psd_header
+ *   [0, PSD_PAGE)                    struct psd_header, the server's page: identity,
+ *                                     geometry, configuration, progress, counters
+ *   [PSD_PAGE, PSD_HEADER_SIZE)      struct psd_header, the shared page: the words any
+ *                                     attached process writes (admission mutex, condition
+ *                                     words, lock recoveries); a learner maps only this
+ *                                     page of the header writable
  *   [ranks_off, +n_slots lines)      struct psd_rank per learner rank (progress)
  *   [spec_off, +spec_cap)            parameter spec, JSON text (names, shapes, dtypes)
  *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned: the n_train
@@ -29,6 +34,13 @@
  *
  * Field comments say who writes a field, who reads it, and what always holds.
  * Each atomic operation in the .c files names the operation it pairs with.
+ *
+ * Protections (arena.c psd_arena_open_as): the server and the watchdog map the
+ * whole arena read-write; `psd status` and other readers map it read-only; a
+ * learner maps it read-only except the header's shared page, the slots it
+ * claimed (each with its ring), and, only while it offers a spec and writes the
+ * initial weights, the header's server page, the spec, the weights and the
+ * buffers. A stray write anywhere else faults in the learner's own process.
  */
 #ifndef PSD_LAYOUT_H
 #define PSD_LAYOUT_H
@@ -41,14 +53,14 @@
 
 #define PSD_CACHELINE 64
 #define PSD_PAGE 4096
-#define PSD_HEADER_SIZE 4096
+#define PSD_HEADER_SIZE (2 * PSD_PAGE) /* the server's page, then the shared page */
 /* Reads "PSDARENA" in a little-endian dump; a byte-swapped value exposes a
  * foreign byte order instead of being taken for a corrupt arena. */
 #define PSD_MAGIC UINT64_C(0x414E455241445350)
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 4
+#define PSD_LAYOUT_VERSION 5
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -135,6 +147,7 @@ struct psd_header {
     int32_t offer_pid;
     uint32_t pad0;
     uint64_t offer_start_time; /* /proc/<pid>/stat starttime of offer_pid */
+    uint64_t offer_pid_ns;     /* inode of offer_pid's PID namespace (0: unknown) */
 
     /* -- configuration: written by the server before it starts the update
      *    loop (and before it grows the arena: optimizer and sync_mode size
@@ -153,6 +166,8 @@ struct psd_header {
     uint64_t step_size, t_max, warmup;  /* in optimizer steps */
     uint64_t max_staleness;             /* drop gradients staler than this; UINT64_MAX: never */
     uint32_t async_momentum;            /* enum psd_async_momentum */
+    uint32_t lease_ms;                  /* a learner whose liveness /proc cannot tell is dead once
+                                         * its slot's lease_beat stood still this long (0: default) */
 
     /* -- optimizer progress, written only by the update loop (or by a server
      *    restoring a checkpoint before READY); in checkpoints. */
@@ -162,16 +177,12 @@ struct psd_header {
     _Atomic uint64_t acc_count;     /* gradients summed into the accumulator this round */
     _Atomic uint64_t acc_members;   /* bsp: learners that contributed this round (incl. rejected) */
     _Atomic uint64_t acc_staleness; /* staleness summed over acc_count */
-    /* signalled by the loop when a round completes, and by ssp learners when
-     * they push, each only when a waiter announced itself. */
-    struct psd_cond sync_cond;
     _Atomic uint64_t staleness_avg_bits; /* double: running mean of the staleness of the last
                                           * ~PSD_STALENESS_WINDOW updates (--async-momentum reads it) */
 
     /* -- life cycle: `state` is store-released by whoever makes a transition
      *    (see enum psd_arena_state), load-acquired by everyone. */
     alignas(PSD_CACHELINE) _Atomic uint32_t state;
-    struct psd_cond state_cond; /* signalled at every state change */
 
     /* -- server identity: written by the server at start, before `generation`
      *    is bumped (release); a learner that sees a new generation re-reads it. */
@@ -180,6 +191,8 @@ struct psd_header {
     uint64_t server_start_time;
     _Atomic uint64_t generation;
     uint64_t server_started_unix_ns; /* wall clock, for uptime */
+    uint64_t server_pid_ns; /* inode of the server's PID namespace (0: unknown): a learner in
+                             * another one judges the server by its heartbeat, not its pid */
 
     /* -- heartbeat: CLOCK_MONOTONIC ns, stored by the update loop every
      *    PSD_BEAT_NS (2 ms) while it works, from inside a long update too (psd_beat),
@@ -202,7 +215,7 @@ struct psd_header {
     _Atomic uint64_t staleness_max;
     _Atomic uint64_t dropped;        /* older than --max-staleness, not applied */
     _Atomic uint64_t reclaimed;      /* slots of dead learners freed */
-    _Atomic uint64_t lock_recoveries; /* mutexes taken over from a dead owner (any process) */
+    _Atomic uint64_t ignored;        /* entries whose claim token was not their slot's claim */
     _Atomic uint64_t evicted;        /* learners evicted for breaking a rule of their slot */
     _Atomic int32_t evicted_pid;     /* the last one's pid, rank and the rule (enum psd_rule), */
     _Atomic int32_t evicted_rank;    /* written before `evicted` is bumped (release) */
@@ -214,10 +227,9 @@ struct psd_header {
     alignas(PSD_CACHELINE) _Atomic uint64_t staleness_hist[PSD_HIST_BUCKETS];
 
     /* -- doorbell: the update loop sets `sleeping` before it sleeps on
-     *    `doorbell`; a learner that published a tail and then sees `sleeping`
+     *    `doorbell` (in the shared page); a learner that published a tail and then sees `sleeping`
      *    signals it. Both sides use seq_cst (a Dekker pair). */
     alignas(PSD_CACHELINE) _Atomic uint32_t sleeping;
-    struct psd_cond doorbell;
 
     /* -- pause: a consistent snapshot. The pauser (the watchdog) writes its
      *    pid and start time, then sets `pause_req` (seq_cst) and waits on
@@ -253,13 +265,33 @@ struct psd_header {
     _Atomic uint64_t checkpoint_unix_ns; /* when it was written; 0: none yet */
     _Atomic uint64_t server_restarts;    /* servers started on this arena after the first */
 
-    /* -- admission: robust, process-shared; taken to claim a slot or offer a
-     *    spec. Initialised by the server only. */
-    alignas(PSD_CACHELINE) pthread_mutex_t admission;
-
     /* -- why the server refused an offered spec or stopped; server writes,
-     *    then changes state. */
+     *    then changes state (the offering learner clears it with its offer). */
     alignas(PSD_CACHELINE) char fail_msg[PSD_MSG_LEN];
+
+    /* ==== the shared page: every attached process, learners included, may
+     *      write these words (a learner maps nothing else of the header
+     *      writable, except its offer window). Each is on its own line. */
+
+    /* -- admission: robust, process-shared; taken to claim a slot or offer a
+     *    spec. Initialised by the server only; locked by anyone. */
+    alignas(PSD_PAGE) pthread_mutex_t admission;
+
+    /* -- signalled by the loop when a round completes, and by ssp learners when
+     *    they push, each only when a waiter announced itself. Learners wait on it
+     *    (bsp rounds, ssp). */
+    alignas(PSD_CACHELINE) struct psd_cond sync_cond;
+
+    /* -- signalled at every change of `state` (server, offering learner);
+     *    waited on by learners and tools. */
+    alignas(PSD_CACHELINE) struct psd_cond state_cond;
+
+    /* -- rung by anyone that published work for a sleeping loop (see `sleeping`);
+     *    the update loop sleeps on it. */
+    alignas(PSD_CACHELINE) struct psd_cond doorbell;
+
+    /* -- mutexes taken over from a dead owner, bumped by whichever process took one over. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t lock_recoveries;
 };
 
 /* Progress of one learner rank (the PSD_RANK that `psd run` hands each
@@ -277,12 +309,14 @@ struct psd_slot {
      *    pid, start_time and claims are also read without the mutex (relaxed),
      *    and rechecked under it before anything is changed. */
     alignas(PSD_CACHELINE) _Atomic uint32_t state;
-    _Atomic int32_t pid;
+    _Atomic int32_t pid;         /* as the owner sees itself: meaningful only in its PID namespace (pid_ns) */
     _Atomic uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
     _Atomic uint64_t claims;     /* grows at every claim: tells reattached learners apart */
     _Atomic int32_t rank;        /* the learner's rank, or -1 */
     _Atomic uint64_t ssp_base;   /* ssp: the learner's clock is ssp_base + tail (set at claim to
                                   * the slowest live learner's, so a newcomer holds nobody back) */
+    _Atomic uint64_t pid_ns;     /* inode of the owner's PID namespace, 0: unknown. The pid and
+                                  * start time mean something only in the same namespace. */
 
     /* -- robust, process-shared; protects ownership changes and pairs with
      *    `not_full`. Initialised by the server only. */
@@ -306,6 +340,8 @@ struct psd_slot {
     _Atomic uint64_t pulls;
     _Atomic uint64_t pulls_skipped;
     _Atomic uint64_t full_waits; /* times it found its ring full */
+    _Atomic uint64_t lease_beat; /* bumped by every push and by the owner's lease thread (lease.c);
+                                  * the reaper reclaims the slot when it stands still for lease_ms */
 
     /* -- server-side figures for this slot, written only by the update loop. */
     alignas(PSD_CACHELINE) _Atomic uint64_t applied;
@@ -315,6 +351,15 @@ struct psd_slot {
     _Atomic uint64_t staleness_max;
     _Atomic uint64_t last_loss_bits; /* double, bit pattern */
     _Atomic uint64_t round_joined;   /* bsp: rounds + 1 of the round it last contributed to */
+    _Atomic uint64_t ignored;        /* entries whose claim token was not this slot's claim */
+
+    /* -- the lease as the reaper saw it, written only by the server's reaper
+     *    (psd_reap, main thread; relaxed), reset when it sees a new claim. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t lease_claim; /* the claim these describe */
+    _Atomic uint64_t lease_seen;     /* lease_beat when the reaper last saw it move */
+    _Atomic uint64_t lease_seen_ns;  /* the reaper's CLOCK_MONOTONIC then */
+    _Atomic uint32_t reap_reason;    /* enum psd_reap_reason: why the slot was taken back, if it was */
+    _Atomic uint32_t liveness;       /* enum psd_live_method the reaper used last (for psd status) */
 };
 
 /* Header of one ring entry. Written by the learner before it store-releases
@@ -334,6 +379,8 @@ struct psd_entry {
     uint32_t batch_size;
     uint32_t flags;      /* PSD_ENTRY_* */
     double loss;
+    uint64_t claim;      /* the slot's claim token the learner holds: the update loop ignores
+                          * (and counts) an entry whose token is not the slot's current claim */
     /* Written by the update loop when it consumes the entry, before the
      * store-release of head; the learner reads it after load-acquiring head:
      * the weights clock the gradient met (so its exact staleness is
@@ -391,6 +438,21 @@ enum psd_outcome {
     PSD_OUTCOME_APPLIED = 1,  /* applied (asp, ssp) or summed into the round's average */
     PSD_OUTCOME_REJECTED = 2, /* non-finite */
     PSD_OUTCOME_DROPPED = 3,  /* staler than --max-staleness */
+    PSD_OUTCOME_IGNORED = 4,  /* pushed under a claim token that is not the slot's current claim */
+};
+
+/* psd_slot.reap_reason: why the reaper took a slot back from its owner. */
+enum psd_reap_reason {
+    PSD_REAP_NONE = 0,
+    PSD_REAP_EXITED = 1, /* /proc (or kill(pid, 0)) says the owner is gone */
+    PSD_REAP_LEASE = 2,  /* /proc could not tell; the lease ran out */
+};
+
+/* psd_slot.liveness: how the reaper judged the owner the last time. */
+enum psd_live_method {
+    PSD_LIVE_BY_NONE = 0,
+    PSD_LIVE_BY_PROC = 1,  /* same PID namespace, /proc readable: pid + start time */
+    PSD_LIVE_BY_LEASE = 2, /* /proc cannot tell (another PID namespace, hidepid, --liveness lease) */
 };
 
 enum psd_optimizer {
@@ -427,6 +489,8 @@ enum psd_async_momentum {
 
 #define PSD_CFG_STALENESS_LR 1u /* divide the lr by max(1, staleness) */
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */
+#define PSD_CFG_LEASE_ONLY 4u   /* --liveness lease: never consult /proc, judge learners by their lease */
+#define PSD_LEASE_MS_DEFAULT 5000u
 
 /* Optimizer state vectors (n_train floats each) an arena holds. */
 static inline uint32_t psd_state_vectors(uint32_t optimizer, uint32_t sync_mode) {
@@ -436,7 +500,9 @@ static inline uint32_t psd_state_vectors(uint32_t optimizer, uint32_t sync_mode)
     return v + (sync_mode == PSD_SYNC_BSP || sync_mode == PSD_SYNC_KASYNC ? 1 : 0);
 }
 
-_Static_assert(sizeof(struct psd_header) <= PSD_HEADER_SIZE, "header must fit its page");
+_Static_assert(sizeof(struct psd_header) <= PSD_HEADER_SIZE, "header must fit its two pages");
+_Static_assert(offsetof(struct psd_header, admission) == PSD_PAGE, "the shared page is the header's second");
+_Static_assert(offsetof(struct psd_header, fail_msg) + PSD_MSG_LEN <= PSD_PAGE, "server lines fit the first page");
 _Static_assert(offsetof(struct psd_header, magic) == 0, "identity line is fixed");
 _Static_assert(offsetof(struct psd_header, layout_version) == 8, "identity line is fixed");
 _Static_assert(offsetof(struct psd_header, psd_version) == 16, "identity line is fixed");
@@ -458,7 +524,8 @@ static inline uint32_t psd_fingerprint(void) {
         sizeof(pthread_mutex_t),   sizeof(struct psd_cond), PSD_CACHELINE,
         offsetof(struct psd_header, admission), offsetof(struct psd_slot, mutex),
         offsetof(struct psd_slot, head),   sizeof(struct psd_piece),
-        offsetof(struct psd_header, n_pieces),
+        offsetof(struct psd_header, n_pieces), offsetof(struct psd_entry, claim),
+        offsetof(struct psd_slot, lease_beat), offsetof(struct psd_header, lease_ms),
     };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         h ^= parts[i];

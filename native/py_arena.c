@@ -47,6 +47,11 @@ Arena *new_arena(const char *name) {
     a->map.fd = -1;
     a->map.base = NULL;
     a->map.size = 0;
+    a->map.role = PSD_ROLE_FULL;
+    a->map.offering = 0;
+    a->map.n_held = 0;
+    a->map.held = NULL;
+    a->map.lease = NULL;
     a->exports = 0;
     a->loop = NULL;
     snprintf(a->name, sizeof a->name, "%s", name);
@@ -76,15 +81,20 @@ static void arena_releasebuffer(Arena *a, Py_buffer *view) {
 static PyBufferProcs arena_as_buffer = {(getbufferproc)arena_getbuffer,
                                         (releasebufferproc)arena_releasebuffer};
 
+static const char *const role_names[] = {"full", "learner", "reader"}; /* enum psd_role */
+
 static PyObject *mod_open(PyObject *self, PyObject *args) {
     (void)self;
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name))
+    const char *name, *role_name = "full";
+    if (!PyArg_ParseTuple(args, "s|s", &name, &role_name))
+        return NULL;
+    int role = name_index("role", role_name, role_names, 3);
+    if (role < 0)
         return NULL;
     Arena *a = new_arena(name);
     if (!a)
         return NULL;
-    int rc = psd_arena_open(&a->map, name);
+    int rc = psd_arena_open_as(&a->map, name, (uint32_t)role);
     if (rc == PSD_EVERSION) {
         struct psd_header *h = psd_hdr(&a->map);
         char made_by[PSD_VERSION_LEN + 1];
@@ -242,7 +252,9 @@ PyMethodDef py_arena_methods[] = {
 };
 
 PyMethodDef py_arena_functions[] = {
-    {"open", mod_open, METH_VARARGS, "open(shm_name) -> Arena"},
+    {"open", mod_open, METH_VARARGS,
+     "open(shm_name, role='full') -> Arena: role full (read-write), learner (read-only but the header's shared "
+     "page, its claimed slots and its offer window) or reader (read-only)"},
     {"unlink", mod_unlink, METH_VARARGS, "unlink(shm_name): remove the shared-memory object"},
     {NULL, NULL, 0, NULL},
 };

@@ -146,10 +146,11 @@ static PyObject *arena_counters(Arena *a, PyObject *noargs) {
             active += atomic_load(&s->state) == PSD_SLOT_ACTIVE;
         }
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
                          "applied", (unsigned long long)atomic_load(&h->applied), "rejected",
                          (unsigned long long)atomic_load(&h->rejected), "dropped",
-                         (unsigned long long)atomic_load(&h->dropped), "pending",
+                         (unsigned long long)atomic_load(&h->dropped), "ignored",
+                         (unsigned long long)atomic_load(&h->ignored), "pending",
                          (unsigned long long)pending, "clock", (unsigned long long)atomic_load(&h->clock),
                          "active_learners", active);
 }

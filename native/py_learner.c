@@ -56,6 +56,18 @@ static PyObject *arena_wait_state(Arena *a, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+/* The offering learner writes the initial weights and buffers and the READY state only while
+ * its offer window is open. */
+static PyObject *arena_offer_window(Arena *a, PyObject *args) {
+    int open;
+    if (!PyArg_ParseTuple(args, "p", &open) || check_open(a))
+        return NULL;
+    int rc = psd_arena_offer_window(&a->map, open);
+    if (rc)
+        return raise_code(rc, open ? "open the offer window" : "close the offer window", a->name);
+    Py_RETURN_NONE;
+}
+
 static PyObject *arena_claim(Arena *a, PyObject *args) {
     int pid, rank = -1;
     unsigned long long start;
@@ -444,6 +456,9 @@ static PyObject *arena_start_puller(Arena *a, PyObject *args) {
 }
 
 PyMethodDef py_learner_methods[] = {
+    {"offer_window", (PyCFunction)arena_offer_window, METH_VARARGS,
+     "offer_window(open): a learner mapping makes the header, spec, weights and buffers writable (True) or "
+     "read-only again (False); other mappings ignore it"},
     {"set_spec", (PyCFunction)arena_set_spec, METH_VARARGS,
      "set_spec(data, hash, (n_params, n_train, n_buffers, n_pieces), pid, start_time) -> bool: offer a spec; "
      "False if one was offered already."},

@@ -90,6 +90,24 @@ static PyObject *mod_owner_alive(PyObject *self, PyObject *args) {
     return PyBool_FromLong(psd_owner_alive(pid, start));
 }
 
+static PyObject *mod_pid_ns(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromUnsignedLongLong(psd_pid_ns());
+}
+
+static PyObject *mod_liveness(PyObject *self, PyObject *args) {
+    (void)self;
+    int pid, lease_only = 0;
+    unsigned long long start, pid_ns;
+    if (!PyArg_ParseTuple(args, "iKK|p", &pid, &start, &pid_ns, &lease_only))
+        return NULL;
+    struct psd_header h; /* only cfg_flags is read */
+    h.cfg_flags = lease_only ? PSD_CFG_LEASE_ONLY : 0;
+    static const char *const names[] = {"unknown", "alive", "dead"};
+    return PyUnicode_FromString(names[psd_liveness(&h, pid, start, pid_ns)]);
+}
+
 static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
     (void)self;
     unsigned int n_slots, ring_k, vectors = 0;
@@ -171,6 +189,10 @@ static PyMethodDef module_methods[] = {
     {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
     {"install_sigbus_handler", mod_install_sigbus_handler, METH_VARARGS,
      "install_sigbus_handler(status): a SIGBUS on an arena mapping prints why and exits with status"},
+    {"pid_ns", mod_pid_ns, METH_NOARGS, "pid_ns() -> int: inode of this process's PID namespace (0: unknown)"},
+    {"liveness", mod_liveness, METH_VARARGS,
+     "liveness(pid, start_time, pid_ns, lease_only=False) -> 'alive' | 'dead' | 'unknown' (/proc cannot tell: "
+     "the lease decides)"},
     {"owner_alive", mod_owner_alive, METH_VARARGS,
      "owner_alive(pid, start_time) -> bool: that pid still names the process that started then"},
     {"arena_size", mod_arena_size, METH_VARARGS,
@@ -290,7 +312,16 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "OUTCOME_APPLIED", PSD_OUTCOME_APPLIED);
     PyModule_AddIntConstant(m, "OUTCOME_REJECTED", PSD_OUTCOME_REJECTED);
     PyModule_AddIntConstant(m, "OUTCOME_DROPPED", PSD_OUTCOME_DROPPED);
+    PyModule_AddIntConstant(m, "OUTCOME_IGNORED", PSD_OUTCOME_IGNORED);
+    PyModule_AddIntConstant(m, "REAP_EXITED", PSD_REAP_EXITED);
+    PyModule_AddIntConstant(m, "REAP_LEASE", PSD_REAP_LEASE);
+    PyModule_AddIntConstant(m, "LIVE_BY_PROC", PSD_LIVE_BY_PROC);
+    PyModule_AddIntConstant(m, "LIVE_BY_LEASE", PSD_LIVE_BY_LEASE);
+    PyModule_AddIntConstant(m, "SLOT_LEASE_BEAT_OFFSET", (long)offsetof(struct psd_slot, lease_beat));
+    PyModule_AddIntConstant(m, "HEADER_SHARED_OFFSET", (long)offsetof(struct psd_header, admission));
+    PyModule_AddIntConstant(m, "ENTRY_CLAIM_OFFSET", (long)offsetof(struct psd_entry, claim));
     PyModule_AddIntConstant(m, "CFG_STALENESS_LR", PSD_CFG_STALENESS_LR);
     PyModule_AddIntConstant(m, "CFG_PREDICT", PSD_CFG_PREDICT);
+    PyModule_AddIntConstant(m, "CFG_LEASE_ONLY", PSD_CFG_LEASE_ONLY);
     return m;
 }

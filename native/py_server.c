@@ -84,6 +84,7 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     h->threads = threads;
     h->spin_us = spin_us;
     h->server_start_time = start;
+    h->server_pid_ns = psd_pid_ns(); /* learners in another PID namespace go by the heartbeat */
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     h->server_started_unix_ns = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
@@ -101,17 +102,17 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "sync", "sync_param", "push_every", "schedule", "staleness_lr",
                              "predict", "momentum", "dampening", "beta1", "beta2", "eps", "weight_decay",
                              "lr_decay", "gamma", "eta_min", "step_size", "t_max", "warmup", "max_staleness",
-                             "async_momentum", NULL};
+                             "async_momentum", "lease_ms", "lease_only", NULL};
     const char *opt = "sgd", *sync = "asp", *sched = "constant";
-    unsigned int sync_param = 0, push_every = 1, async_momentum = 0;
-    int staleness_lr = 0, predict = 0;
+    unsigned int sync_param = 0, push_every = 1, async_momentum = 0, lease_ms = PSD_LEASE_MS_DEFAULT;
+    int staleness_lr = 0, predict = 0, lease_only = 0;
     double momentum = 0, dampening = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0, lr_decay = 0,
            gamma = 0.1, eta_min = 0;
     unsigned long long step_size = 0, t_max = 0, warmup = 0, max_staleness = UINT64_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKI", kwlist, &opt, &sync, &sync_param,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKIIp", kwlist, &opt, &sync, &sync_param,
                                      &push_every, &sched, &staleness_lr, &predict, &momentum, &dampening,
                                      &beta1, &beta2, &eps, &wd, &lr_decay, &gamma, &eta_min, &step_size,
-                                     &t_max, &warmup, &max_staleness, &async_momentum) ||
+                                     &t_max, &warmup, &max_staleness, &async_momentum, &lease_ms, &lease_only) ||
         check_open(a))
         return NULL;
     int o = name_index("optimizer", opt, optimizer_names, N_OPTIMIZERS), y = name_index("sync mode", sync, sync_names, N_SYNCS),
@@ -124,7 +125,9 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     h->sync_param = sync_param;
     h->push_every = push_every ? push_every : 1;
     h->schedule = (uint32_t)c;
-    h->cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0);
+    h->cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0) |
+                   (lease_only ? PSD_CFG_LEASE_ONLY : 0);
+    h->lease_ms = lease_ms ? lease_ms : PSD_LEASE_MS_DEFAULT;
     h->momentum = momentum;
     h->async_momentum = async_momentum;
     h->dampening = dampening;

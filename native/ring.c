@@ -9,6 +9,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "psd.h"
@@ -23,24 +24,61 @@ static int lock_slot(struct psd_map *m, struct psd_slot *s) {
     return psd_locked(rc) ? 0 : rc; /* a dead previous holder is counted, nothing to repair */
 }
 
+/* The claim token m holds for `slot`, 0 if none. */
+static uint64_t held_token(const struct psd_map *m, uint32_t slot) {
+    return slot < m->n_held ? PSD_LOAD_RLX(&m->held[slot]) : 0;
+}
+
+/* m's table of held slots, made once (under the admission mutex: claims of one mapping from
+ * several threads are serialised by it). */
+static int held_table(struct psd_map *m, uint32_t n_slots) {
+    if (m->held)
+        return 0;
+    if (n_slots == 0 || n_slots > PSD_MAX_SLOTS)
+        return EINVAL;
+    m->held = calloc(n_slots, sizeof *m->held);
+    if (!m->held)
+        return ENOMEM;
+    m->n_held = n_slots;
+    return 0;
+}
+
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
                    uint64_t *claim) {
     struct psd_header *h = psd_hdr(m);
     /* Pairs with the store-release of READY in psd_arena_set_state. */
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return PSD_ESTATE;
+    if (!psd_has_model(m))
+        return PSD_ESTATE; /* not mapped at the grown size yet */
+    uint64_t pid_ns = psd_pid_ns();
     int rc = psd_mutex_lock(h, &h->admission);
     if (!psd_locked(rc))
         return rc;
+    if ((rc = held_table(m, m->g.n_slots)) != 0) {
+        psd_mutex_unlock(&h->admission);
+        return rc;
+    }
+    /* Slots this mapping lost (taken back, handed on) are not its to write any more. */
+    for (uint32_t i = 0; i < m->n_held; i++) {
+        uint64_t token = PSD_LOAD_RLX(&m->held[i]);
+        if (token && PSD_LOAD_RLX(&psd_slot_at(m, i)->claims) != token)
+            PSD_STORE_RLX(&m->held[i], 0);
+    }
     rc = PSD_ENOSLOT;
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
         if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE)
             continue;
-        if ((rc = lock_slot(m, s)) != 0)
+        /* Writable before its mutex is taken: the lock itself writes the slot. */
+        PSD_STORE_RLX(&m->held[i], UINT64_MAX); /* a placeholder until the claim's token */
+        if ((rc = psd_arena_protect(m)) != 0 || (rc = lock_slot(m, s)) != 0) {
+            PSD_STORE_RLX(&m->held[i], 0);
             break;
+        }
         PSD_STORE_RLX(&s->pid, pid);
         PSD_STORE_RLX(&s->start_time, start_time);
+        PSD_STORE_RLX(&s->pid_ns, pid_ns);
         PSD_ADD_RLX(&s->claims, 1);
         PSD_STORE_RLX(&s->rank, rank >= 0 && (uint32_t)rank < m->g.n_slots ? rank : -1);
         PSD_STORE_RLX(&s->learner_clock, 0);
@@ -63,11 +101,15 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
         PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
         *slot = i;
         *claim = PSD_LOAD_RLX(&s->claims);
+        PSD_STORE_RLX(&m->held[i], *claim); /* read by this process's pushes and lease thread */
         psd_mutex_unlock(&s->mutex);
         break;
     }
+    int prot = psd_arena_protect(m); /* lost slots read-only again */
     psd_mutex_unlock(&h->admission);
-    return rc;
+    if (rc == 0 && prot == 0)
+        prot = psd_lease_start(m);
+    return rc ? rc : prot;
 }
 
 static bool still_mine(struct psd_slot *s, uint64_t claim) {
@@ -207,7 +249,10 @@ static uint32_t copy_check_f64(double *restrict dst, const double *restrict src,
 /* The entry at the tail, if the slot is this learner's and the ring has room. */
 static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, uint64_t *tail) {
     struct psd_slot *s = psd_slot_at(m, slot);
-    if (PSD_LOAD_RLX(&s->state) != PSD_SLOT_ACTIVE)
+    uint64_t token = held_token(m, slot);
+    /* Not this mapping's claim, or taken back and handed on: never write into another's ring.
+     * (A push racing the hand-over carries the old token; the update loop ignores it.) */
+    if (!token || PSD_LOAD_RLX(&s->claims) != token || PSD_LOAD_RLX(&s->state) != PSD_SLOT_ACTIVE)
         return PSD_ESLOT;
     *tail = PSD_LOAD_RLX(&s->tail); /* only this process writes it */
     /* Pairs with the store-release of head in the update loop: the entry at
@@ -219,20 +264,23 @@ static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, ui
 }
 
 /* Fill in the entry's metadata and move the tail past it. */
-static void publish(struct psd_map *m, struct psd_slot *s, struct psd_entry *e, uint64_t tail, uint64_t clock,
+static void publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint64_t tail, uint64_t clock,
                     uint32_t batch, double loss, uint32_t flags) {
     struct psd_header *h = psd_hdr(m);
+    struct psd_slot *s = psd_slot_at(m, slot);
     e->seq = tail;
     e->clock = clock;
     e->batch_size = batch;
     e->flags = flags;
     e->loss = loss;
+    e->claim = held_token(m, slot);
     e->applied_clock = 0;
     e->outcome = PSD_OUTCOME_PENDING;
     /* seq_cst store (a release, pairs with the load-acquire of tail in the
      * update loop) so that the load of `sleeping` below cannot move before it:
      * with the loop's store of `sleeping` and load of tails, a Dekker pair. */
     atomic_store(&s->tail, tail + 1);
+    PSD_ADD_RLX(&s->lease_beat, 1); /* a push renews the lease (psd_reap reads it relaxed) */
     if (atomic_load(&h->sleeping))
         psd_cond_broadcast(&h->doorbell);
     if (h->sync_mode == PSD_SYNC_SSP)
@@ -256,7 +304,7 @@ int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, d
     bool finite = scale_and_check(psd_entry_grad(e), m->g.n_train, scale);
     memset(psd_entry_pieces(m, e), PSD_PIECE_DENSE, m->g.n_pieces);
     uint32_t flags = put_buffers(m, e, bufdelta) | (finite ? 0 : PSD_ENTRY_NONFINITE);
-    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, flags);
+    publish(m, slot, e, tail, clock, batch, loss, flags);
     return 0;
 }
 
@@ -344,7 +392,7 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
         _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
 #endif
     uint32_t flags = put_buffers(m, e, bufdelta) | (bad ? PSD_ENTRY_NONFINITE : 0);
-    publish(m, psd_slot_at(m, slot), e, tail, clock, batch, loss, flags);
+    publish(m, slot, e, tail, clock, batch, loss, flags);
     return 0;
 }
 
@@ -438,7 +486,7 @@ void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *min
         uint64_t c = PSD_LOAD_RLX(&s->ssp_base) + PSD_LOAD_ACQ(&s->tail);
         /* A dead learner leaves the minimum at once, without waiting for the reaper.
          * Unless strict, only one that holds us back costs the liveness check (a /proc read). */
-        if (c < *slowest && ((!strict && c + h->sync_param >= *mine) || psd_slot_owner_alive(s)))
+        if (c < *slowest && ((!strict && c + h->sync_param >= *mine) || psd_slot_owner_alive(h, s)))
             *slowest = c;
     }
 }
@@ -480,20 +528,45 @@ int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ro
     return wait_sync(m, slot, claim, timeout_ns, round_done, rounds);
 }
 
+/* Why an ACTIVE slot's owner is gone (enum psd_reap_reason), or PSD_REAP_NONE. /proc first
+ * where it can tell; else the lease: the beat must have moved within lease_ns of this
+ * (the reaper's) clock. The reaper's view of the lease is kept in the slot, so a server
+ * that takes over goes on from it. */
+static uint32_t owner_gone(const struct psd_header *h, struct psd_slot *s, uint64_t now, uint64_t lease_ns) {
+    uint64_t claim = PSD_LOAD_RLX(&s->claims), beat = PSD_LOAD_RLX(&s->lease_beat);
+    if (PSD_LOAD_RLX(&s->lease_claim) != claim || PSD_LOAD_RLX(&s->lease_seen) != beat ||
+        PSD_LOAD_RLX(&s->lease_seen_ns) == 0) {
+        PSD_STORE_RLX(&s->lease_claim, claim);
+        PSD_STORE_RLX(&s->lease_seen, beat);
+        PSD_STORE_RLX(&s->lease_seen_ns, now);
+    }
+    enum psd_live live = psd_slot_liveness(h, s);
+    PSD_STORE_RLX(&s->liveness, live == PSD_LIVE_UNKNOWN ? PSD_LIVE_BY_LEASE : PSD_LIVE_BY_PROC);
+    if (live == PSD_LIVE_NO)
+        return PSD_REAP_EXITED;
+    if (live == PSD_LIVE_YES)
+        return PSD_REAP_NONE;
+    uint64_t seen = PSD_LOAD_RLX(&s->lease_seen_ns);
+    return now > seen && now - seen >= lease_ns ? PSD_REAP_LEASE : PSD_REAP_NONE;
+}
+
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
     struct psd_header *h = psd_hdr(m);
     *n = 0;
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return 0;
+    uint64_t now = psd_now_ns(), lease_ns = psd_lease_ns(h);
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
-        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || psd_slot_owner_alive(s))
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || owner_gone(h, s, now, lease_ns) == PSD_REAP_NONE)
             continue;
         int rc = lock_slot(m, s);
         if (rc)
             return rc;
-        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && !psd_slot_owner_alive(s)) {
+        uint32_t why;
+        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && (why = owner_gone(h, s, now, lease_ns)) != PSD_REAP_NONE) {
             /* Everything it fully pushed is still applied; then the loop frees it. */
+            PSD_STORE_RLX(&s->reap_reason, why);
             PSD_STORE_REL(&s->state, PSD_SLOT_DRAINING);
             if (*n < max)
                 pids[(*n)++] = PSD_LOAD_RLX(&s->pid);
@@ -512,8 +585,13 @@ bool psd_server_alive(struct psd_map *m, uint64_t stale_ns) {
     struct psd_header *h = psd_hdr(m);
     if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_STOPPED)
         return false;
-    if (!psd_owner_alive(atomic_load(&h->server_pid), h->server_start_time))
+    enum psd_live live = psd_liveness(h, atomic_load(&h->server_pid), h->server_start_time, h->server_pid_ns);
+    if (live == PSD_LIVE_NO)
         return false;
-    uint64_t hb = atomic_load(&h->heartbeat_ns);
-    return stale_ns == 0 || hb == 0 || psd_now_ns() - hb < stale_ns;
+    /* Where /proc cannot tell (another PID namespace), the heartbeat is all there is: a
+     * running server beats at least every 100 ms, also while it sleeps or pauses. */
+    if (live == PSD_LIVE_UNKNOWN && stale_ns == 0)
+        stale_ns = psd_lease_ns(h);
+    uint64_t hb = atomic_load(&h->heartbeat_ns), now = psd_now_ns();
+    return stale_ns == 0 || hb == 0 || now <= hb || now - hb < stale_ns;
 }

@@ -50,32 +50,37 @@ uint64_t psd_now_ns(void) {
 }
 
 /* Field 22 of /proc/<pid>/stat, in clock ticks since boot. The command name
- * (field 2) may hold spaces and parentheses, so parse from its last ')'. */
-uint64_t psd_proc_start_time(pid_t pid) {
+ * (field 2) may hold spaces and parentheses, so parse from its last ')'.
+ * False if /proc cannot show the process (gone, hidden, or no /proc). */
+bool psd_proc_stat(pid_t pid, uint64_t *start_time, bool *zombie) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     FILE *f = fopen(path, "re");
     if (!f)
-        return 0;
+        return false;
     size_t n = fread(buf, 1, sizeof buf - 1, f);
     fclose(f);
     buf[n] = '\0';
-    char *p = strrchr(buf, ')');
-    if (!p)
-        return 0;
-    p++;
+    char *st = strrchr(buf, ')');
+    if (!st)
+        return false;
+    char *p = st + 1;
     /* p now points before field 3; skip fields 3..21 */
     for (int field = 3; field <= 21; field++) {
         p = strchr(p + 1, ' ');
         if (!p)
-            return 0;
+            return false;
     }
-    unsigned long long v = strtoull(p + 1, NULL, 10);
+    *start_time = (uint64_t)strtoull(p + 1, NULL, 10);
     /* A zombie has exited: its slot is dead even though /proc still lists it. */
-    char *st = strrchr(buf, ')');
-    if (st[1] == ' ' && (st[2] == 'Z' || st[2] == 'X'))
-        return 0;
-    return (uint64_t)v;
+    *zombie = st[1] == ' ' && (st[2] == 'Z' || st[2] == 'X');
+    return true;
+}
+
+uint64_t psd_proc_start_time(pid_t pid) {
+    uint64_t start;
+    bool zombie;
+    return psd_proc_stat(pid, &start, &zombie) && !zombie ? start : 0;
 }
 
 bool psd_owner_alive(pid_t pid, uint64_t start_time) {

@@ -268,6 +268,18 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     uint32_t outcome = PSD_OUTCOME_APPLIED;
     const float *g = psd_entry_grad(e);
     const uint8_t *map = L->entry_map;
+    if (eh->claim != PSD_LOAD_RLX(&s->claims)) {
+        /* Pushed by a learner that no longer owns the slot (taken back while it lived, and
+         * handed on): never applied, never a contribution to a round; counted. */
+        PSD_ADD_RLX(&s->ignored, 1);
+        PSD_ADD_RLX(&h->ignored, 1);
+        e->applied_clock = clock;
+        e->outcome = PSD_OUTCOME_IGNORED;
+        L->heads[i] = head + 1;
+        atomic_store(&s->head, head + 1); /* as below: pairs with the load-acquire of head in tail_entry */
+        psd_cond_broadcast_if_waiters(&s->not_full);
+        return;
+    }
     if ((eh->flags & PSD_ENTRY_NONFINITE) || !sparse_taken(L, map)) {
         outcome = PSD_OUTCOME_REJECTED;
         PSD_ADD_RLX(&s->rejected, 1);
@@ -337,8 +349,9 @@ static void free_slot(struct psd_loop *L, uint32_t i, struct psd_slot *s) {
     uint64_t tail = PSD_LOAD_ACQ(&s->tail);
     if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_DRAINING && tail == L->heads[i]) {
         PSD_ADD_RLX(&h->retired_pushed, tail);
-        if (!psd_slot_owner_alive(s))
+        if (PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE) /* taken back by the reaper */
             PSD_ADD_RLX(&h->reclaimed, 1);
+        PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
         PSD_STORE_RLX(&s->tail, 0);
         L->heads[i] = 0;
         atomic_store(&s->head, 0);
@@ -618,9 +631,12 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     }
     if (off != m->g.n_train || n_pieces != m->g.n_pieces || buffers_set > m->g.n_buffers)
         return EINVAL;
-    struct psd_loop *L = calloc(1, sizeof *L);
+    /* It holds a struct psd_header (cfg), whose shared page is PSD_PAGE aligned. */
+    size_t bytes = (sizeof(struct psd_loop) + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
+    struct psd_loop *L = aligned_alloc(PSD_PAGE, bytes);
     if (!L)
         return ENOMEM;
+    memset(L, 0, bytes);
     L->pieces = malloc(n_pieces * sizeof *L->pieces);
     L->round_map = malloc(n_pieces);
     L->entry_map = malloc(n_pieces);

@@ -48,7 +48,7 @@ DEFAULT_JOB = "default"
 _PREFIX = "psd."
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _MIB = 1 << 20
-_PAGE = 4096  # PSD_PAGE and PSD_HEADER_SIZE
+_PAGE = 4096  # PSD_PAGE
 _CACHELINE = 64  # PSD_CACHELINE, and sizeof(struct psd_rank)
 # The exit status of a process that died of SIGBUS on an arena (its file was truncated or replaced): the
 # handler that native/sigbus.c installs says so on stderr and exits with it. The watchdog restarts a server
@@ -103,8 +103,12 @@ def check_space(needed: int, what: str) -> None:
         )
 
 
-def open_job(job: str, settle: float = 1.0) -> _native.Arena:
+def open_job(job: str, settle: float = 1.0, role: str = "full") -> _native.Arena:
     """Map ``job``'s arena, or raise an error that says how to start it.
+
+    ``role`` says what this process may write: ``full`` (the server, the watchdog: everything),
+    ``learner`` (only the header's shared page, the slots it claims, and its offer window) or
+    ``reader`` (nothing: ``psd status``, ``top``, ``inspect``). A write outside them faults.
 
     An arena that a server is creating this very moment is waited for, up to
     ``settle`` seconds (creation takes milliseconds; a creator that died halfway
@@ -117,7 +121,7 @@ def open_job(job: str, settle: float = 1.0) -> _native.Arena:
     deadline = time.monotonic() + settle
     while True:
         try:
-            a = _native.open(name)
+            a = _native.open(name, role)
         except ArenaIncomplete:
             size = _size(SHM_DIR + name)
             if 0 < size < _PAGE:  # a creator sizes the file in one step: 0 bytes, then its whole header span
@@ -205,8 +209,8 @@ def _geometry_problem(h: dict) -> str:
         return f"its geometry is impossible ({n_slots} learner slots of ring depth {ring_k})"
     if not _native.ARENA_WAITING_SPEC <= h["state"] <= _native.ARENA_STOPPED:
         return f"its state {h['state']} is not one psd knows"
-    span = _PAGE + _page_up(n_slots * _CACHELINE)
-    if h["ranks_off"] != _PAGE or h["spec_off"] != span or cap > 1 << 40 or h["spec_len"] > cap:
+    span = _native.HEADER_SIZE + _page_up(n_slots * _CACHELINE)
+    if h["ranks_off"] != _native.HEADER_SIZE or h["spec_off"] != span or cap > 1 << 40 or h["spec_len"] > cap:
         return "its header regions are out of place"
     span += _page_up(cap)
     if not span <= h["total_size"] <= size:
@@ -352,7 +356,7 @@ def wait_for_job(job: str, timeout: float = 30.0, server_pid: int | None = None)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            a = open_job(job)
+            a = open_job(job, role="reader")
         except JobNotFound:
             pass
         else:

@@ -63,7 +63,7 @@ class ChaosConfig:
 def job_pids(job: str) -> dict[str, list[int]] | None:
     """The live processes of ``job`` by role (learner, server, watchdog) and its weights clock; None if no job."""
     try:
-        a = open_job(job)
+        a = open_job(job, role="reader")
     except Error:
         return None
     try:

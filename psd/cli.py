@@ -210,7 +210,7 @@ def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
     from psd.watchdog.supervisor import terminate
 
-    a = open_job(args.job)
+    a = open_job(args.job, role="reader")
     h = a.header()
     a.close()
     if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
@@ -283,7 +283,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    a = open_job(args.job)
+    a = open_job(args.job, role="reader")
     try:
         if a.state == _native.ARENA_READY:
             a.remap()

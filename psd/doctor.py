@@ -171,11 +171,43 @@ def _memlock(needed: int | None) -> Check:
     return Check("ok", name, detail)
 
 
+def _liveness() -> Check:
+    """Which way the server will tell a dead learner: /proc where it can, else the lease."""
+    name = "learner liveness"
+    if os.environ.get("PSD_LIVENESS") == "lease":
+        return Check("ok", name, "the lease only (PSD_LIVENESS=lease): a learner is dead once its heartbeat stood "
+                     "still for --lease seconds")
+    if not _native.pid_ns():
+        return Check("warn", name, "/proc/self/ns/pid is unreadable (no /proc?): every learner is judged by its "
+                     "lease, so a dead one's slot is freed only after --lease seconds",
+                     "mount /proc to get the fast path, or keep --lease short")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = _native.proc_start_time(child.pid)
+        seen = _native.liveness(child.pid, start, _native.pid_ns(), False)
+    finally:
+        child.communicate(b"", timeout=30)
+    hidden = ""
+    try:
+        with open("/proc/mounts") as f:
+            opts = [line.split()[3] for line in f if line.split()[1:2] == ["/proc"]]
+        if any("hidepid=" in o and "hidepid=0" not in o and "hidepid=off" not in o for o in opts):
+            hidden = "; /proc is mounted hidepid, so other users' learners fall back to the lease"
+    except OSError:
+        pass
+    if seen != "alive":
+        return Check("warn", name, f"/proc cannot show a child of this process ({seen}): learners are judged by "
+                     "their lease (--lease seconds after their last heartbeat)",
+                     "check how /proc is mounted (hidepid, a foreign PID namespace)")
+    return Check("ok", name, "/proc (pid + start time) for learners in this PID namespace, at once; the lease "
+                 f"(--lease, 5 s by default) for learners in other PID namespaces or hidden by /proc{hidden}")
+
+
 def _stale_arenas() -> Check:
     dead = []
     for job in list_jobs():
         try:
-            a = open_job(job, settle=0.2)
+            a = open_job(job, settle=0.2, role="reader")
         except Error:
             dead.append(job)
             continue
@@ -199,7 +231,7 @@ def run_checks(learners: int | None = None, threads: int | None = None, params: 
 
         needed = _native.arena_size(learners or 8, ring_depth, SPEC_CAPACITY, params)
     return [_shm(needed), _shm_huge_pages(), _remove_ipc(), _robust_mutex(), _openmp(), _cores(learners, threads),
-            _memlock(needed), _stale_arenas()]
+            _memlock(needed), _liveness(), _stale_arenas()]
 
 
 def as_dicts(checks: list[Check]) -> list[dict]:

@@ -111,6 +111,9 @@ def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     return OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM
 
 
+LIVENESS = ("auto", "lease")
+
+
 def _build() -> tuple[Flag, ...]:
     optimizers, schedules, async_momentum = _choices()
     return (
@@ -184,6 +187,13 @@ def _build() -> tuple[Flag, ...]:
                readme_default="`none`"),
         _nodes("--node-timeout", "seconds without an answer after which a node counts as dead (and the first "
                "rendezvous gives up)", 30.0, type=float, metavar="S"),
+        # -- liveness of learners
+        _serve("--liveness", "how the server tells that a learner died: auto (its pid and start time in /proc, "
+               "where the server shares its PID namespace and /proc shows it; else its lease), lease (the lease "
+               "only: for /proc mounted hidepid, or learners in other containers)", "auto", choices=LIVENESS,
+               metavar="M", readme_default="`auto`"),
+        _serve("--lease", "seconds a learner's slot outlives its last heartbeat where /proc cannot tell whether it "
+               "lives; its pushes and a native thread renew it", 5.0, type=float, metavar="S"),
         # -- where the job starts from and what the watchdog does
         _serve("--init", "start from these weights (.safetensors) instead of the first learner's", None,
                metavar="FILE"),

@@ -89,6 +89,8 @@ class ServeConfig:
     resume: str | None = None
     event_log: str | None = None
     poll_interval: float = 0.1
+    liveness: str = "auto"
+    lease: float = 5.0
     # -- training semantics (see the README's "Training semantics")
     sync: str = "asp"
     push_every: int = 1
@@ -147,7 +149,8 @@ class ServeConfig:
                     eps=eps, weight_decay=wd, lr_decay=self.lr_decay, gamma=self.gamma, eta_min=self.eta_min,
                     step_size=self.step_size, t_max=self.t_max, warmup=self.warmup,
                     max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness,
-                    async_momentum=ASYNC_MOMENTUM.index(self.async_momentum))
+                    async_momentum=ASYNC_MOMENTUM.index(self.async_momentum),
+                    lease_ms=max(1, round(self.lease * 1000)), lease_only=self.liveness == "lease")
 
     def state_vectors(self) -> int:
         """Vectors the size of the weights that the optimizer state and accumulator take."""
@@ -179,6 +182,10 @@ class ServeConfig:
         if self.async_momentum not in ASYNC_MOMENTUM:
             raise ValueError(f"--async-momentum must be one of {', '.join(ASYNC_MOMENTUM)}, "
                              f"not {self.async_momentum!r}")
+        if self.liveness not in ("auto", "lease"):
+            raise ValueError(f"--liveness must be auto or lease, not {self.liveness!r}")
+        if not 0.05 <= self.lease <= 3600:
+            raise ValueError(f"--lease must be 0.05 to 3600 seconds, not {self.lease}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"--max-staleness must be 0 or more, not {self.max_staleness}")
         b1, b2 = self.betas
@@ -238,6 +245,8 @@ class Server:
         self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
         self._dropped: dict[int, int] = {}  # slot -> dropped count last seen
         self._evicted = 0  # evictions logged so far
+        self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
+        self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
         self._stopped = False
         self.events = EventLog(config.event_log, config.job, "server")
         # Tests of the watchdog's restart limit need a server that fails the same way after every start:
@@ -392,7 +401,7 @@ class Server:
             self._admit_spec()
         elif st == _native.ARENA_INIT_WEIGHTS:
             h = a.header()
-            if not _native.owner_alive(h["offer_pid"], h["offer_start_time"]):
+            if self._offerer_gone(h):
                 a.set_state(_native.ARENA_WAITING_SPEC,
                             f"learner pid {h['offer_pid']} died before writing its initial weights")
                 log.warning("job %r: learner pid %d died before writing its initial weights; waiting for "
@@ -407,8 +416,8 @@ class Server:
                 log.info("job %r: ready, %d parameters; update loop running", self.config.job,
                          a.header()["n_params"])
             for pid in a.reap():
-                log.warning("job %r: learner pid %d died; applying what it pushed, then freeing its slot",
-                            self.config.job, pid)
+                log.warning("job %r: learner pid %d died (or its lease ran out); applying what it pushed, "
+                            "then freeing its slot", self.config.job, pid)
                 self.events.emit("learner_died", learner_pid=pid)
             self._watch_slots()
 
@@ -418,6 +427,20 @@ class Server:
         log.error("job %r: %s", self.config.job, msg)
         self.arena.set_state(self.arena.state, msg)
         os._exit(3)
+
+    def _offerer_gone(self, h: dict) -> bool:
+        """Whether the learner writing the initial weights died. Where /proc cannot tell (it is in
+        another PID namespace), it gets ten leases: it has no slot, so no lease of its own."""
+        import time
+
+        live = _native.liveness(h["offer_pid"], h["offer_start_time"], h["offer_pid_ns"],
+                                bool(h["cfg_flags"] & _native.CFG_LEASE_ONLY))
+        if live != "unknown":
+            self._offer_since = None
+            return live == "dead"
+        if self._offer_since is None:
+            self._offer_since = time.monotonic()
+        return time.monotonic() - self._offer_since > 10 * self.config.lease
 
     def _admit_spec(self) -> None:
         a = self.arena
@@ -470,6 +493,7 @@ class Server:
                 self.events.emit("learner_attached", learner_pid=pid, slot=i, rank=info["rank"])
                 self._rejected[i] = 0
                 self._dropped[i] = 0
+                self._ignored[i] = 0
             self._owners[i] = pid
             new = info["rejected"] - self._rejected.get(i, 0)
             if pid and new > 0:
@@ -483,6 +507,13 @@ class Server:
                          self.config.job, new, self.config.max_staleness, pid)
                 self.events.emit("gradients_dropped", learner_pid=pid, slot=i, count=new, reason="stale")
                 self._dropped[i] = info["dropped"]
+            new = info["ignored"] - self._ignored.get(i, 0)
+            if new > 0:
+                log.warning("job %r: ignored %d gradient(s) in slot %d pushed under an old claim (a learner "
+                            "whose slot was taken back, e.g. after its lease ran out, kept pushing)",
+                            self.config.job, new, i)
+                self.events.emit("gradients_ignored", slot=i, count=new, reason="stale claim token")
+                self._ignored[i] = info["ignored"]
 
     def run(self, stop: threading.Event) -> None:
         """Supervise until ``stop`` is set."""

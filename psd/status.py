@@ -15,6 +15,7 @@ from psd.errors import Error
 __all__ = ["STATES", "all_jobs", "format_job", "job_status", "stale_bucket_label"]
 
 STATES = {1: "waiting for a model", 2: "model offered", 3: "loading weights", 4: "ready", 5: "stopped"}
+LIVENESS_METHODS = {_native.LIVE_BY_PROC: "proc", _native.LIVE_BY_LEASE: "lease"}  # how the reaper judged a slot
 
 
 def stale_bucket_label(i: int) -> str:
@@ -35,7 +36,7 @@ def _snapshot(a: _native.Arena) -> tuple[dict, dict, list[dict]]:
 
 def job_status(job: str, sample: float = 0.0) -> dict:
     """The job's figures as a dict; with ``sample`` > 0, rates measured over that many seconds."""
-    a = open_job(job)
+    a = open_job(job, role="reader")
     try:
         h, c, slots = _snapshot(a)
         rate = pull_rate = None
@@ -85,6 +86,8 @@ def job_status(job: str, sample: float = 0.0) -> dict:
             "staleness_max": h["staleness_max"],
             "staleness_hist": {stale_bucket_label(i): n for i, n in enumerate(h["staleness_hist"]) if n},
             "reclaimed_slots": h["reclaimed"],
+            "liveness": "lease" if h["cfg_flags"] & _native.CFG_LEASE_ONLY else "auto",
+            "lease_s": h["lease_ms"] / 1000,
             "lock_recoveries": h["lock_recoveries"],
             "checkpoint_clock": h["checkpoint_clock"] if h["checkpoint_unix_ns"] else None,
             "checkpoint_age_s": round((now_ns - h["checkpoint_unix_ns"]) / 1e9, 1) if h["checkpoint_unix_ns"] else None,
@@ -96,9 +99,13 @@ def job_status(job: str, sample: float = 0.0) -> dict:
                 continue
             out["learners"].append({
                 "slot": i, "pid": s["pid"], "rank": s["rank"],
-                "alive": _native.owner_alive(s["pid"], s["start_time"]),
+                # /proc where it can tell; else (another PID namespace, hidepid) the server's lease decides
+                "alive": _native.liveness(s["pid"], s["start_time"], s["pid_ns"],
+                                          bool(h["cfg_flags"] & _native.CFG_LEASE_ONLY)) != "dead",
+                "liveness": LIVENESS_METHODS.get(s["liveness"]),
                 "state": "active" if s["state"] == _native.SLOT_ACTIVE else "draining",
                 "pushed": s["tail"], "applied": s["applied"], "rejected": s["rejected"], "dropped": s["dropped"],
+                "ignored": s["ignored"],
                 "queued": s["tail"] - s["head"], "clock": s["learner_clock"],
                 "pulls": s["pulls"], "pulls_skipped": s["pulls_skipped"],
                 "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else 0.0,
@@ -153,14 +160,15 @@ def format_job(j: dict) -> str:
         lines.append(f"  {j['optimizer']} ({j['schedule']} schedule, lr now {j['lr_now']:g}, {j['opt_steps']} "
                      f"updates)  sync {sync}" + "".join(f"  {e}" for e in extras))
     lines.append(f"  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']} (non-finite)  dropped "
-                 f"{j['dropped']} (stale)  pending {j['pending']}  staleness mean {j['staleness_mean']:.2f} "
+                 f"{j['dropped']} (stale)  ignored {j['ignored']} (old claim)  pending {j['pending']}  "
+                 f"staleness mean {j['staleness_mean']:.2f} "
                  f"max {j['staleness_max']}")
     if j["staleness_hist"]:
         lines.append("  staleness histogram: " + "  ".join(f"{k}:{v}" for k, v in j["staleness_hist"].items()))
     ck = f"clock {j['checkpoint_clock']}, {j['checkpoint_age_s']:.0f} s ago" if j["checkpoint_clock"] is not None \
         else "none yet"
     lines.append(f"  last checkpoint: {ck}   slots reclaimed {j['reclaimed_slots']}  "
-                 f"server restarts {j['server_restarts']}")
+                 f"server restarts {j['server_restarts']}  liveness {j['liveness']} (lease {j['lease_s']:g} s)")
     n = j.get("node_link")
     if n:
         ago = f"{time.time() - n['last_exchange_unix']:.1f} s ago" if n["last_exchange_unix"] else "none yet"
@@ -169,11 +177,12 @@ def format_job(j: dict) -> str:
                      f"{n['round']}, last exchange {ago} ({n['last_exchange_ms']:.1f} ms), "
                      f"{n['bytes_sent'] / 1e6:.3f} MB sent, lag {n['lag']} of {n['max_node_lag']}")
     if j["learners"]:
-        lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'pushed':>8} {'queued':>6} "
+        lines.append(f"  {'slot':>4} {'rank':>4} {'pid':>7} {'state':8} {'by':5} {'pushed':>8} {'queued':>6} "
                      f"{'rejected':>8} {'dropped':>7} {'clock':>8} {'stale':>6} {'loss':>8}")
         for s in j["learners"]:
             state = s["state"] if s["alive"] else "dead"
-            lines.append(f"  {s['slot']:>4} {s['rank']:>4} {s['pid']:>7} {state:8} {s['pushed']:>8} "
+            lines.append(f"  {s['slot']:>4} {s['rank']:>4} {s['pid']:>7} {state:8} {s['liveness'] or '-':5} "
+                         f"{s['pushed']:>8} "
                          f"{s['queued']:>6} {s['rejected']:>8} {s['dropped']:>7} {s['clock']:>8} "
                          f"{s['staleness_mean']:>6.2f} "
                          f"{s['last_loss']:>8.4f}")

@@ -139,6 +139,7 @@ def test_checkpoint_and_stop_without_a_watchdog(job, tmp_path):
 def test_doctor(tmp_path):
     r = psd("doctor")
     assert "[  ok] robust mutex self-test" in r.stdout and "[  ok] OpenMP self-test" in r.stdout
+    assert "[  ok] learner liveness: /proc (pid + start time)" in r.stdout  # and the lease for the rest
     r = psd("doctor", "--learners", "64", "--params", str(1 << 34), "--json", check=False)
     assert r.returncode == 1
     checks = {c["name"]: c for c in json.loads(r.stdout)}
