@@ -308,12 +308,17 @@ class Learner:
         ranks = a.ranks()
         return ranks[self.rank] if self.rank < len(ranks) else 0
 
-    def _map_buffers(self) -> None:
-        a, n = self._arena, self.n_params
-        h = a.header()
+    def _map_shared(self) -> dict:
+        """Views of the job's weights and buffers, and the ring depth; returns the header it read them from."""
+        a, h = self._arena, self._arena.header()
         self._k = h["ring_k"]
         self._weights = weights_view(a, h)
         self._arena_buffers = buffers_view(a, h)
+        return h
+
+    def _map_buffers(self) -> None:
+        a, n = self._arena, self.n_params
+        self._map_shared()
         self.clock = a.clock()
         self._bufs[self._front].copy_(self._weights)
         if self._lowp is not None:  # the parameters stay views of the model-dtype copy
@@ -651,10 +656,7 @@ class DeviceLearner(Learner):
         from psd.learner.device import DevicePipe
 
         a, n = self._arena, self.n_params
-        h = a.header()
-        self._k = h["ring_k"]
-        self._weights = weights_view(a, h)
-        self._arena_buffers = buffers_view(a, h)
+        h = self._map_shared()
         self._entries = [torch.frombuffer(a, dtype=torch.float32, count=self.n_train,
                                           offset=a.grad_offset(self.slot, k)) for k in range(self._k)]
         # Buffer deltas, one per ring entry: the push thread publishes them with their gradient.

@@ -2,7 +2,8 @@
  * pause.c -- stopping the update loop between two gradients, for a consistent
  * snapshot (a checkpoint) taken while learners keep pushing.
  *
- * Only the watchdog pauses. If it dies while the loop is paused, the loop
+ * The watchdog pauses (and `psd checkpoint`, or `psd run`'s shutdown, when no
+ * watchdog lives): one pauser at a time. If it dies while the loop is paused, the loop
  * notices (pid + start time) and resumes by itself, so a dead pauser can never
  * stall training.
  *

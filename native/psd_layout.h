@@ -3,8 +3,11 @@
  *
  * Every process that maps an arena (server, learners, `psd status`) sees these
  * structs at the same offsets. Nothing else in psd defines shared layout; the
- * Python side reads it only through the extension module built from this
- * header. Offsets, never pointers, are stored in shared memory.
+ * Python side reads it through the extension module built from this header
+ * (offsets, constants, header() and slot_info()), except two regions it views
+ * as tensors at offsets the header gives: the piece table as int64 pairs
+ * (psd/state.py pieces_view) and the optimizer state vectors (watchdog/
+ * checkpoint.py _state_views). Offsets, never pointers, are stored in shared memory.
  *
  * Arena (one POSIX shared-memory object per job, /dev/shm/psd.<job>):
  *
@@ -170,7 +173,8 @@ struct psd_header {
                                          * its slot's lease_beat stood still this long (0: default) */
 
     /* -- optimizer progress, written only by the update loop (or by a server
-     *    restoring a checkpoint before READY); in checkpoints. */
+     *    restoring a checkpoint before READY); in checkpoints, except
+     *    `acc_members` and `staleness_avg_bits` (a resume starts them at 0). */
     alignas(PSD_CACHELINE) _Atomic uint64_t opt_steps; /* updates applied to the weights (Adam's t) */
     _Atomic uint64_t lr_bits;       /* double: scheduled lr of the last update (weight prediction reads it) */
     _Atomic uint64_t rounds;        /* bsp / kasync: rounds completed (signalled on sync_cond) */
@@ -231,7 +235,8 @@ struct psd_header {
      *    signals it. Both sides use seq_cst (a Dekker pair). */
     alignas(PSD_CACHELINE) _Atomic uint32_t sleeping;
 
-    /* -- pause: a consistent snapshot. The pauser (the watchdog) writes its
+    /* -- pause: a consistent snapshot. The pauser (the watchdog; `psd checkpoint` and `psd run`'s
+     *    shutdown when no watchdog lives) writes its
      *    pid and start time, then sets `pause_req` (seq_cst) and waits on
      *    `pause_cond` for `paused`; the update loop, between two gradients,
      *    sets `paused`, and waits on `pause_cond` until `pause_req` is cleared
@@ -257,7 +262,8 @@ struct psd_header {
     _Atomic uint32_t held; /* written by the loop, read by the holder (Arena.header "held") */
     _Atomic uint64_t holder_start_time;
 
-    /* -- supervision: written by the watchdog; read by `psd status` and tools. */
+    /* -- supervision: written by the watchdog (`checkpoint_*` also by `psd checkpoint` when no
+     *    watchdog lives; `server_restarts` by each server that takes over); read by `psd status`. */
     alignas(PSD_CACHELINE) _Atomic int32_t watchdog_pid;
     uint32_t pad3;
     _Atomic uint64_t watchdog_start_time;

@@ -115,10 +115,18 @@ int psd_mutex_lock(struct psd_header *h, pthread_mutex_t *m) {
     if (rc == ETIMEDOUT)
         return PSD_ETIMEOUT;
     if (rc == EOWNERDEAD) {
-        /* Nothing to repair: every field these mutexes protect is written
-         * before one store-release that publishes it (see psd_layout.h), so a
-         * dead owner left either the old or the new state, never half of one.
-         * Make the mutex usable again and report it, never a quiet success. */
+        /* Nothing is repaired here. Most fields these mutexes protect are
+         * written before one store-release that publishes them (see
+         * psd_layout.h), so a dead owner left the old or the new state. Two
+         * multi-store updates are not: free_slot stores tail = 0, head = 0,
+         * then state = FREE (a server killed in between leaves head > tail,
+         * which the next update loop's slot rule takes for a runaway tail
+         * and frees the slot: nothing is replayed), and finish_round zeroes
+         * the accumulator count before it bumps `rounds` (a kill in between
+         * leaves the pieces' round marks and the slots' round_joined on a
+         * round already applied: the restarted bsp round waits for them
+         * again). Make the mutex usable again and report it, never a quiet
+         * success. */
         pthread_mutex_consistent(m);
         PSD_ADD_RLX(&h->lock_recoveries, 1);
         return PSD_EOWNERDEAD;

@@ -163,8 +163,9 @@ def _build() -> tuple[Flag, ...]:
                   "update direction (PipeOptim); needs momentum, nesterov, adam or adamw", False, switch=True,
                   readme_default="off"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
-                  "(estimated from the measured staleness) off --momentum; off applies --momentum as given, as "
-                  "torch.optim", "auto", choices=async_momentum, metavar="MODE", readme_default="`auto`"),
+                  "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "
+                  "than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
+                  choices=async_momentum, metavar="MODE", readme_default="`auto`"),
         # -- several machines (psd/nodelink.py); --nnodes 1 starts nothing of it
         _nodes("--nnodes", "nodes (machines) in the job, each running its own psd serve / psd run; 1: this "
                "machine alone", 1, type=int, metavar="N"),
