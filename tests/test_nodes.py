@@ -124,7 +124,8 @@ def test_a_node_that_never_arrives_is_a_clear_timeout(job, tmp_path):
 
 def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_path):
     """Node 1's link SIGKILLed alone: its watchdog restarts it and it rejoins. Then all of node 1
-    SIGKILLed: node 0 goes on alone after at most the timeout, and stops leaving nothing in /dev/shm."""
+    SIGKILLed: node 0 goes on alone after at most the timeout; node 1 started again rejoins; both stop,
+    leaving nothing in /dev/shm."""
     port, timeout = free_port(), 3
     flags = ("--learners", "1", "--lr", "0.01", "--sync-every", "5", "--max-node-lag", "1", "--node-timeout",
              str(timeout))
@@ -148,10 +149,19 @@ def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_p
         before = link_state(n0)["round"]
         wait_until(lambda: link_state(n0).get("peers") == [0] and link_state(n0)["round"] >= before + 3,
                    timeout=4 * timeout + 10, what="node 0 to go on alone")
+        # Node 1 restarted with the same --node-rank (its crashed arena taken over): it rejoins.
+        dead_link = link_state(n1)["pid"]
+        procs[1] = node(job, 1, port, tmp_path, *flags, learner=("--forever",))
+        wait_until(lambda: (lambda s: s.get("pid") != dead_link and s.get("peers") == [0, 1]
+                            and s.get("exchanges", 0) >= 2)(link_state(n1)), timeout=60,
+                   what="the restarted node 1 to rejoin")
+        assert link_state(n0)["peers"] == [0, 1]
     finally:
         assert stop(procs[0]) == 130, (tmp_path / "node0.err").read_text()
-        stop(procs[1])
-        if os.path.exists(shm_path(n1)):
+        n1_code = stop(procs[1])
+        n1_left = os.path.exists(shm_path(n1))
+        if n1_left:
             _native.unlink(shm_name(n1))
     assert not os.path.exists(shm_path(n0)), "node 0 stops cleanly"
+    assert n1_code == 130 and not n1_left, "the restarted node 1 stops cleanly"
     assert "forming the next epoch" in (tmp_path / "node0.err").read_text()
