@@ -183,7 +183,7 @@ def optimizer_table(quick: bool, seeds: int = 1, only: str | None = None) -> dic
                     row.update(off=round(off, 4), off_gap=round(off - single, 4))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    return {"cpus": os.cpu_count(), "seeds": seeds, "rows": rows}
+    return {"cpus": os.cpu_count(), "seeds": seeds, "only": only, "rows": rows}
 
 
 def optimizer_tables(r: dict) -> str:
@@ -192,7 +192,8 @@ def optimizer_tables(r: dict) -> str:
              f"mini-batch and epochs. Every figure is the mean test accuracy over {r.get('seeds', 1)} seed(s) "
              "(per-seed values in the JSON); psd's is the job's final model as `psd export` gives it (weights "
              "and, for the CNN, the merged BatchNorm statistics, loaded with strict=True). `off`: momentum with "
-             "`--async-momentum off`.", "",
+             "`--async-momentum off`. Command: `python benchmarks/convergence.py --optimizers --seeds "
+             f"{r.get('seeds', 1)}" + (f" --only '{r['only']}'" if r.get("only") else "") + "`.", "",
              "| workload | optimizer | mini-batch | lr | learners | one process | psd default | vs one process "
              "| off | staleness mean |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
