@@ -35,10 +35,12 @@ with learner.attach(model, job=job) as ps:
         if time.monotonic() > deadline:
             sys.exit("the node link did not form within 60 s")
         time.sleep(0.02)  # the link announces itself only in its state file
-    print("started", flush=True)
+    # One write per line: a node's learners share the stdout file, and an unbuffered print() writes the
+    # text and its newline separately, so two learners' lines could interleave.
+    os.write(1, b"started\n")
     step = 0
     while args.forever or step < args.steps:
         torch.nn.functional.mse_loss(model(xs), ys).backward()
         ps.step()
         step += 1
-    print(json.dumps(model.weight.detach().reshape(-1).tolist()), flush=True)
+    os.write(1, (json.dumps(model.weight.detach().reshape(-1).tolist()) + "\n").encode())
