@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from psd.workloads import Dataset, make_classification, make_mlp, shard
+from psd.workloads import Dataset, epoch_batches, make_classification, make_mlp, shard
 
 
 def make_digits(seed: int = 0) -> Dataset:
@@ -77,18 +77,11 @@ def torch_optimizer(name: str, params, lr: float, momentum: float = 0.9) -> torc
     raise SystemExit(f"no baseline for optimizer {name!r}")
 
 
-def batches(x: torch.Tensor, batch: int, epochs: int, g: torch.Generator):
-    for _ in range(epochs):
-        order = torch.randperm(len(x), generator=g)
-        for i in range(0, len(order), batch):
-            yield order[i:i + batch]
-
-
 def train_single(name: str, optimizer: str, lr: float, batch: int, epochs: int, seed: int = 0) -> float:
     """One process with torch.optim on all the data: the baseline's test accuracy."""
     data, model = workload(name, seed)
     opt = torch_optimizer(optimizer, model.parameters(), lr)
-    for idx in batches(data.x_train, batch, epochs, torch.Generator().manual_seed(1000 + seed)):
+    for idx in epoch_batches(len(data.x_train), batch, epochs, torch.Generator().manual_seed(1000 + seed)):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
         opt.step()
@@ -120,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     x, y = shard(data, args.rank, args.world)
     g = torch.Generator().manual_seed(1000 + args.seed + 7919 * args.rank)
     with learner.attach(model, job=args.job, rank=args.rank) as ps:
-        for idx in batches(x, args.batch_size, args.epochs, g):
+        for idx in epoch_batches(len(x), args.batch_size, args.epochs, g):
             loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
             ps.step(loss, batch_size=len(idx))

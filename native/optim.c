@@ -53,13 +53,19 @@ double psd_scheduled_lr(const struct psd_header *h, uint64_t t) {
  * update loop measured (staleness_avg_bits); it is 0 without staleness (one learner, bsp), and then
  * this is the configured momentum exactly. (Measured against 1 - (1 - mu) / (1 - implicit), and
  * against either with the lr scaled to keep lr / (1 - mu): this form alone stayed stable; README.) */
+/* tau: the update loop's running mean of measured staleness (note_staleness, update.c). */
+static double staleness_avg(const struct psd_header *h) {
+    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits); /* only the update loop writes it */
+    double tau;
+    memcpy(&tau, &bits, sizeof tau);
+    return tau;
+}
+
 double psd_async_momentum(const struct psd_header *h) {
     double mu = h->momentum;
     if (h->async_momentum != PSD_ASYNC_MOMENTUM_AUTO)
         return mu;
-    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits);
-    double tau;
-    memcpy(&tau, &bits, sizeof tau);
+    double tau = staleness_avg(h);
     if (!(tau > 0.0))
         return mu;
     double eff = mu - tau / (1.0 + tau);
@@ -76,9 +82,7 @@ double psd_async_lr_factor(const struct psd_header *h, double staleness) {
     if (h->async_momentum != PSD_ASYNC_MOMENTUM_AUTO ||
         (h->optimizer != PSD_OPT_MOMENTUM && h->optimizer != PSD_OPT_NESTEROV))
         return 1.0;
-    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits);
-    double tau;
-    memcpy(&tau, &bits, sizeof tau);
+    double tau = staleness_avg(h);
     if (!(tau >= 0.0) || staleness <= tau)
         return 1.0;
     return (1.0 + tau) / (1.0 + staleness);

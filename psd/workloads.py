@@ -104,14 +104,10 @@ def train_single(data: Dataset, epochs: int, batch_size: int, lr: float, seed: i
     """The baseline psd is compared with: one process, SGD (with ``momentum``), same data and model."""
     model = make_mlp(data.dim, data.classes, seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        order = torch.randperm(len(data.x_train), generator=g)
-        for i in range(0, len(order), batch_size):
-            idx = order[i:i + batch_size]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
-            opt.step()
+    for idx in epoch_batches(len(data.x_train), batch_size, epochs, torch.Generator().manual_seed(seed)):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
+        opt.step()
     return model
 
 
