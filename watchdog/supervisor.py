@@ -272,7 +272,7 @@ class Watchdog:
             self._give_up(why)
             return
         self.state = ServerState.RESTARTING
-        wait = 0.0 if n == 1 else min(self.config.backoff_cap, self.config.backoff_base * 2 ** (n - 2))
+        wait = 0.0 if n == 1 else self._backoff(self.config.backoff_base, n - 1)
         self.backoffs.append(wait)
         self.events.emit("server_restart", server_pid=self.server_pid, reason=why, counted=n, backoff_s=wait)
         if wait:
@@ -380,6 +380,10 @@ class Watchdog:
 
     # -- the node link (--nnodes > 1) ---------------------------------------------
 
+    def _backoff(self, base: float, n: int) -> float:
+        """The wait before the n-th (from 1) restart of a crash loop: ``base`` doubling, at most ``backoff_cap``."""
+        return min(self.config.backoff_cap, base * 2 ** (n - 1))
+
     def _supervise_link(self) -> None:
         """Start the node link, and restart it (after a back-off) if it died alone."""
         if self.config.serve.nnodes <= 1:
@@ -391,7 +395,7 @@ class Watchdog:
                 return
             # A link that ran a while was not crash-looping: its back-off starts over.
             self._link_fails = 1 if now - self._link_started > 60 else self._link_fails + 1
-            self._link_restart_at = now + min(10.0, 0.5 * 2 ** (self._link_fails - 1))
+            self._link_restart_at = now + self._backoff(0.5, self._link_fails)
             log.warning("job %r: node link pid %d exited with %d; restarting it in %.1f s", self.config.serve.job,
                         self.link.pid, code, self._link_restart_at - now)
             self.events.emit("nodelink_restart", nodelink_pid=self.link.pid, exit=code)
