@@ -482,22 +482,15 @@ class NodeLink:
     # -- the agreed state on disk (for --resume) -------------------------------------
 
     def _save_agreed(self) -> None:
-        """Write the agreed state: a temporary file, fsync, rename (as checkpoints are written)."""
-        from safetensors.torch import save_file
+        """Write the agreed state as checkpoints are written (checkpoint.save_atomic)."""
+        from psd.watchdog.checkpoint import save_atomic
 
         g = self.agreed
         if g is None:
             return
-        path = agreed_path(self.cfg.job)
-        tmp = path.with_name(f".{path.name}.tmp-{self.me}")
         tensors = {"anchor": g.anchor} | ({"momentum": g.momentum} if g.momentum is not None else {})
-        save_file(tensors, str(tmp), metadata={"round": str(g.round), "outer_optimizer": self.cfg.outer_optimizer})
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        save_atomic(tensors, agreed_path(self.cfg.job),
+                    {"round": str(g.round), "outer_optimizer": self.cfg.outer_optimizer})
         self._saved_at = time.monotonic()
 
     def _load_agreed(self) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "latest",
     "list_checkpoints",
     "load",
+    "save_atomic",
     "snapshot",
     "write",
 ]
@@ -100,6 +101,26 @@ def _fsync_dir(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write a safetensors file so that a crash leaves the old file or the new one, never half of one:
+    a temporary file beside it, fsync, rename, fsync of the directory."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
 
 
 def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_timeout: float = 2.0) -> Checkpoint:
@@ -179,8 +200,6 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
     """Write ``ckpt`` atomically into ``directory``; keep the newest ``keep``; return its path."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
     name = f"ckpt-{ckpt.created_unix_ns:020d}-c{ckpt.clock}{SUFFIX}"
     spec_json, spec_hash = encode_spec(ckpt.spec)
     meta = {
@@ -205,19 +224,7 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
     if ckpt.pieces is not None:
         tensors[PIECES] = ckpt.pieces.contiguous()
         meta["pieces_sha256"] = hashlib.sha256(ckpt.pieces.contiguous().numpy().tobytes()).hexdigest()
-    tmp = d / f".{name}.tmp-{os.getpid()}"
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, d / name)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(d)
+    save_atomic(tensors, d / name, meta)
     for old in list_checkpoints(d)[keep:]:
         old.unlink(missing_ok=True)
     _fsync_dir(d)
