@@ -10,6 +10,11 @@ into a second private buffer whenever the server's clock has moved; ``step()``
 swaps that buffer in by re-pointing the parameters, so a forward pass never sees
 weights change under it, and takes the job's merged buffers with it. Both
 hand-offs are queues of one, as in GaDei.
+
+With ``pull="view"`` there is no pull at all: the parameters are read-only views
+of the shared weights themselves, as in torch's Hogwild example, so the model
+always computes on the newest weights, and a forward pass may see an update land
+halfway through it.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ log = logging.getLogger("psd.learner")
 INLINE_PULL_BYTES = 256 * 1024
 # Weight prediction extrapolates by the median staleness of this many recent gradients.
 STALENESS_WINDOW = 64
+# How a learner gets the job's weights (attach(pull=...), $PSD_PULL): a private copy pulled after each
+# step, or views of the shared weights themselves.
+PULL_MODES = ("copy", "view")
 
 
 def _sparse_tensors(model: torch.nn.Module, train: list[torch.Tensor]) -> list[int]:
@@ -132,8 +140,10 @@ class Learner:
     """A model attached to a psd job. Use ``attach()``; call ``step()`` after each backward pass."""
 
     def __init__(self, model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
-                 slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0) -> None:
+                 slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0,
+                 pull: str | None = None) -> None:
         self.job = job or default_job()
+        self.pull_mode = _pull_mode(pull)
         inner = getattr(model, "_orig_mod", None)  # a torch.compile'd model trains the module it wraps
         model = inner if isinstance(inner, torch.nn.Module) else model
         self.model = model
@@ -160,6 +170,10 @@ class Learner:
         self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
         self._buf_views = [split(b, wspec) for b in self._bufs]
         self._lowp = None if self.dtype == torch.float32 else torch.empty(n, dtype=self.dtype)
+        if self.pull_mode == "view" and (self._lowp is not None or self.device.type != "cpu"):
+            raise SpecError(f"pull='view' makes the parameters views of the job's float32 weights in shared "
+                            f"memory, so it needs a float32 model on the CPU (this one is {self.dtype} on "
+                            f"{self.device}): use pull='copy'")
         self._front = 0
         self._adopt_buffers(spec, owners)
         self.pushed = 0
@@ -231,6 +245,12 @@ class Learner:
                             f"gradients of {names} (nn.Embedding(sparse=True)); serve the job with --optimizer sgd "
                             f"or adagrad and no --weight-decay (as torch.optim), or make the embedding dense")
 
+    def _check_pull(self, arena: _native.Arena) -> None:
+        if self.pull_mode == "view" and arena.header()["cfg_flags"] & _native.CFG_PREDICT:
+            raise SpecError(f"job {self.job!r} runs with --predict, which extrapolates a private copy of the "
+                            f"weights; pull='view' trains on the shared weights themselves: attach with "
+                            f"pull='copy' (PSD_PULL=copy), or serve the job without --predict")
+
     def _connect(self, slot_timeout: float) -> None:
         """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
         arena = open_job(self.job, role="learner")
@@ -243,6 +263,7 @@ class Learner:
             if mismatch:
                 raise mismatch
             self._check_sparse(arena)
+            self._check_pull(arena)
             self._arena = arena
             self._claim(slot_timeout)
         except BaseException:
@@ -319,6 +340,17 @@ class Learner:
     def _map_buffers(self) -> None:
         a, n = self._arena, self.n_params
         self._map_shared()
+        self._puller = None
+        if self.pull_mode == "view":
+            self.clock = a.seen_clock(self.slot)
+            with torch.no_grad():  # read-only pages: an in-place write to a parameter is a SIGSEGV
+                for p, v in zip(self._params, split(self._weights, self._wspec), strict=True):
+                    p.data = v
+            self._pull_buffers()
+            self._tail = a.tail(self.slot)
+            for p in self._params:
+                p.grad = None
+            return
         self.clock = a.clock()
         self._bufs[self._front].copy_(self._weights)
         if self._lowp is not None:  # the parameters stay views of the model-dtype copy
@@ -333,7 +365,6 @@ class Learner:
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
         # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
         # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
-        self._puller = None
         if n * 4 > INLINE_PULL_BYTES:
             self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
                                           self._bufs[1 - self._front].numpy(), self.clock)
@@ -345,6 +376,10 @@ class Learner:
             self._puller = None
         for p in self._params:
             p.grad = None
+        if self.pull_mode == "view" and getattr(self, "_weights", None) is not None:
+            # The parameters are views of the mapping: keep the model usable on a private copy.
+            self._bufs[0].copy_(self._weights)
+            self._point(0)
         self._weights = self._entries = self._arena_buffers = None
         try:
             self._arena.close()
@@ -483,7 +518,9 @@ class Learner:
         if self._arena is not a:
             return
         before = self.clock
-        if self._puller is None or self.sync == "bsp":
+        if self.pull_mode == "view":
+            self.clock = a.seen_clock(self.slot)  # the weights are the shared ones: nothing to copy
+        elif self._puller is None or self.sync == "bsp":
             if self._puller is not None:  # bsp trains on the round's result: pull it now, in this thread
                 taken = self._puller.take()
                 if taken is not None:
@@ -573,7 +610,14 @@ class Learner:
         self._pull_buffers()
 
     def pull(self) -> int:
-        """Copy the current shared weights into the model now; returns their clock."""
+        """Copy the current shared weights into the model now; returns their clock.
+
+        With ``pull="view"`` the model computes on the shared weights already: this only takes the
+        job's buffers and the clock."""
+        if self.pull_mode == "view":
+            self.clock = self._arena.seen_clock(self.slot)
+            self._sync_model()
+            return self.clock
         if self._puller is not None:
             taken = self._puller.take()  # so that the pull thread is not writing our front buffer
             if taken is not None:
@@ -771,6 +815,15 @@ class DeviceLearner(Learner):
         super().flush(timeout)
 
 
+def _pull_mode(pull: str | None) -> str:
+    """``pull`` as given, else $PSD_PULL (set by ``psd run --pull``), else "copy"."""
+    mode = pull if pull is not None else (os.environ.get("PSD_PULL") or "copy")
+    if mode not in PULL_MODES:
+        src = "pull=" if pull is not None else "PSD_PULL="
+        raise Error(f"{src}{mode!r} is not a pull mode: use one of {', '.join(PULL_MODES)}")
+    return mode
+
+
 def _default_rank() -> int:
     raw = os.environ.get("PSD_RANK")
     try:
@@ -781,7 +834,7 @@ def _default_rank() -> int:
 
 def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
            slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0,
-           device: str | torch.device | None = None) -> Learner:
+           device: str | torch.device | None = None, pull: str | None = None) -> Learner:
     """Attach ``model`` to the psd job ``job`` (default: $PSD_JOB, else ``default``).
 
     Claims a learner slot and pulls the job's current weights into the model. If
@@ -797,6 +850,14 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     ``device`` (default: where the model's parameters are) moves the model there first. A model
     on a CUDA device stays on it: gradients and weights move between the GPU and shared memory on
     side CUDA streams, double-buffered, so computation does not wait for them (``DeviceLearner``).
+
+    ``pull`` (default: $PSD_PULL, else ``"copy"``) is how the model gets the job's weights.
+    ``"copy"``: after each step a private copy of the newest weights is swapped in, so one forward
+    and backward pass sees one consistent set of weights. ``"view"``: the parameters are read-only
+    views of the shared weights (as in torch's Hogwild example): no copy at all and always the
+    newest weights, but an update may land in the middle of a forward pass, and writing a
+    parameter in place (a local optimizer, ``load_state_dict``) kills the process (SIGSEGV). It
+    needs a float32 model on the CPU and a job without ``--predict``.
     """
     if device is not None:
         from psd.learner.device import check_device
@@ -806,7 +867,7 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     dev = next(iter(model.parameters()), torch.empty(0)).device
     cls = Learner if dev.type == "cpu" else DeviceLearner
     learner = cls(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
-                  reconnect_timeout=reconnect_timeout)
+                  reconnect_timeout=reconnect_timeout, pull=pull)
     world = os.environ.get("PSD_WORLD", "")
     if learner.sync == "bsp" and world.isdigit():
         try:

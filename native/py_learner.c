@@ -341,6 +341,19 @@ static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* seen_clock(slot) -> clock: a learner whose parameters are views of the shared weights
+ * (pull="view") pulls nothing; it records the clock its next gradient is computed from. */
+static PyObject *arena_seen_clock(Arena *a, PyObject *args) {
+    unsigned int slot;
+    if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
+        return NULL;
+    /* Pairs with the store-release of clock in the update loop: the weights the next forward
+     * pass reads hold at least every update up to it. */
+    uint64_t clock = PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock);
+    PSD_STORE_RLX(&psd_slot_at(&a->map, slot)->learner_clock, clock);
+    return PyLong_FromUnsignedLongLong(clock);
+}
+
 /* ---- Puller: a learner's native pull thread ------------------------------ */
 
 typedef struct {
@@ -477,6 +490,8 @@ PyMethodDef py_learner_methods[] = {
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
     {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
+    {"seen_clock", (PyCFunction)arena_seen_clock, METH_VARARGS,
+     "seen_clock(slot) -> clock: the weights clock now, recorded as the slot's learner clock (pull='view')"},
     {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
      "wait_round(slot, claim, rounds, timeout): bsp, until more than `rounds` rounds are complete"},
     {"wait_ssp", (PyCFunction)arena_wait_ssp, METH_VARARGS,

@@ -133,3 +133,47 @@ def test_push_from_refuses_lengths_that_are_not_the_model(job, serve):
             with pytest.raises(ValueError):
                 a.push_from(ps.slot, 0, 1, 0.0, 1.0, [0] * len(lens), lens)
         assert a.tail(ps.slot) == 0  # nothing was published
+
+
+def test_a_view_learner_computes_on_the_shared_weights_without_pulling(job, serve):
+    """pull="view": the parameters are the job's weights, so what another learner's gradients did is
+    in the model without a step or a pull of this one, and nothing is ever copied (no pulls counted)."""
+    serve(job, "--learners", "2", "--lr", "1")
+    a, b = Flat(), Flat()
+    with learner.attach(a, job=job) as pa, learner.attach(b, job=job, pull="view") as pb:
+        assert pb.pull_mode == "view" and pa.pull_mode == "copy"
+        for _ in range(5):
+            a.w.grad = torch.zeros_like(a.w)
+            a.w.grad[7] = 1.0
+            pa.step()
+        pa.flush()
+        assert b.w[7].item() == -5.0  # no step, no pull by b
+        b.w.grad = torch.zeros_like(b.w)
+        b.w.grad[3] = 2.0
+        pb.step()
+        assert pb.clock >= 5  # the gradient was computed on weights at least that new
+        pb.flush()
+        assert b.w[3].item() == -2.0
+        assert pb._arena.slot_info(pb.slot)["pulls"] == 0
+        assert pb.pull() == pb.clock >= 6
+    assert torch.equal(learner.pull_state_dict(job)["w"][[3, 7]], torch.tensor([-2.0, -5.0]))
+    # Detached, the model keeps the last weights in memory of its own.
+    assert b.w[7].item() == -5.0 and b.w[3].item() == -2.0
+    with torch.no_grad():
+        b.w.add_(1.0)  # writable again: no longer the read-only shared pages
+
+
+def test_pull_modes_refuse_what_they_cannot_do(job, serve, monkeypatch):
+    serve(job, "--learners", "1", "--predict", "--optimizer", "momentum")
+    with pytest.raises(learner.client.Error, match="is not a pull mode"):
+        learner.attach(Flat(), job=job, pull="mmap")
+    monkeypatch.setenv("PSD_PULL", "zero")
+    with pytest.raises(learner.client.Error, match="PSD_PULL='zero'"):
+        learner.attach(Flat(), job=job)
+    monkeypatch.setenv("PSD_PULL", "view")
+    with pytest.raises(learner.client.SpecError, match="float32 model on the CPU"):
+        learner.attach(Flat().to(torch.bfloat16), job=job)
+    with pytest.raises(learner.client.SpecError, match="--predict"):
+        learner.attach(Flat(), job=job)  # refused before it claims the only slot:
+    with learner.attach(Flat(), job=job, pull="copy") as ps:
+        assert ps.pull_mode == "copy" and ps.slot == 0

@@ -2,8 +2,9 @@
 
     stray_write.py JOB TARGET
 
-TARGET: weights, header (the header's server page), other_slot (a slot it did not claim), or reader
-(a read-only mapping, as `psd status` has, written anywhere). First it writes where it may (its own
+TARGET: weights, header (the header's server page), other_slot (a slot it did not claim), reader
+(a read-only mapping, as `psd status` has, written anywhere), or view_param (a learner attached with
+pull="view" writing a parameter in place, as a local optimizer would). First it writes where it may (its own
 slot, the header's shared page) and prints "own ok"; then the stray write, which must kill it with
 SIGSEGV. It writes back the value it read, so a write that went through would change nothing but
 this process's exit status (0, "wrote").
@@ -34,7 +35,7 @@ def main() -> int:
         print("wrote", flush=True)
         return 0
     model = torch.nn.Linear(4, 1, bias=False)
-    with learner.attach(model, job=job, timeout=30) as ps:
+    with learner.attach(model, job=job, timeout=30, pull="view" if target == "view_param" else "copy") as ps:
         model.weight.grad = torch.ones(1, 4)
         ps.step()
         ps.flush()
@@ -45,6 +46,11 @@ def main() -> int:
         rewrite(base, slot + _native.SLOT_LEASE_BEAT_OFFSET)  # its own slot
         rewrite(base, _native.HEADER_SHARED_OFFSET)  # the header's shared page (the admission mutex)
         print("own ok", flush=True)
+        if target == "view_param":
+            with torch.no_grad():
+                model.weight.mul_(1.0)  # the parameter is the shared weights, mapped read-only
+            print("wrote", flush=True)
+            return 0
         offset = {"weights": h["weights_off"], "header": 64,
                   "other_slot": h["slots_off"] + (1 - ps.slot) * h["slot_stride"]}[target]
         rewrite(base, offset)
