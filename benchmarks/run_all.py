@@ -4,10 +4,11 @@
     python benchmarks/run_all.py [--quick]
 
 Writes bench.json (every figure), bench.md (the tables, psd/peer ratios) and
-two plots: round_trip.png (updates/s against model size, psd beside Hogwild,
-Hogwild with a weights snapshot per step, and DDP's all_reduce over gloo) and
-training.png (samples/s against learners). All figures come from one run on
-one machine: compare ratios, not absolute numbers, across machines.
+two plots: round_trip.png (updates/s against model size, psd and psd with
+pull="view" beside Hogwild, Hogwild with a weights snapshot per step, and DDP's
+all_reduce over gloo) and training.png (samples/s against learners). All
+figures come from one run on one machine: compare ratios, not absolute numbers,
+across machines (benchmarks/compare.py reruns the key ratios against bench.json).
 """
 
 from __future__ import annotations
@@ -22,40 +23,109 @@ from psd.bench import BenchConfig, run
 
 OUT = Path(__file__).resolve().parent / "results"
 PEERS = ("hogwild", "hogwild_snapshot", "ddp_gloo")
+PEER_TITLES = {"hogwild": "Hogwild", "hogwild_snapshot": "Hogwild+snapshot", "ddp_gloo": "DDP gloo", "psd": "psd"}
+LIMIT_TITLES = {"dram": "from DRAM (each vector {llcs:g} or more LLCs)",
+                "cache": "in cache (the update loop's working set within half the LLC)",
+                None: "(an older run's rows: not placed in DRAM or the cache)"}
+
+
+def _f(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _limit_tables(r: dict) -> list[str]:
+    """One table per place (DRAM, cache): the bare kernel's limit and the update loop at the same size."""
+    llc = r.get("llc_bytes")
+    heading = f"{llc / (1 << 20):g} MiB last-level cache" if llc else "last-level cache unknown"
+    if r.get("llc_fallback"):
+        heading += f", a default: {r.get('llc_source', '')}"
+    lines = []
+    places = dict.fromkeys(row.get("where") for row in r["limit"])
+    for place in places:
+        pairs = [(lim, loop) for lim, loop in zip(r["limit"], r["update_loop"], strict=True)
+                 if lim.get("where") == place]
+        title = LIMIT_TITLES.get(place, str(place)).format(llcs=4)
+        lines += ["", f"## Limit and update loop {title}: w -= lr*g, 3 streams per element; {heading}", "",
+                  "| params | MB per vector | threads | kernel GB/s | update loop GB/s | loop / kernel | as labelled |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for lim, loop in pairs:
+            honest = {True: "yes", False: "**no**"}.get(lim.get("honest"), "-")
+            lines.append(f"| {lim['params']:,} | {lim['params'] * 4 / 1e6:.1f} | {lim['threads']} | {lim['gbs']:.1f} | "
+                         f"{_f(loop['gbs'])} | {_f(loop['fraction_of_limit'], '.2f')} | {honest} |")
+        if any(lim.get("honest") is False for lim, _ in pairs):
+            lines += ["", f"Not a {place} figure: the vectors are not where the heading says (a --quick run)."]
+        skipped = {loop["skipped"] for _, loop in pairs if loop.get("skipped")}
+        lines += [f"Update loop skipped: {why}." for why in sorted(skipped)]
+    return lines
+
+
+def _round_trip_table(r: dict) -> list[str]:
+    """The round trip's figures (psd, and psd_view where measured), then its ratios, as two tables."""
+    view = any(row.get("psd_view") for row in r["round_trip"])
+    names = ["psd", "psd_view"] if view else ["psd"]
+    ratios = [f"psd_over_{p}" for p in PEERS] + ([f"psd_view_over_{p}" for p in ("hogwild", "hogwild_snapshot", "psd")]
+                                                  if view else [])
+    head = ["params", "learners"]
+    for name in names:
+        head += [f"{name} upd/s", f"{name} GB/s", f"{name} pulls/upd", f"{name} push p50 us", f"{name} step p50 us",
+                 f"{name} step p99 us"]
+    lines = ["", "## Round trip: null learners, push + pull per update", "",
+             "GB/s counts the pulls made (a gradient in per update, the weights out per pull)"
+             + ("; psd_view's parameters are views of the shared weights (pull=\"view\"): no pull at all." if view
+                else "."), "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in r["round_trip"]:
+        cells = [f"{row['params']:,}", str(row["learners"])]
+        for name in names:
+            p = row.get(name) or {}
+            cells += [_f(p.get("updates_per_s"), ",.0f"), _f(p.get("model_gbs"), ".2f"),
+                      _f(p.get("pulls_per_update"), ".2f"), _f(p.get("push_p50_us")), _f(p.get("step_p50_us")),
+                      _f(p.get("step_p99_us"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    head = ["params", "learners"] + [_ratio_title(key) for key in ratios]
+    lines += ["", "### Round trip: updates/s over the peers' (view: psd with pull=\"view\")", "",
+              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in r["round_trip"]:
+        lines.append("| " + " | ".join([f"{row['params']:,}", str(row["learners"])]
+                                       + [_f(row.get(key), ".2f") for key in ratios]) + " |")
+    return lines
+
+
+def _ratio_title(key: str) -> str:
+    """"psd_view_over_hogwild_snapshot" as "view / Hogwild+snapshot"."""
+    return " / ".join(PEER_TITLES.get(x, x) for x in key.replace("psd_view", "view").split("_over_"))
+
+
+def _training_table(r: dict) -> list[str]:
+    view = any(row.get("psd_view") for row in r["training"])
+    names = ["psd", "psd_view", "hogwild"] if view else ["psd", "hogwild"]
+    ratios = ["psd_over_hogwild", "psd_view_over_hogwild"] if view else ["psd_over_hogwild"]
+    head = ["mini-batch", "learners"] + [f"{PEER_TITLES.get(n, n)} {x}" for n in names
+                                         for x in ("samples/s", "accuracy")]
+    head += [_ratio_title(key) for key in ratios]
+    lines = ["", "## Training: the shipped MLP workload, as many epochs as the mini-batch size", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in r["training"]:
+        cells = [str(row["batch"]), str(row["learners"])]
+        for name in names:
+            m = row.get(name) or {}
+            cells += [_f(m.get("samples_per_s"), ",.0f"), _f(m.get("accuracy"), ".4f")]
+        cells += [_f(row.get(key), ".2f") for key in ratios]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def tables(r: dict) -> str:
-    lines = [f"# psd bench: {r['cpus']} CPUs, psd {r['psd_version']}", "",
-             "## Limit and update loop (w -= lr*g, 3 streams per element)", "",
-             "| params | threads | kernel GB/s | update loop GB/s | loop / kernel |", "| --- | --- | --- | --- | --- |"]
-    for lim, loop in zip(r["limit"], r["update_loop"], strict=True):
-        lines.append(f"| {lim['params']:,} | {lim['threads']} | {lim['gbs']:.1f} | {loop['gbs']:.1f} | "
-                     f"{loop['fraction_of_limit']:.2f} |")
+    lines = [f"# psd bench: {r['cpus']} CPUs, psd {r['psd_version']}"]
+    lines += _limit_tables(r)
     lines += ["", "## The update written four ways (one thread; see native/update.c)", "",
               "| params | " + " | ".join(f"{k} GB/s" for k in dict.fromkeys(x["kernel"] for x in r["kernels"])) + " |",
               "| --- |" + " --- |" * len(dict.fromkeys(x["kernel"] for x in r["kernels"]))]
     for size in dict.fromkeys(x["params"] for x in r["kernels"]):
         lines.append(f"| {size:,} | " + " | ".join(f"{x['gbs']:.1f}" for x in r["kernels"] if x["params"] == size)
                      + " |")
-    lines += ["", f"Idle server: {r['idle_server_cpu']:.2%} of a core.", "",
-              "## Round trip: null learners, push + pull per update", "",
-              "| params | learners | psd upd/s | psd GB/s | push p50 us | step p50 us | step p99 us | "
-              "psd / Hogwild | psd / Hogwild+snapshot | psd / DDP gloo |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in r["round_trip"]:
-        p = row["psd"]
-        ratios = [f"{row[f'psd_over_{peer}']:.2f}" if row.get(peer) else "-" for peer in PEERS]
-        lines.append(f"| {row['params']:,} | {row['learners']} | {p['updates_per_s']:,.0f} | {p['model_gbs']:.2f} | "
-                     f"{p['push_p50_us']:.1f} | {p['step_p50_us']:.1f} | {p['step_p99_us']:.1f} | "
-                     + " | ".join(ratios) + " |")
-    lines += ["", "## Training: the shipped MLP workload, as many epochs as the mini-batch size", "",
-              "| mini-batch | learners | psd samples/s | psd accuracy | Hogwild samples/s | Hogwild accuracy | "
-              "psd / Hogwild |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for row in r["training"]:
-        h = row.get("hogwild") or {}
-        lines.append(f"| {row['batch']} | {row['learners']} | {row['psd']['samples_per_s']:,.0f} | "
-                     f"{row['psd']['accuracy']:.4f} | {h.get('samples_per_s', 0):,.0f} | {h.get('accuracy', 0):.4f} | "
-                     f"{row.get('psd_over_hogwild', 0):.2f} |")
+    lines += ["", f"Idle server: {r['idle_server_cpu']:.2%} of a core."]
+    lines += _round_trip_table(r)
+    lines += _training_table(r)
     return "\n".join(lines) + "\n"
 
 
@@ -71,6 +141,9 @@ def plots(r: dict) -> None:
         rows = [row for row in r["round_trip"] if row["learners"] == k]
         sizes = [row["params"] for row in rows]
         ax.plot(sizes, [row["psd"]["updates_per_s"] for row in rows], "o-", label="psd")
+        pts = [(row["params"], row["psd_view"]["updates_per_s"]) for row in rows if row.get("psd_view")]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", label='psd, pull="view"')
         for peer in PEERS:
             pts = [(row["params"], row[peer]["updates_per_s"]) for row in rows if row.get(peer)]
             if pts:
@@ -87,6 +160,9 @@ def plots(r: dict) -> None:
         rows = [row for row in r["training"] if row["batch"] == b]
         ax.plot([row["learners"] for row in rows], [row["psd"]["samples_per_s"] for row in rows], "o-",
                 label=f"psd, mini-batch {b}")
+        if rows and rows[0].get("psd_view"):
+            ax.plot([row["learners"] for row in rows], [row["psd_view"]["samples_per_s"] for row in rows], "^-",
+                    label=f'psd pull="view", mini-batch {b}')
         if rows and rows[0].get("hogwild"):
             ax.plot([row["learners"] for row in rows], [row["hogwild"]["samples_per_s"] for row in rows], "s--",
                     label=f"Hogwild, mini-batch {b}")
@@ -103,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+")
     p.add_argument("--learners", type=int, nargs="+")
     p.add_argument("--reps", type=int)
+    p.add_argument("--loop-sizes", type=int, nargs="+",
+                   help="also measure the update loop (and the limit) at these sizes; 1e8 floats is 3.6 GB of arena")
+    p.add_argument("--pull-modes", nargs="+", choices=("copy", "view"),
+                   help="copy (always measured) and view (pull=\"view\": the psd_view figures)")
+    p.add_argument("--no-training", action="store_true")
     args = p.parse_args(argv)
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     if args.sizes:
@@ -111,9 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, learners=tuple(args.learners))
     if args.reps:
         cfg = dataclasses.replace(cfg, reps=args.reps)
+    if args.loop_sizes:
+        cfg = dataclasses.replace(cfg, loop_sizes=tuple(args.loop_sizes))
+    if args.pull_modes:
+        cfg = dataclasses.replace(cfg, pull_modes=tuple(args.pull_modes))
+    if args.no_training:
+        cfg = dataclasses.replace(cfg, training=False)
     r = run(cfg, log=lambda line: print(line, flush=True))
     OUT.mkdir(exist_ok=True)
-    (OUT / "bench.json").write_text(json.dumps(r, indent=2))
+    (OUT / "bench.json").write_text(json.dumps(r, indent=2, allow_nan=False))
     (OUT / "bench.md").write_text(tables(r))
     plots(r)
     print(f"wrote {OUT}/bench.json, bench.md, round_trip.png, training.png")

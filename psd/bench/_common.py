@@ -1,8 +1,10 @@
-"""What every measurement shares: the configuration, spawned processes timed together, medians."""
+"""What every measurement shares: the configuration, spawned processes timed together (a failing one stops
+the run at once), medians and the spread of the runs behind them."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import socket
 import time
 from dataclasses import dataclass
@@ -11,6 +13,8 @@ STREAM_BYTES = 12  # read g, read w, write w
 
 
 LR = 1e-6
+
+PULL_MODES = ("copy", "view")
 
 
 @dataclass
@@ -26,11 +30,51 @@ class BenchConfig:
     training: bool = True
     epochs: int | None = None  # training epochs; None: as many as the mini-batch size (same steps per run)
     reps: int = 3  # each measurement is repeated, psd and peers interleaved; the median is reported
+    # The DRAM limit's vectors hold at least this many last-level caches each (and at least limit_size
+    # floats), so that neither stays in the cache between calls. 0: limit_size alone decides.
+    llc_multiple: float = 4.0
+    # Sizes, beside the DRAM and in-cache ones, to measure the update loop (and the limit it is a
+    # fraction of) at; each is labelled "cache" or "dram" by whether its working set fits half the LLC.
+    # The loop holds learners x ring entries plus the weights: 1e8 floats is 3.6 GB of arena.
+    loop_sizes: tuple[int, ...] = ()
+    # How the round trip's and training's learners get the weights: "copy" (pulled after each step: the
+    # "psd" figures, always measured) and "view" (parameters are views of the shared weights: "psd_view",
+    # measured where learner.attach takes pull=).
+    pull_modes: tuple[str, ...] = ("copy", "view")
 
     @classmethod
     def quick(cls) -> BenchConfig:
+        """Small sizes and short runs; its DRAM limit is not one (1M floats may well stay in the cache)."""
         return cls(sizes=(10_000, 100_000), learners=(1, 2), batches=(4,), duration=0.5, limit_size=1_000_000,
-                   epochs=1, reps=1)
+                   epochs=1, reps=1, llc_multiple=0.0)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.pull_modes) - set(PULL_MODES)
+        if unknown:
+            raise ValueError(f"pull_modes: {sorted(unknown)} are not pull modes (use {', '.join(PULL_MODES)})")
+
+    def view_pulls(self) -> bool:
+        """Whether to measure pull="view" beside the default copy: asked for, and this psd has it."""
+        return "view" in self.pull_modes and view_available()
+
+
+def view_available() -> bool:
+    """Whether learner.attach takes ``pull=`` (the zero-copy view of the shared weights)."""
+    import inspect
+
+    from psd import learner
+
+    return "pull" in inspect.signature(learner.attach).parameters
+
+
+def attach_kwargs(pull: str) -> dict:
+    """attach()'s pull argument: named even for "copy", so that $PSD_PULL cannot turn a copy run into a
+    view run; left out where attach has no such parameter (only "copy" exists there)."""
+    if not view_available():
+        if pull != "copy":
+            raise ValueError(f"pull={pull!r}: this psd's learner.attach has no pull parameter")
+        return {}
+    return {"pull": pull}
 
 
 def _ctx():
@@ -52,20 +96,86 @@ def _free_port() -> int:
 
 def _timed(targets: list[tuple]) -> tuple[list[dict], float]:
     """One process per (function, args), each called with (*args, barrier, queue); the clock runs from
-    the barrier (all set up) to the last result."""
+    the barrier (all set up) to the last result.
+
+    A child that fails reports ``{"error": ...}`` (see ``reporting``) or dies: either way the run stops
+    at once with the child's error, instead of waiting out the barrier's timeout.
+    """
+    import threading
+
     ctx = _ctx()
     barrier = ctx.Barrier(len(targets) + 1)
     q = ctx.Queue()
     procs = [ctx.Process(target=t, args=(*args, barrier, q)) for t, args in targets]
     for p in procs:
         p.start()
-    barrier.wait(timeout=300)
+    passed = threading.Event()
+
+    def watch() -> None:  # a child killed before the barrier (a SIGSEGV, say) would never reach it
+        while not passed.wait(0.1):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                barrier.abort()
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        barrier.wait(timeout=300)
+    except threading.BrokenBarrierError:
+        passed.set()
+        _fail(procs, q, "before the clock started")
+    passed.set()
     t0 = time.perf_counter()
-    results = [q.get(timeout=600) for _ in procs]
+    results = []
+    deadline = t0 + 600
+    while len(results) < len(procs):
+        try:
+            results.append(q.get(timeout=0.5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.perf_counter() > deadline:
+                _fail(procs, q, f"exit codes {dead}" if dead else "timed out")
+            continue
+        if "error" in results[-1]:
+            _fail(procs, q, results[-1]["error"])
     elapsed = time.perf_counter() - t0
     for p in procs:
         p.join(60)
     return results, elapsed
+
+
+def _fail(procs: list, q, why: str) -> None:
+    errors = [why]
+    try:
+        while True:
+            r = q.get(timeout=0.5)
+            if "error" in r:
+                errors.append(r["error"])
+    except queue.Empty:
+        pass
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join(10)
+    raise RuntimeError("a benchmark process failed: " + "; ".join(errors))
+
+
+def reporting(fn):
+    """Wrap a child's body (called with (..., barrier, q)) so that an exception reaches the parent as
+    ``{"error": ...}`` and breaks the barrier, rather than leaving the parent waiting for it."""
+    import functools
+    import traceback
+
+    @functools.wraps(fn)
+    def child(*args):
+        barrier, q = args[-2], args[-1]
+        try:
+            fn(*args)
+        except BaseException as e:
+            q.put({"error": f"{fn.__name__}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"})
+            barrier.abort()
+            raise
+
+    return child
 
 
 def _run_procs(targets: list[tuple], timeout: float = 600) -> list[dict]:
@@ -102,9 +212,14 @@ def _median_of(runs: list[dict], key: str) -> dict:
 
 def _interleaved(cfg: BenchConfig, measures: dict, key: str) -> dict:
     """Run every measure ``cfg.reps`` times, taking turns, so that a noisy spell on the machine hits
-    psd and its peers alike; the median run of each."""
+    psd and its peers alike; the median run of each, with the least and the most ``key`` of its runs
+    (``<key>_min``, ``<key>_max``) and ``reps``, from which a ratio's spread can be bounded."""
     runs: dict = {name: [] for name in measures}
     for _ in range(max(1, cfg.reps)):
         for name, measure in measures.items():
             runs[name].append(measure())
-    return {name: _median_of(r, key) for name, r in runs.items()}
+    out = {}
+    for name, r in runs.items():
+        values = [x[key] for x in r]
+        out[name] = {**_median_of(r, key), f"{key}_min": min(values), f"{key}_max": max(values), "reps": len(r)}
+    return out

@@ -1,5 +1,11 @@
 """Round trips: null learners pushing a precomputed gradient and pulling fresh weights against a live
-server, beside the peers; and the GPU round trip."""
+server, beside the peers; and the GPU round trip.
+
+Model traffic counts the pulls the learners actually made (the slot's ``pulls`` counter): a learner
+skips a pull when the clock has not moved and its pull thread merges requests, so "one pull per update"
+would overstate it. ``psd_view`` is the same learner attached with ``pull="view"``: its parameters are
+views of the shared weights and it copies nothing back.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,32 @@ import os
 import time
 from functools import partial
 
-from psd.bench._common import LR, BenchConfig, _interleaved, _percentiles, _server_thread, _timed
+from psd.bench._common import (
+    LR,
+    BenchConfig,
+    _interleaved,
+    _percentiles,
+    _server_thread,
+    _timed,
+    attach_kwargs,
+    reporting,
+)
 from psd.bench.peers import _ddp_round_trip, _hogwild_round_trip
 
 
-def _psd_null_learner(job: str, n: int, device: str, duration: float, barrier, q) -> None:
-    """A learner whose gradient is precomputed (on ``device``: a GPU model is a DeviceLearner)."""
+def _pulls(ps) -> int | None:
+    """The slot's count of pulls that copied the weights (skipped ones are counted apart); None where
+    the learner does not say."""
+    try:
+        return int(ps._arena.slot_info(ps.slot)["pulls"])
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+@reporting
+def _psd_null_learner(job: str, n: int, device: str, duration: float, pull: str, barrier, q) -> None:
+    """A learner whose gradient is precomputed (on ``device``: a GPU model is a DeviceLearner); ``pull``
+    is attach()'s pull mode."""
     import torch
 
     from psd import learner
@@ -21,12 +47,13 @@ def _psd_null_learner(job: str, n: int, device: str, duration: float, barrier, q
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(torch.zeros(n, device=device))
     g = torch.full((n,), 1e-6, device=device)
-    with learner.attach(m, job=job, timeout=120) as ps:
+    with learner.attach(m, job=job, timeout=120, **attach_kwargs(pull)) as ps:
         for _ in range(ps._k + 1):  # touch every ring entry once: page faults are set-up, not traffic
             m.w.grad = g
             ps.step()
         ps.flush()
         barrier.wait()
+        pulls0 = _pulls(ps)
         lat, push, k = [], [], 0
         end = time.perf_counter() + duration
         while time.perf_counter() < end:
@@ -36,8 +63,21 @@ def _psd_null_learner(job: str, n: int, device: str, duration: float, barrier, q
             lat.append(time.perf_counter_ns() - t0)
             push.append(ps.push_ns)
             k += 1
+        pulls1 = _pulls(ps)
         ps.flush()
-        q.put({"updates": k, "lat": lat, "push": push})
+        # A reconnect (a new arena, its counters from zero) would make the difference meaningless.
+        pulls = None if pulls0 is None or pulls1 is None or pulls1 < pulls0 else pulls1 - pulls0
+        q.put({"updates": k, "pulls": pulls, "lat": lat, "push": push})
+
+
+def _traffic(results: list[dict], n: int, elapsed: float) -> dict:
+    """updates/s, model GB/s (a gradient in per update, the weights out per pull made) and pulls per update.
+    Where a learner did not count its pulls, one per update is assumed and ``pulls_counted`` is false."""
+    updates = sum(r["updates"] for r in results)
+    counted = all(r.get("pulls") is not None for r in results)
+    pulls = sum(r["pulls"] for r in results) if counted else updates
+    return {"updates_per_s": updates / elapsed, "model_gbs": (updates + pulls) * n * 4 / elapsed / 1e9,
+            "pulls_per_update": pulls / updates if updates else 0.0, "pulls_counted": counted}
 
 
 def host_device_gbs(device: str = "cuda:0", mib: int = 256) -> dict:
@@ -79,13 +119,13 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
             server.start()
             stop = _server_thread(server)
             try:
-                results, elapsed = _timed([(_psd_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration))
+                results, elapsed = _timed([(_psd_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration, "copy"))
                                            for r in range(k)])
             finally:
                 stop()
-            rate = sum(r["updates"] for r in results) / elapsed
-            gbs = rate * n * 4 * 2 / 1e9
-            row = {"params": n, "learners": k, "gpus": min(k, gpus), "updates_per_s": rate, "model_gbs": gbs,
+            traffic = _traffic(results, n, elapsed)
+            rate, gbs = traffic["updates_per_s"], traffic["model_gbs"]
+            row = {"params": n, "learners": k, "gpus": min(k, gpus), **traffic,
                    "fraction_of_pcie": gbs / ((bw["h2d"] + bw["d2h"]) / 2)}
             rows.append(row)
             log(f"gpu round trip {n:>11,} params  {k} learner(s) on {row['gpus']} GPU(s)  {rate:10,.0f} upd/s  "
@@ -93,31 +133,39 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
     return {"host_device_gbs": bw, "gpus": gpus, "rows": rows}
 
 
-def _psd_round_trip(n: int, learners: int, duration: float) -> dict:
+def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy") -> dict:
     from psd.server import ServeConfig, Server
 
-    job = f"bench-{os.getpid()}-{n}-{learners}"
+    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}"
     server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1))
     server.start()
     stop = _server_thread(server)
     try:
-        results, elapsed = _timed([(_psd_null_learner, (job, n, "cpu", duration))] * learners)
+        results, elapsed = _timed([(_psd_null_learner, (job, n, "cpu", duration, pull))] * learners)
     finally:
         stop()
-    updates = sum(r["updates"] for r in results)
     p50, p99 = _percentiles([x for r in results for x in r["lat"]])
     push50, push99 = _percentiles([x for r in results for x in r["push"]])
-    rate = updates / elapsed
-    return {"updates_per_s": rate, "model_gbs": rate * n * 4 * 2 / 1e9, "step_p50_us": p50, "step_p99_us": p99,
-            "push_p50_us": push50, "push_p99_us": push99}
+    return {**_traffic(results, n, elapsed), "step_p50_us": p50, "step_p99_us": p99, "push_p50_us": push50,
+            "push_p99_us": push99}
+
+
+PEERS = ("hogwild", "hogwild_snapshot", "ddp_gloo")
+# The ratios of psd_view: beside Hogwild (which copies nothing either) and Hogwild with a snapshot per step
+# (which copies as pull="copy" does), and beside psd's own copy.
+VIEW_OVER = ("hogwild", "hogwild_snapshot", "psd")
 
 
 def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
-    """The round-trip table: one row per (size, learners) with psd's figures and, if asked, the peers'."""
+    """The round-trip table: one row per (size, learners) with psd's figures (``psd``, and ``psd_view``
+    where pull="view" is measured) and, if asked, the peers'."""
+    view = cfg.view_pulls()
     rows = []
     for n in cfg.sizes:
         for k in cfg.learners:
-            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration)}
+            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration, "copy")}
+            if view:
+                measures["psd_view"] = partial(_psd_round_trip, n, k, cfg.duration, "view")
             if cfg.peers:
                 measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)
                 measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)
@@ -126,20 +174,30 @@ def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
             row = {"params": n, "learners": k, **_interleaved(cfg, measures, "updates_per_s")}
             if cfg.peers:
                 row.setdefault("ddp_gloo", None)
-                for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
+                for peer in PEERS:
                     if row[peer]:
                         row[f"psd_over_{peer}"] = row["psd"]["updates_per_s"] / row[peer]["updates_per_s"]
+            if view:
+                for other in VIEW_OVER:
+                    if row.get(other):
+                        row[f"psd_view_over_{other}"] = row["psd_view"]["updates_per_s"] / row[other]["updates_per_s"]
             log(_round_trip_line(row))
             rows.append(row)
     return rows
 
 
 def _round_trip_line(r: dict) -> str:
-    p = r["psd"]
-    line = (f"round trip  {r['params']:>11,} params  {r['learners']} learners  psd {p['updates_per_s']:>9,.0f} upd/s "
-            f"{p['model_gbs']:6.2f} GB/s  push p50 {p['push_p50_us']:7.1f} us  step p50 {p['step_p50_us']:7.1f} us "
-            f"p99 {p['step_p99_us']:8.1f} us")
-    for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
+    line = f"round trip  {r['params']:>11,} params  {r['learners']} learners"
+    for name in ("psd", "psd_view"):
+        p = r.get(name)
+        if p:
+            line += (f"  {name} {p['updates_per_s']:>9,.0f} upd/s {p['model_gbs']:6.2f} GB/s "
+                     f"{p['pulls_per_update']:.2f} pulls/upd  push p50 {p['push_p50_us']:7.1f} us  "
+                     f"step p50 {p['step_p50_us']:7.1f} us p99 {p['step_p99_us']:8.1f} us")
+    for peer in PEERS:
         if r.get(peer):
-            line += f"  {peer} {r[peer]['updates_per_s']:,.0f} (x{r[f'psd_over_{peer}']:.2f})"
+            line += f"  {peer} {r[peer]['updates_per_s']:,.0f} (x{r[f'psd_over_{peer}']:.2f}"
+            if f"psd_view_over_{peer}" in r:
+                line += f", view x{r[f'psd_view_over_{peer}']:.2f}"
+            line += ")"
     return line

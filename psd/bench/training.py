@@ -1,15 +1,18 @@
-"""Training the shipped MLP workload through psd and through Hogwild: samples/s and accuracy."""
+"""Training the shipped MLP workload through psd (pulling a copy of the weights, and, where learner.attach
+has it, computing on views of the shared weights: ``psd_view``) and through Hogwild: samples/s and
+accuracy."""
 
 from __future__ import annotations
 
 import os
 from functools import partial
 
-from psd.bench._common import BenchConfig, _interleaved, _server_thread, _timed
+from psd.bench._common import BenchConfig, _interleaved, _server_thread, _timed, attach_kwargs, reporting
 from psd.bench.peers import _hogwild_train
 
 
-def _psd_train_learner(job: str, rank: int, world: int, batch: int, epochs: int, barrier, q) -> None:
+@reporting
+def _psd_train_learner(job: str, rank: int, world: int, batch: int, epochs: int, pull: str, barrier, q) -> None:
     import torch
 
     from psd import learner
@@ -20,7 +23,7 @@ def _psd_train_learner(job: str, rank: int, world: int, batch: int, epochs: int,
     x, y = shard(data, rank, world)
     model = make_mlp(data.dim, data.classes)
     g = torch.Generator().manual_seed(rank)
-    with learner.attach(model, job=job, timeout=120) as ps:
+    with learner.attach(model, job=job, timeout=120, **attach_kwargs(pull)) as ps:
         barrier.wait()
         for _ in range(epochs):
             order = torch.randperm(len(x), generator=g)
@@ -48,13 +51,13 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
 
     data = make_classification(0)
 
-    def psd_run(b: int, k: int, lr: float, epochs: int) -> dict:
-        job = f"bench-train-{os.getpid()}-{b}-{k}"
+    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str) -> dict:
+        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}"
         server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1))
         server.start()
         stop = _server_thread(server)
         try:
-            rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, epochs)) for r in range(k)])
+            rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, epochs, pull)) for r in range(k)])
             model = make_mlp(data.dim, data.classes)
             model.load_state_dict(pull_state_dict(job))
         finally:
@@ -67,21 +70,27 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
         rate = _samples_per_s([(_hogwild_train, (shared, r, k, b, epochs, lr)) for r in range(k)])
         return {"samples_per_s": rate, "accuracy": evaluate(shared, data)}
 
+    view = cfg.view_pulls()
     rows = []
     for b in cfg.batches:
         lr = TRAIN_LR.get(b, 0.03)
         epochs = cfg.epochs or b
         for k in cfg.learners:
-            measures = {"psd": partial(psd_run, b, k, lr, epochs)}
+            measures = {"psd": partial(psd_run, b, k, lr, epochs, "copy")}
+            if view:
+                measures["psd_view"] = partial(psd_run, b, k, lr, epochs, "view")
             if cfg.peers:
                 measures["hogwild"] = partial(hogwild_run, b, k, lr, epochs)
             row = {"batch": b, "learners": k, "epochs": epochs, **_interleaved(cfg, measures, "samples_per_s")}
-            rate = row["psd"]["samples_per_s"]
+            line = f"training    mini-batch {b}  {k} learners"
+            for name in ("psd", "psd_view", "hogwild"):
+                if name in row:
+                    line += f"  {name} {row[name]['samples_per_s']:>8,.0f} samples/s acc {row[name]['accuracy']:.4f}"
             if cfg.peers:
-                row["psd_over_hogwild"] = rate / row["hogwild"]["samples_per_s"]
-            log(f"training    mini-batch {b}  {k} learners  psd {rate:>8,.0f} samples/s "
-                f"acc {row['psd']['accuracy']:.4f}"
-                + (f"  hogwild {row['hogwild']['samples_per_s']:,.0f} acc {row['hogwild']['accuracy']:.4f} "
-                   f"(x{row['psd_over_hogwild']:.2f})" if cfg.peers else ""))
+                for name in ("psd", "psd_view"):
+                    if name in row:
+                        row[f"{name}_over_hogwild"] = row[name]["samples_per_s"] / row["hogwild"]["samples_per_s"]
+                        line += f"  {name}/hogwild x{row[f'{name}_over_hogwild']:.2f}"
+            log(line)
             rows.append(row)
     return rows
