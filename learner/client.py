@@ -177,13 +177,25 @@ class Learner:
         self._front = 0
         self._adopt_buffers(spec, owners)
         self.pushed = 0
-        self.push_ns = 0  # how long the last push took: the copy into the ring and the publish
+        self._push_ns = 0
         self.reconnects = 0
         self._closing = False
         self._puller = None
+        self._stepper = None
         self.predicted_staleness = 0.0
         self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
         self._connect(slot_timeout)
+
+    @property
+    def push_ns(self) -> int:
+        """How long the last push took: the copy into the ring and the publish, in nanoseconds."""
+        return self._stepper.push_ns if self._stepper is not None else self._push_ns
+
+    @push_ns.setter
+    def push_ns(self, ns: int) -> None:
+        if self._stepper is not None:
+            self._stepper.push_ns = ns
+        self._push_ns = ns
 
     # -- connecting ---------------------------------------------------------
 
@@ -350,6 +362,7 @@ class Learner:
             self._tail = a.tail(self.slot)
             for p in self._params:
                 p.grad = None
+            self._make_stepper()
             return
         self.clock = a.clock()
         self._bufs[self._front].copy_(self._weights)
@@ -368,12 +381,30 @@ class Learner:
         if n * 4 > INLINE_PULL_BYTES:
             self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
                                           self._bufs[1 - self._front].numpy(), self.clock)
+        self._make_stepper()
+
+    def _make_stepper(self) -> None:
+        """The native whole-step call, for jobs whose step needs no Python: one push per call (no
+        --push-every), asp or kasync, no --predict, no buffers, no sparse rows, a float32 model
+        that pulls inline or views the shared weights. Others take the general path in step()."""
+        self._stepper = None
+        if (self.push_every != 1 or self.sync not in ("asp", "kasync") or self.predict or self.n_buffers
+                or self._sparse or self._lowp is not None or self._puller is not None
+                or type(self) is not Learner):
+            return
+        front = None if self.pull_mode == "view" else self._bufs[self._front].numpy()
+        self._stepper = self._arena.stepper(self.slot, tuple(self._train), self.dtype, self._dtype_code,
+                                            torch.strided, front)
 
     def _unmap(self) -> None:
         """Drop every tensor over the arena, stop the pull thread, unmap."""
         if self._puller is not None:
             self._puller.stop()
             self._puller = None
+        if self._stepper is not None:
+            self._push_ns = self._stepper.push_ns
+            self._stepper.close()
+            self._stepper = None
         for p in self._params:
             p.grad = None
         if self.pull_mode == "view" and getattr(self, "_weights", None) is not None:
@@ -491,6 +522,17 @@ class Learner:
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        st = self._stepper
+        if st is not None:  # the whole step in one native call, where the job and the gradients allow
+            r = st.step(self.clock, lv, int(batch_size))
+            if r is not None:
+                self._tail += 1
+                self.pushed += 1
+                if r >= 0:
+                    self.clock = r
+                else:  # the ring is full: wait for space, then pull
+                    self._after_push(self._arena, 0)
+                return
         wave = self._end_of_wave(lv, batch_size)
         if wave is None:
             return  # the next mini-batch's backward adds into p.grad, as in torch
@@ -507,6 +549,10 @@ class Learner:
         del grads
         self._tail += 1
         self.pushed += 1
+        self._after_push(a, rounds)
+
+    def _after_push(self, a: _native.Arena, rounds: int) -> None:
+        """What follows a push: wait for ring space and for the sync mode, then take newer weights."""
         if not a.has_space(self.slot):
             self._with_server(self._arena.wait_space, self.slot, self._claim_token, self.timeout)
             if self._arena is not a:

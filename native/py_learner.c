@@ -354,6 +354,8 @@ static PyObject *arena_seen_clock(Arena *a, PyObject *args) {
     return PyLong_FromUnsignedLongLong(clock);
 }
 
+static PyObject *arena_stepper(Arena *a, PyObject *args); /* below, with the Stepper */
+
 /* ---- Puller: a learner's native pull thread ------------------------------ */
 
 typedef struct {
@@ -490,6 +492,8 @@ PyMethodDef py_learner_methods[] = {
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
     {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
+    {"stepper", (PyCFunction)arena_stepper, METH_VARARGS,
+     "stepper(slot, params, dtype, dtype_code, strided, front) -> Stepper: the whole step in one call"},
     {"seen_clock", (PyCFunction)arena_seen_clock, METH_VARARGS,
      "seen_clock(slot) -> clock: the weights clock now, recorded as the slot's learner clock (pull='view')"},
     {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
@@ -507,3 +511,281 @@ PyMethodDef py_learner_methods[] = {
      "start_puller(slot, front, back, clock) -> Puller: a native thread that pulls into back"},
     {NULL, NULL, 0, NULL},
 };
+
+/* ---- Stepper: a learner's whole step in one call -------------------------- */
+
+/* For small models a step is dominated by per-call overhead, not bytes: the
+ * Python path collects each p.grad, checks it, takes its address, resets it
+ * and makes three more calls (push, ring space, pull). A Stepper is made once
+ * per mapping with the model's trainable parameters, their lengths and the
+ * pull to do, and step() does all of it in C for the common case: every
+ * gradient None or a dense contiguous tensor of the model's dtype (an
+ * unexpected one returns None before anything is touched, and the caller takes
+ * its general path); the pull is either none (pull="view": record the clock)
+ * or the inline copy into the front buffer. The learner keeps what needs
+ * Python (waves, bsp/ssp waits, buffers, sparse rows, prediction) on its
+ * general path and makes no Stepper for such a job. */
+typedef struct {
+    PyObject_HEAD PyObject *arena; /* Arena: kept open (exports) while the Stepper lives */
+    unsigned int slot;
+    unsigned int dtype_code;
+    Py_ssize_t count;
+    PyObject *params;  /* tuple of the trainable parameters, spec order */
+    PyObject *dtype;   /* the model's torch dtype */
+    PyObject *strided; /* torch.strided */
+    PyObject **grads;  /* this step's gradients, held across the push */
+    struct psd_src *src;
+    int copy; /* pull: 1 = copy into front, 0 = view (none) */
+    Py_buffer front;
+    unsigned long long push_ns;
+} Stepper;
+
+static PyObject *str_grad, *str_layout, *str_dtype, *str_is_contiguous, *str_data_ptr;
+
+static void stepper_release(Stepper *S) {
+    if (S->arena) {
+        ((Arena *)S->arena)->exports--;
+        Py_CLEAR(S->arena);
+    }
+    if (S->copy)
+        PyBuffer_Release(&S->front);
+    S->copy = 0;
+    Py_CLEAR(S->params);
+    Py_CLEAR(S->dtype);
+    Py_CLEAR(S->strided);
+    PyMem_Free(S->grads);
+    PyMem_Free(S->src);
+    S->grads = NULL;
+    S->src = NULL;
+}
+
+static void stepper_dealloc(Stepper *S) {
+    stepper_release(S);
+    PyObject_Free(S);
+}
+
+/* 1: `g` is a dense, contiguous tensor of the model's dtype (its address in *data); 0: it is
+ * something else (the general path handles it); -1: an exception. */
+static int plain_gradient(Stepper *S, PyObject *g, const void **data) {
+    PyObject *v = PyObject_GetAttr(g, str_layout);
+    if (!v)
+        return -1;
+    int ok = v == S->strided;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    if (!(v = PyObject_GetAttr(g, str_dtype)))
+        return -1;
+    ok = v == S->dtype;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    if (!(v = PyObject_CallMethodNoArgs(g, str_is_contiguous)))
+        return -1;
+    ok = v == Py_True;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    if (!(v = PyObject_CallMethodNoArgs(g, str_data_ptr)))
+        return -1;
+    *data = PyLong_AsVoidPtr(v);
+    Py_DECREF(v);
+    return PyErr_Occurred() ? -1 : 1;
+}
+
+/* step(clock, loss, batch) -> the clock of the weights the model now has; -1: pushed, but the ring
+ * is full (the caller waits for space and pulls); None: a gradient needs the general path (nothing
+ * was pushed or reset). */
+static PyObject *stepper_step(Stepper *S, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "step(clock, loss, batch)");
+        return NULL;
+    }
+    unsigned long long clock = PyLong_AsUnsignedLongLong(args[0]);
+    double loss = PyFloat_AsDouble(args[1]);
+    unsigned long batch = PyLong_AsUnsignedLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!S->arena) {
+        PyErr_SetString(PyExc_ValueError, "step: this stepper was closed");
+        return NULL;
+    }
+    Arena *a = (Arena *)S->arena;
+    if (check_slot(a, S->slot))
+        return NULL;
+    Py_ssize_t k, got = 0;
+    PyObject *result = NULL;
+    for (k = 0; k < S->count; k++) {
+        PyObject *g = PyObject_GetAttr(PyTuple_GET_ITEM(S->params, k), str_grad);
+        if (!g)
+            goto out;
+        S->grads[got++] = g;
+        S->src[k].data = NULL;
+        if (g == Py_None)
+            continue;
+        int plain = plain_gradient(S, g, &S->src[k].data);
+        if (plain < 0)
+            goto out;
+        if (!plain) {
+            result = Py_NewRef(Py_None);
+            goto out;
+        }
+    }
+    for (k = 0; k < S->count; k++) /* as zero_grad(): the next backward writes fresh gradients */
+        if (S->grads[k] != Py_None && PyObject_SetAttr(PyTuple_GET_ITEM(S->params, k), str_grad, Py_None))
+            goto out;
+    struct psd_map *m = &a->map;
+    uint64_t t0 = psd_now_ns();
+    int rc;
+    if (m->g.n_params < (UINT64_C(1) << 16)) {
+        rc = psd_push_from(m, S->slot, clock, (uint32_t)batch, loss, 1.0f, S->src, (uint32_t)S->count, S->dtype_code,
+                           NULL);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(m, S->slot, clock, (uint32_t)batch, loss, 1.0f, S->src,
+                                                  (uint32_t)S->count, S->dtype_code, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    S->push_ns = psd_now_ns() - t0;
+    if (rc == EINVAL) {
+        PyErr_Format(PyExc_ValueError, "step: the gradients do not match the job's %llu trainable elements",
+                     (unsigned long long)m->g.n_train);
+        goto out;
+    }
+    if (rc) {
+        raise_code(rc, "push gradient", a->name);
+        goto out;
+    }
+    struct psd_slot *s = psd_slot_at(m, S->slot);
+    /* Pairs with the store-release of head in the update loop. */
+    if (PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) >= m->g.ring_k) {
+        result = PyLong_FromLong(-1);
+        goto out;
+    }
+    /* Pairs with the store-release of clock in the update loop. */
+    uint64_t now = PSD_LOAD_ACQ(&psd_hdr(m)->clock);
+    if (S->copy) {
+        if (now == clock) {
+            PSD_ADD_RLX(&s->pulls_skipped, 1);
+        } else {
+            memcpy(S->front.buf, psd_weights(m), (size_t)S->front.len);
+            PSD_ADD_RLX(&s->pulls, 1);
+            PSD_STORE_RLX(&s->learner_clock, now);
+        }
+    } else {
+        PSD_STORE_RLX(&s->learner_clock, now);
+    }
+    result = PyLong_FromUnsignedLongLong(now);
+out:
+    for (k = 0; k < got; k++)
+        Py_DECREF(S->grads[k]);
+    return result;
+}
+
+static PyObject *stepper_close(Stepper *S, PyObject *noargs) {
+    (void)noargs;
+    stepper_release(S);
+    Py_RETURN_NONE;
+}
+
+static PyObject *stepper_push_ns(Stepper *S, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(S->push_ns);
+}
+
+static int stepper_set_push_ns(Stepper *S, PyObject *v, void *closure) {
+    (void)closure;
+    unsigned long long ns = v ? PyLong_AsUnsignedLongLong(v) : 0;
+    if (PyErr_Occurred())
+        return -1;
+    S->push_ns = ns;
+    return 0;
+}
+
+static PyMethodDef stepper_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))stepper_step, METH_FASTCALL,
+     "step(clock, loss, batch) -> clock now in the model; -1: pushed, ring full (wait, then pull); "
+     "None: a gradient needs the general path (nothing pushed)"},
+    {"close", (PyCFunction)stepper_close, METH_NOARGS, "Let go of the mapping and the buffers."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef stepper_getset[] = {
+    {"push_ns", (getter)stepper_push_ns, (setter)stepper_set_push_ns, "how long the last push took", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject StepperType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "psd._native.Stepper",
+    .tp_basicsize = sizeof(Stepper),
+    .tp_dealloc = (destructor)stepper_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A learner's whole step (push, ring space, pull) in one call; made by Arena.stepper().",
+    .tp_methods = stepper_methods,
+    .tp_getset = stepper_getset,
+};
+
+/* stepper(slot, params, dtype, dtype_code, strided, front) -> Stepper. `front`: the buffer an
+ * inline pull copies into (n_params float32), or None for pull="view". */
+static PyObject *arena_stepper(Arena *a, PyObject *args) {
+    unsigned int slot, dtype_code;
+    PyObject *params, *dtype, *strided, *front;
+    if (!PyArg_ParseTuple(args, "IO!OIOO", &slot, &PyTuple_Type, &params, &dtype, &dtype_code, &strided, &front) ||
+        check_slot(a, slot))
+        return NULL;
+    if ((uint64_t)PyTuple_GET_SIZE(params) != a->map.g.n_pieces) {
+        PyErr_Format(PyExc_ValueError, "stepper: params must be the job's %llu trainable tensors",
+                     (unsigned long long)a->map.g.n_pieces);
+        return NULL;
+    }
+    if (!str_grad && (!(str_grad = PyUnicode_InternFromString("grad")) ||
+                      !(str_layout = PyUnicode_InternFromString("layout")) ||
+                      !(str_dtype = PyUnicode_InternFromString("dtype")) ||
+                      !(str_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
+                      !(str_data_ptr = PyUnicode_InternFromString("data_ptr"))))
+        return NULL;
+    Stepper *S = PyObject_New(Stepper, &StepperType);
+    if (!S)
+        return NULL;
+    S->arena = NULL;
+    S->params = S->dtype = S->strided = NULL;
+    S->grads = NULL;
+    S->src = NULL;
+    S->copy = 0;
+    S->push_ns = 0;
+    S->slot = slot;
+    S->dtype_code = dtype_code;
+    S->count = PyTuple_GET_SIZE(params);
+    if (front != Py_None) {
+        if (PyObject_GetBuffer(front, &S->front, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS))
+            goto fail;
+        S->copy = 1;
+        if ((uint64_t)S->front.len != a->map.g.n_params * sizeof(float)) {
+            PyErr_SetString(PyExc_ValueError, "stepper: the front buffer must hold n_params float32");
+            goto fail;
+        }
+    }
+    S->grads = PyMem_Calloc((size_t)S->count + 1, sizeof *S->grads);
+    S->src = PyMem_Calloc((size_t)S->count + 1, sizeof *S->src);
+    if (!S->grads || !S->src) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < S->count; k++) {
+        PyObject *n = PyObject_CallMethod(PyTuple_GET_ITEM(params, k), "numel", NULL);
+        if (!n)
+            goto fail;
+        S->src[k].len = PyLong_AsUnsignedLongLong(n);
+        Py_DECREF(n);
+        if (PyErr_Occurred())
+            goto fail;
+    }
+    S->params = Py_NewRef(params);
+    S->dtype = Py_NewRef(dtype);
+    S->strided = Py_NewRef(strided);
+    S->arena = Py_NewRef((PyObject *)a);
+    a->exports++; /* the stepper writes the ring and reads the weights: the mapping must stay */
+    return (PyObject *)S;
+fail:
+    stepper_dealloc(S);
+    return NULL;
+}

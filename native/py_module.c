@@ -266,7 +266,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyErr_NoMemory();
         return NULL;
     }
-    if (PyType_Ready(&ArenaType) < 0 || PyType_Ready(&PullerType) < 0)
+    if (PyType_Ready(&ArenaType) < 0 || PyType_Ready(&PullerType) < 0 || PyType_Ready(&StepperType) < 0)
         return NULL;
     errors_module = PyImport_ImportModule("psd.errors");
     if (!errors_module)

@@ -30,6 +30,7 @@ typedef struct {
 
 extern PyTypeObject ArenaType;  /* py_arena.c */
 extern PyTypeObject PullerType; /* py_learner.c */
+extern PyTypeObject StepperType; /* py_learner.c */
 
 /* py_arena.c */
 Arena *new_arena(const char *name);

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
 from conftest import wait_until
-from psd import learner
+from psd import _native, learner
+from psd.arena import open_job
 from psd.status import job_status
 
 
@@ -177,3 +181,48 @@ def test_pull_modes_refuse_what_they_cannot_do(job, serve, monkeypatch):
         learner.attach(Flat(), job=job)  # refused before it claims the only slot:
     with learner.attach(Flat(), job=job, pull="copy") as ps:
         assert ps.pull_mode == "copy" and ps.slot == 0
+
+
+@pytest.mark.parametrize("pull", ["copy", "view"])
+def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_general_path(job, serve, pull):
+    """A float32 asp learner steps in one native call; a gradient it does not take as it is (not
+    contiguous, sparse) sends that step down the general path, with the same result; a full
+    ring (depth 2) waits in Python; every p.grad is None after each step either way."""
+    serve(job, "--learners", "1", "--lr", "1", "--ring-depth", "2")
+    m = torch.nn.Module()
+    m.mat = torch.nn.Parameter(torch.zeros(3, 4))
+    m.vec = torch.nn.Parameter(torch.zeros(5))
+    with learner.attach(m, job=job, pull=pull) as ps:
+        assert ps._stepper is not None
+        for i in range(40):
+            if i % 3 == 0:
+                m.mat.grad = torch.ones(4, 3).t()  # not contiguous: the general path
+            elif i % 3 == 1:
+                m.mat.grad = torch.ones(3, 4)
+                m.vec.grad = torch.ones(5).to_sparse()  # another layout: the general path
+            else:
+                m.mat.grad = torch.ones(3, 4)  # plain, and vec has no gradient: the native step
+            ps.step()
+            assert m.mat.grad is None and m.vec.grad is None
+        assert ps.push_ns > 0
+        ps.flush()
+        # A native push that fills the ring: the step waits in Python until the paused loop goes on.
+        holder = open_job(job)
+        me = os.getpid()
+        holder.pause(me, _native.proc_start_time(me), 10.0)
+        m.mat.grad = torch.ones(3, 4)
+        ps.step()  # one entry of two
+        resumer = threading.Thread(target=lambda: (
+            wait_until(lambda: ps._arena.slot_info(ps.slot)["full_waits"] > 0, what="the learner to wait"),
+            holder.resume()))
+        resumer.start()
+        m.mat.grad = torch.ones(3, 4)
+        ps.step()  # fills the ring: returns once the loop took an entry
+        resumer.join()
+        holder.close()
+        ps.flush()
+        assert ps.pull() == 42
+        assert torch.equal(m.mat.detach(), torch.full((3, 4), -42.0))
+        assert torch.equal(m.vec.detach(), torch.full((5,), -13.0))
+    st = job_status(job)
+    assert st["pushed"] == st["applied"] == 42
