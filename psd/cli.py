@@ -155,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError:
         raise SystemExit(f"psd run: --gpus takes GPU indices like 0,1 (not {args.gpus!r})") from None
     return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts, gpus=gpus,
-                    learner_threads=args.learner_threads).run()
+                    learner_threads=args.learner_threads, pull=args.pull, learner_sched=args.learner_sched).run()
 
 
 def serve_bare(cfg: ServeConfig) -> int:

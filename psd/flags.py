@@ -221,6 +221,15 @@ def _build() -> tuple[Flag, ...]:
              type=int, commands=(RUN,), metavar="R"),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
              0, type=int, commands=(RUN,), metavar="T"),
+        Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "
+             "copy swapped in after each step (one consistent set of weights per forward pass); view, the "
+             "parameters are read-only views of the shared weights (no copy, always the newest; CPU float32 "
+             "models, no --predict)", "copy", choices=("copy", "view"), commands=(RUN,), metavar="MODE"),
+        Flag("--learner-sched", "CPU scheduling of the learners: normal; batch (SCHED_BATCH: no wake-up "
+             "preemption); idle (SCHED_IDLE: the server's update loop, and anything else on the machine, runs "
+             "first whenever it has work, so the loop keeps up with more learners than cores); auto: idle when "
+             "the learners fill the cores, else normal", "auto", choices=("auto", "normal", "batch", "idle"),
+             commands=(RUN,), metavar="POLICY"),
         Flag("--gpus", "GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK % len(LIST)] (more "
              "learners than GPUs share them)", "", commands=(RUN,), metavar="LIST", readme_default=""),
         Flag("--quiet", "log warnings and errors only", False, switch=True, short="-q", readme_default="off"),

@@ -83,3 +83,34 @@ def test_training_flags_reach_the_server_through_psd_run(job, tmp_path):
     # 2 learners x 20 mini-batches, 2 per push, one update per bsp round of 2 pushes.
     assert out.count("ok clock 10") == 2, out + err
     assert not os.path.exists(shm_path(job))
+
+
+def test_learners_get_the_pull_mode_and_the_scheduling_policy_asked_for(job, tmp_path):
+    """--pull view reaches every learner (PSD_PULL: its parameters are views of the shared weights);
+    --learner-sched idle makes each learner process SCHED_IDLE; the job trains to its end."""
+    script = tmp_path / "report.py"
+    script.write_text(
+        "import os, torch\nfrom psd import learner\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "with learner.attach(m) as ps:\n"
+        "    for _ in range(20):\n"
+        "        m(torch.randn(2, 4)).sum().backward()\n"
+        "        ps.step()\n"
+        "    print('policy', os.sched_getscheduler(0), 'pull', ps.pull_mode, flush=True)\n"
+    )
+    run = psd_run(job, tmp_path / "ck", sys.executable, str(script),
+                  extra=("--pull", "view", "--learner-sched", "idle"))
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    assert out.splitlines().count(f"policy {os.SCHED_IDLE} pull view") == 2, out
+    assert not os.path.exists(shm_path(job))
+
+
+def test_auto_scheduling_idles_learners_only_when_they_fill_the_cores():
+    from psd.watchdog.launcher import learner_sched_policy
+
+    assert learner_sched_policy("auto", 1, cpus=2) is None
+    assert learner_sched_policy("auto", 2, cpus=2) == os.SCHED_IDLE
+    assert learner_sched_policy("auto", 8, cpus=2) == os.SCHED_IDLE
+    assert learner_sched_policy("batch", 8, cpus=2) == os.SCHED_BATCH
+    assert learner_sched_policy("normal", 8, cpus=2) is None

@@ -38,6 +38,23 @@ __all__ = ["Launcher", "WorkerState"]
 log = logging.getLogger("psd.run")
 
 _PR_SET_PDEATHSIG = 1
+# --learner-sched: the policy each learner process gets before it starts (None: left as inherited).
+# SCHED_IDLE learners run only when the server's update loop (SCHED_OTHER) has nothing to do, so the
+# loop keeps up when learners outnumber the cores; it needs no privilege (lowering is always allowed).
+LEARNER_SCHED = {"normal": None, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
+SCHED_CHOICES = ("auto", *LEARNER_SCHED)
+
+
+def learner_sched_policy(name: str, learners: int, cpus: int | None = None) -> int | None:
+    """The scheduling policy for ``learners`` learner processes under ``--learner-sched name`` (None:
+    leave it). ``auto`` is ``idle`` when the learners alone fill the cores (the update loop would
+    otherwise get only its fair share of one and fall behind; measured in the README), else ``normal``."""
+    if name not in SCHED_CHOICES:
+        raise Error(f"--learner-sched {name!r}: use one of {', '.join(SCHED_CHOICES)}")
+    if name == "auto":
+        cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+        name = "idle" if learners >= cpus else "normal"
+    return LEARNER_SCHED[name]
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -89,7 +106,7 @@ class Launcher:
 
     def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 5,
                  progress_every: float | None = None, learner_threads: int = 0,
-                 gpus: list[int] | None = None) -> None:
+                 gpus: list[int] | None = None, pull: str = "copy", learner_sched: str = "auto") -> None:
         self.config = config
         self.job = config.serve.job
         self.n = config.serve.learners
@@ -98,6 +115,8 @@ class Launcher:
         # N learners must not oversubscribe the cores: each gets its share of them, at least one.
         self.learner_threads = learner_threads or max(1, len(os.sched_getaffinity(0)) // self.n)
         self.workers = [Worker(r) for r in range(self.n)]
+        self.pull = pull
+        self.sched_policy = learner_sched_policy(learner_sched, self.n)
         self.gpus = gpus or []  # rank r gets GPU gpus[r % len(gpus)]: several learners may share one
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
@@ -141,10 +160,18 @@ class Launcher:
         env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
                    PSD_RESTARTS=str(w.restarts), PSD_LEARNER_THREADS=str(self.learner_threads),
                    OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1",
-                   PSD_NODE_RANK=str(self.config.serve.node_rank), PSD_NNODES=str(self.config.serve.nnodes))
+                   PSD_NODE_RANK=str(self.config.serve.node_rank), PSD_NNODES=str(self.config.serve.nnodes),
+                   PSD_PULL=self.pull)
         if self.gpus:
             env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"
-        w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
+        policy = self.sched_policy
+
+        def setup() -> None:  # in the child, before exec
+            _die_with_launcher()
+            if policy is not None:
+                os.sched_setscheduler(0, policy, os.sched_param(0))
+
+        w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=setup)
         w.state = WorkerState.RUNNING
         w.progress_at_start = self._rank_progress(w.rank)
 
