@@ -265,6 +265,15 @@ def _build() -> tuple[Flag, ...]:
         Flag("--reps", "runs of each measurement, psd and peers taking turns; the median is reported (default: 3)",
              None, type=int, commands=("bench",), env_prefix="PSD_BENCH_"),
         Flag("--no-peers", "psd alone", False, switch=True, commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--pull-modes", "how psd's learners get the weights: copy (the psd figures), view (psd_view)", None,
+             nargs="+", choices=("copy", "view"), commands=("bench",), env_prefix="PSD_BENCH_",
+             readme_default="copy view"),
+        Flag("--learner-sched", "psd's learners' scheduling policy, as psd run --learner-sched gives it", None,
+             choices=("auto", "normal", "batch", "idle"), commands=("bench",), env_prefix="PSD_BENCH_",
+             readme_default="auto"),
+        Flag("--loop-sizes", "more model sizes to measure the update loop at, e.g. 10000000 100000000 (1e8 is a "
+             "3.6 GB arena)", None, type=int, nargs="+", commands=("bench",), env_prefix="PSD_BENCH_",
+             readme_default=""),
         Flag("--no-training", "skip the training workload", False, switch=True, commands=("bench",),
              env_prefix="PSD_BENCH_"),
     )

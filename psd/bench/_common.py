@@ -4,6 +4,7 @@ the run at once), medians and the spread of the runs behind them."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -41,6 +42,10 @@ class BenchConfig:
     # "psd" figures, always measured) and "view" (parameters are views of the shared weights: "psd_view",
     # measured where learner.attach takes pull=).
     pull_modes: tuple[str, ...] = ("copy", "view")
+    # The scheduling policy psd's learners run under, as `psd run --learner-sched` gives it (auto: SCHED_IDLE
+    # when the learners fill the cores, so the update loop is not left a fair share of one). The peers'
+    # processes keep the normal policy: that is how they run.
+    learner_sched: str = "auto"
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -65,6 +70,15 @@ def view_available() -> bool:
     from psd import learner
 
     return "pull" in inspect.signature(learner.attach).parameters
+
+
+def set_learner_sched(name: str, learners: int) -> None:
+    """In a learner process: the scheduling policy `psd run --learner-sched name` would give it."""
+    from psd.watchdog.launcher import learner_sched_policy
+
+    policy = learner_sched_policy(name, learners)
+    if policy is not None:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
 def attach_kwargs(pull: str) -> dict:

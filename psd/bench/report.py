@@ -23,6 +23,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     out["idle_server_cpu"] = idle_cpu()
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")
     out["pull_modes"] = ["copy", "view"] if cfg.view_pulls() else ["copy"]
+    out["learner_sched"] = cfg.learner_sched
     if "view" in cfg.pull_modes and not view_available():
         log("pull='view': not measured (this psd's learner.attach has no pull parameter)")
     out["round_trip"] = round_trip(cfg, log)

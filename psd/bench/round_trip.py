@@ -22,6 +22,7 @@ from psd.bench._common import (
     _timed,
     attach_kwargs,
     reporting,
+    set_learner_sched,
 )
 from psd.bench.peers import _ddp_round_trip, _hogwild_round_trip
 
@@ -36,13 +37,15 @@ def _pulls(ps) -> int | None:
 
 
 @reporting
-def _psd_null_learner(job: str, n: int, device: str, duration: float, pull: str, barrier, q) -> None:
+def _psd_null_learner(job: str, n: int, device: str, duration: float, pull: str, sched: tuple[str, int],
+                      barrier, q) -> None:
     """A learner whose gradient is precomputed (on ``device``: a GPU model is a DeviceLearner); ``pull``
-    is attach()'s pull mode."""
+    is attach()'s pull mode, ``sched`` (policy name, learners) its scheduling as under `psd run`."""
     import torch
 
     from psd import learner
 
+    set_learner_sched(*sched)
     torch.set_num_threads(1)
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(torch.zeros(n, device=device))
@@ -119,7 +122,8 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
             server.start()
             stop = _server_thread(server)
             try:
-                results, elapsed = _timed([(_psd_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration, "copy"))
+                results, elapsed = _timed([(_psd_null_learner, (job, n, f"cuda:{r % gpus}", cfg.duration, "copy",
+                                                                (cfg.learner_sched, k)))
                                            for r in range(k)])
             finally:
                 stop()
@@ -133,7 +137,7 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
     return {"host_device_gbs": bw, "gpus": gpus, "rows": rows}
 
 
-def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy") -> dict:
+def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", sched: str = "auto") -> dict:
     from psd.server import ServeConfig, Server
 
     job = f"bench-{os.getpid()}-{n}-{learners}-{pull}"
@@ -141,7 +145,8 @@ def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy") 
     server.start()
     stop = _server_thread(server)
     try:
-        results, elapsed = _timed([(_psd_null_learner, (job, n, "cpu", duration, pull))] * learners)
+        results, elapsed = _timed([(_psd_null_learner, (job, n, "cpu", duration, pull, (sched, learners)))]
+                                  * learners)
     finally:
         stop()
     p50, p99 = _percentiles([x for r in results for x in r["lat"]])
@@ -163,9 +168,9 @@ def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
     rows = []
     for n in cfg.sizes:
         for k in cfg.learners:
-            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration, "copy")}
+            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration, "copy", cfg.learner_sched)}
             if view:
-                measures["psd_view"] = partial(_psd_round_trip, n, k, cfg.duration, "view")
+                measures["psd_view"] = partial(_psd_round_trip, n, k, cfg.duration, "view", cfg.learner_sched)
             if cfg.peers:
                 measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)
                 measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)

@@ -7,17 +7,27 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from psd.bench._common import BenchConfig, _interleaved, _server_thread, _timed, attach_kwargs, reporting
+from psd.bench._common import (
+    BenchConfig,
+    _interleaved,
+    _server_thread,
+    _timed,
+    attach_kwargs,
+    reporting,
+    set_learner_sched,
+)
 from psd.bench.peers import _hogwild_train
 
 
 @reporting
-def _psd_train_learner(job: str, rank: int, world: int, batch: int, epochs: int, pull: str, barrier, q) -> None:
+def _psd_train_learner(job: str, rank: int, world: int, batch: int, epochs: int, pull: str, sched: str, barrier,
+                       q) -> None:
     import torch
 
     from psd import learner
     from psd.workloads import make_classification, make_mlp, shard
 
+    set_learner_sched(sched, world)
     torch.set_num_threads(1)
     data = make_classification(0)
     x, y = shard(data, rank, world)
@@ -57,7 +67,8 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
         server.start()
         stop = _server_thread(server)
         try:
-            rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, epochs, pull)) for r in range(k)])
+            rate = _samples_per_s([(_psd_train_learner, (job, r, k, b, epochs, pull, cfg.learner_sched))
+                                   for r in range(k)])
             model = make_mlp(data.dim, data.classes)
             model.load_state_dict(pull_state_dict(job))
         finally:
