@@ -51,6 +51,7 @@ from psd.errors import (
     StateError,
     Timeout,
 )
+from psd.flags import PULL_MODES
 from psd.state import (
     PARAM_DTYPES,
     buffer_groups,
@@ -70,9 +71,6 @@ log = logging.getLogger("psd.learner")
 INLINE_PULL_BYTES = 256 * 1024
 # Weight prediction extrapolates by the median staleness of this many recent gradients.
 STALENESS_WINDOW = 64
-# How a learner gets the job's weights (attach(pull=...), $PSD_PULL): a private copy pulled after each
-# step, or views of the shared weights themselves.
-PULL_MODES = ("copy", "view")
 
 
 def _sparse_tensors(model: torch.nn.Module, train: list[torch.Tensor]) -> list[int]:
@@ -143,7 +141,7 @@ class Learner:
                  slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0,
                  pull: str | None = None) -> None:
         self.job = job or default_job()
-        self.pull_mode = _pull_mode(pull)
+        self.pull_mode, self._pull_source = _pull_mode(pull)
         inner = getattr(model, "_orig_mod", None)  # a torch.compile'd model trains the module it wraps
         model = inner if isinstance(inner, torch.nn.Module) else model
         self.model = model
@@ -171,9 +169,9 @@ class Learner:
         self._buf_views = [split(b, wspec) for b in self._bufs]
         self._lowp = None if self.dtype == torch.float32 else torch.empty(n, dtype=self.dtype)
         if self.pull_mode == "view" and (self._lowp is not None or self.device.type != "cpu"):
-            raise SpecError(f"pull='view' makes the parameters views of the job's float32 weights in shared "
-                            f"memory, so it needs a float32 model on the CPU (this one is {self.dtype} on "
-                            f"{self.device}): use pull='copy'")
+            raise SpecError(f"{self._pull_source} makes the parameters views of the job's float32 weights in "
+                            f"shared memory, so it needs a float32 model on the CPU (this one is {self.dtype} on "
+                            f"{self.device}): pull a copy instead (pull='copy', PSD_PULL=copy, psd run --pull copy)")
         self._front = 0
         self._adopt_buffers(spec, owners)
         self.pushed = 0
@@ -260,8 +258,8 @@ class Learner:
     def _check_pull(self, arena: _native.Arena) -> None:
         if self.pull_mode == "view" and arena.header()["cfg_flags"] & _native.CFG_PREDICT:
             raise SpecError(f"job {self.job!r} runs with --predict, which extrapolates a private copy of the "
-                            f"weights; pull='view' trains on the shared weights themselves: attach with "
-                            f"pull='copy' (PSD_PULL=copy), or serve the job without --predict")
+                            f"weights; {self._pull_source} trains on the shared weights themselves: pull a copy "
+                            f"(pull='copy', PSD_PULL=copy, psd run --pull copy), or serve the job without --predict")
 
     def _connect(self, slot_timeout: float) -> None:
         """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
@@ -386,7 +384,8 @@ class Learner:
     def _make_stepper(self) -> None:
         """The native whole-step call, for jobs whose step needs no Python: one push per call (no
         --push-every), asp or kasync, no --predict, no buffers, no sparse rows, a float32 model
-        that pulls inline or views the shared weights. Others take the general path in step()."""
+        that pulls inline or views the shared weights. Others take the general path in step(), and so
+        do subclasses (DeviceLearner's step is its own)."""
         self._stepper = None
         if (self.push_every != 1 or self.sync not in ("asp", "kasync") or self.predict or self.n_buffers
                 or self._sparse or self._lowp is not None or self._puller is not None
@@ -861,13 +860,14 @@ class DeviceLearner(Learner):
         super().flush(timeout)
 
 
-def _pull_mode(pull: str | None) -> str:
-    """``pull`` as given, else $PSD_PULL (set by ``psd run --pull``), else "copy"."""
-    mode = pull if pull is not None else (os.environ.get("PSD_PULL") or "copy")
+def _pull_mode(pull: str | None) -> tuple[str, str]:
+    """``pull`` as given, else $PSD_PULL (set by ``psd run --pull``), else "copy"; and where it came from,
+    as the user wrote it (for error messages)."""
+    env = os.environ.get("PSD_PULL")
+    mode, src = (pull, f"pull={pull!r}") if pull is not None else (env, f"PSD_PULL={env!r}") if env else ("copy", "")
     if mode not in PULL_MODES:
-        src = "pull=" if pull is not None else "PSD_PULL="
-        raise Error(f"{src}{mode!r} is not a pull mode: use one of {', '.join(PULL_MODES)}")
-    return mode
+        raise Error(f"{src} is not a pull mode: use one of {', '.join(PULL_MODES)}")
+    return mode, src
 
 
 def _default_rank() -> int:

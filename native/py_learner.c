@@ -536,6 +536,7 @@ typedef struct {
     PyObject **grads;  /* this step's gradients, held across the push */
     struct psd_src *src;
     int copy; /* pull: 1 = copy into front, 0 = view (none) */
+    int busy; /* a step is running (its push may have released the GIL): close() must wait for it */
     Py_buffer front;
     unsigned long long push_ns;
 } Stepper;
@@ -595,21 +596,44 @@ static int plain_gradient(Stepper *S, PyObject *g, const void **data) {
 
 /* step(clock, loss, batch) -> the clock of the weights the model now has; -1: pushed, but the ring
  * is full (the caller waits for space and pulls); None: a gradient needs the general path (nothing
- * was pushed or reset). */
+ * was pushed or reset). An exception from resetting p.grad may leave some of them reset and nothing
+ * pushed, as the general path would. */
+static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, double loss, unsigned long batch);
+
 static PyObject *stepper_step(Stepper *S, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "step(clock, loss, batch)");
         return NULL;
     }
     unsigned long long clock = PyLong_AsUnsignedLongLong(args[0]);
-    double loss = PyFloat_AsDouble(args[1]);
-    unsigned long batch = PyLong_AsUnsignedLong(args[2]);
-    if (PyErr_Occurred())
+    if (clock == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
+    double loss = PyFloat_AsDouble(args[1]);
+    if (loss == -1.0 && PyErr_Occurred())
+        return NULL;
+    unsigned long batch = PyLong_AsUnsignedLong(args[2]);
+    if (batch == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (batch > PSD_MAX_BATCH) {
+        PyErr_Format(PyExc_ValueError, "step: batch_size %lu is over the most psd records (%lu)", batch,
+                     (unsigned long)PSD_MAX_BATCH);
+        return NULL;
+    }
     if (!S->arena) {
         PyErr_SetString(PyExc_ValueError, "step: this stepper was closed");
         return NULL;
     }
+    if (S->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "step: another thread is in a step of this learner");
+        return NULL;
+    }
+    S->busy = 1;
+    PyObject *r = stepper_step_locked(S, clock, loss, batch);
+    S->busy = 0;
+    return r;
+}
+
+static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, double loss, unsigned long batch) {
     Arena *a = (Arena *)S->arena;
     if (check_slot(a, S->slot))
         return NULL;
@@ -683,6 +707,10 @@ out:
 
 static PyObject *stepper_close(Stepper *S, PyObject *noargs) {
     (void)noargs;
+    if (S->busy) { /* its push runs without the GIL: the mapping and the arrays must outlive it */
+        PyErr_SetString(PyExc_RuntimeError, "close: a step of this learner is running in another thread");
+        return NULL;
+    }
     stepper_release(S);
     Py_RETURN_NONE;
 }
@@ -694,7 +722,11 @@ static PyObject *stepper_push_ns(Stepper *S, void *closure) {
 
 static int stepper_set_push_ns(Stepper *S, PyObject *v, void *closure) {
     (void)closure;
-    unsigned long long ns = v ? PyLong_AsUnsignedLongLong(v) : 0;
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "push_ns cannot be deleted");
+        return -1;
+    }
+    unsigned long long ns = PyLong_AsUnsignedLongLong(v);
     if (PyErr_Occurred())
         return -1;
     S->push_ns = ns;
@@ -737,11 +769,11 @@ static PyObject *arena_stepper(Arena *a, PyObject *args) {
                      (unsigned long long)a->map.g.n_pieces);
         return NULL;
     }
-    if (!str_grad && (!(str_grad = PyUnicode_InternFromString("grad")) ||
-                      !(str_layout = PyUnicode_InternFromString("layout")) ||
-                      !(str_dtype = PyUnicode_InternFromString("dtype")) ||
-                      !(str_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
-                      !(str_data_ptr = PyUnicode_InternFromString("data_ptr"))))
+    if ((!str_grad && !(str_grad = PyUnicode_InternFromString("grad"))) ||
+        (!str_layout && !(str_layout = PyUnicode_InternFromString("layout"))) ||
+        (!str_dtype && !(str_dtype = PyUnicode_InternFromString("dtype"))) ||
+        (!str_is_contiguous && !(str_is_contiguous = PyUnicode_InternFromString("is_contiguous"))) ||
+        (!str_data_ptr && !(str_data_ptr = PyUnicode_InternFromString("data_ptr"))))
         return NULL;
     Stepper *S = PyObject_New(Stepper, &StepperType);
     if (!S)
@@ -751,6 +783,7 @@ static PyObject *arena_stepper(Arena *a, PyObject *args) {
     S->grads = NULL;
     S->src = NULL;
     S->copy = 0;
+    S->busy = 0;
     S->push_ns = 0;
     S->slot = slot;
     S->dtype_code = dtype_code;
@@ -786,6 +819,6 @@ static PyObject *arena_stepper(Arena *a, PyObject *args) {
     a->exports++; /* the stepper writes the ring and reads the weights: the mapping must stay */
     return (PyObject *)S;
 fail:
-    stepper_dealloc(S);
+    Py_DECREF(S);
     return NULL;
 }

@@ -154,6 +154,10 @@ def _run(args: argparse.Namespace) -> int:
         gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     except ValueError:
         raise SystemExit(f"psd run: --gpus takes GPU indices like 0,1 (not {args.gpus!r})") from None
+    if args.pull == "view" and (gpus or args.predict):
+        # Every learner would refuse it at attach and be restarted until the job fails: say so now.
+        raise SystemExit(f"psd run: --pull view makes CPU learners' parameters views of the shared weights; "
+                         f"it cannot go with {'--gpus' if gpus else '--predict'}: use --pull copy")
     return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts, gpus=gpus,
                     learner_threads=args.learner_threads, pull=args.pull, learner_sched=args.learner_sched).run()
 

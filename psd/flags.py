@@ -21,10 +21,15 @@ from typing import Any
 
 from psd.arena import default_job
 
-__all__ = ["FLAGS", "Flag", "add_flags", "readme_table", "serve_argv", "serve_fields"]
+__all__ = ["FLAGS", "LEARNER_SCHED_CHOICES", "PULL_MODES", "Flag", "add_flags", "readme_table", "serve_argv",
+           "serve_fields"]
 
 SERVE, RUN = "serve", "run"
 SERVE_RUN = (SERVE, RUN)
+# How learners get the weights (attach(pull=...), PSD_PULL, psd run --pull, psd bench --pull-modes).
+PULL_MODES = ("copy", "view")
+# psd run --learner-sched (watchdog/launcher.py maps each to a policy; psd bench --learner-sched).
+LEARNER_SCHED_CHOICES = ("auto", "normal", "batch", "idle")
 
 
 def on_off(raw: str) -> bool:
@@ -224,11 +229,11 @@ def _build() -> tuple[Flag, ...]:
         Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "
              "copy swapped in after each step (one consistent set of weights per forward pass); view, the "
              "parameters are read-only views of the shared weights (no copy, always the newest; CPU float32 "
-             "models, no --predict)", "copy", choices=("copy", "view"), commands=(RUN,), metavar="MODE"),
+             "models, no --predict)", "copy", choices=PULL_MODES, commands=(RUN,), metavar="MODE"),
         Flag("--learner-sched", "CPU scheduling of the learners: normal; batch (SCHED_BATCH: no wake-up "
              "preemption); idle (SCHED_IDLE: the server's update loop, and anything else on the machine, runs "
              "first whenever it has work, so the loop keeps up with more learners than cores); auto: idle when "
-             "the learners fill the cores, else normal", "auto", choices=("auto", "normal", "batch", "idle"),
+             "the learners fill the cores, else normal", "auto", choices=LEARNER_SCHED_CHOICES,
              commands=(RUN,), metavar="POLICY"),
         Flag("--gpus", "GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK % len(LIST)] (more "
              "learners than GPUs share them)", "", commands=(RUN,), metavar="LIST", readme_default=""),
@@ -266,10 +271,10 @@ def _build() -> tuple[Flag, ...]:
              None, type=int, commands=("bench",), env_prefix="PSD_BENCH_"),
         Flag("--no-peers", "psd alone", False, switch=True, commands=("bench",), env_prefix="PSD_BENCH_"),
         Flag("--pull-modes", "how psd's learners get the weights: copy (the psd figures), view (psd_view)", None,
-             nargs="+", choices=("copy", "view"), commands=("bench",), env_prefix="PSD_BENCH_",
+             nargs="+", choices=PULL_MODES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="copy view"),
         Flag("--learner-sched", "psd's learners' scheduling policy, as psd run --learner-sched gives it", None,
-             choices=("auto", "normal", "batch", "idle"), commands=("bench",), env_prefix="PSD_BENCH_",
+             choices=LEARNER_SCHED_CHOICES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="auto"),
         Flag("--loop-sizes", "more model sizes to measure the update loop at, e.g. 10000000 100000000 (1e8 is a "
              "3.6 GB arena)", None, type=int, nargs="+", commands=("bench",), env_prefix="PSD_BENCH_",

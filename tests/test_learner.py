@@ -184,7 +184,8 @@ def test_pull_modes_refuse_what_they_cannot_do(job, serve, monkeypatch):
 
 
 @pytest.mark.parametrize("pull", ["copy", "view"])
-def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_general_path(job, serve, pull):
+def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_general_path(job, serve, pull,
+                                                                                       monkeypatch):
     """A float32 asp learner steps in one native call; a gradient it does not take as it is (not
     contiguous, sparse) sends that step down the general path, with the same result; a full
     ring (depth 2) waits in Python; every p.grad is None after each step either way."""
@@ -194,6 +195,9 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
     m.vec = torch.nn.Parameter(torch.zeros(5))
     with learner.attach(m, job=job, pull=pull) as ps:
         assert ps._stepper is not None
+        general = []
+        take = ps._take_gradients
+        monkeypatch.setattr(ps, "_take_gradients", lambda: (general.append(1), take())[1])
         for i in range(40):
             if i % 3 == 0:
                 m.mat.grad = torch.ones(4, 3).t()  # not contiguous: the general path
@@ -205,6 +209,7 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
             ps.step()
             assert m.mat.grad is None and m.vec.grad is None
         assert ps.push_ns > 0
+        assert len(general) == 27  # the steps with a non-contiguous or sparse gradient; 13 were native
         ps.flush()
         # A native push that fills the ring: the step waits in Python until the paused loop goes on.
         holder = open_job(job)

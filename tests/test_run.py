@@ -109,8 +109,16 @@ def test_learners_get_the_pull_mode_and_the_scheduling_policy_asked_for(job, tmp
 def test_auto_scheduling_idles_learners_only_when_they_fill_the_cores():
     from psd.watchdog.launcher import learner_sched_policy
 
-    assert learner_sched_policy("auto", 1, cpus=2) is None
+    assert learner_sched_policy("auto", 1, cpus=2) == os.SCHED_OTHER
     assert learner_sched_policy("auto", 2, cpus=2) == os.SCHED_IDLE
     assert learner_sched_policy("auto", 8, cpus=2) == os.SCHED_IDLE
     assert learner_sched_policy("batch", 8, cpus=2) == os.SCHED_BATCH
-    assert learner_sched_policy("normal", 8, cpus=2) is None
+    assert learner_sched_policy("normal", 8, cpus=2) == os.SCHED_OTHER
+
+
+def test_pull_view_with_predict_is_refused_before_anything_starts(job, tmp_path):
+    run = psd_run(job, tmp_path, sys.executable, "-c", "pass",
+                  extra=("--pull", "view", "--predict", "--optimizer", "momentum"))
+    _, err = run.communicate(timeout=60)
+    assert run.returncode != 0 and "--pull view" in err and "--predict" in err, err
+    assert not os.path.exists(shm_path(job))

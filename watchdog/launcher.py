@@ -31,6 +31,7 @@ from psd import _native
 from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
 from psd.errors import Error
 from psd.events import EventLog
+from psd.flags import LEARNER_SCHED_CHOICES
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
@@ -38,24 +39,24 @@ __all__ = ["Launcher", "WorkerState"]
 log = logging.getLogger("psd.run")
 
 _PR_SET_PDEATHSIG = 1
-# --learner-sched: the policy each learner process gets before it starts (None: left as inherited).
-# SCHED_IDLE learners run only when the server's update loop (SCHED_OTHER) has nothing to do, so the
-# loop keeps up when learners outnumber the cores; it needs no privilege (lowering is always allowed).
-LEARNER_SCHED = {"normal": None, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
-SCHED_CHOICES = ("auto", *LEARNER_SCHED)
+_PR_SET_CHILD_SUBREAPER = 36
+# --learner-sched: the policy each learner process runs under. SCHED_IDLE learners run only when the
+# server's update loop (SCHED_OTHER) has nothing to do, so the loop keeps up when learners outnumber
+# the cores; lowering a policy needs no privilege. "normal" is SCHED_OTHER, whatever psd run has.
+LEARNER_SCHED = {"normal": os.SCHED_OTHER, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
+assert ("auto", *LEARNER_SCHED) == LEARNER_SCHED_CHOICES
 
 
-def learner_sched_policy(name: str, learners: int, cpus: int | None = None) -> int | None:
-    """The scheduling policy for ``learners`` learner processes under ``--learner-sched name`` (None:
-    leave it). ``auto`` is ``idle`` when the learners alone fill the cores (the update loop would
-    otherwise get only its fair share of one and fall behind; measured in the README), else ``normal``."""
-    if name not in SCHED_CHOICES:
-        raise Error(f"--learner-sched {name!r}: use one of {', '.join(SCHED_CHOICES)}")
+def learner_sched_policy(name: str, learners: int, cpus: int | None = None) -> int:
+    """The scheduling policy for ``learners`` learner processes under ``--learner-sched name``. ``auto``
+    is ``idle`` when the learners alone fill the cores (the update loop would otherwise get only its
+    fair share of one and fall behind; measured in the README), else ``normal``."""
+    if name not in LEARNER_SCHED_CHOICES:
+        raise Error(f"--learner-sched {name!r}: use one of {', '.join(LEARNER_SCHED_CHOICES)}")
     if name == "auto":
         cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
         name = "idle" if learners >= cpus else "normal"
     return LEARNER_SCHED[name]
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _prctl(option: int, arg: int) -> None:
@@ -164,14 +165,15 @@ class Launcher:
                    PSD_PULL=self.pull)
         if self.gpus:
             env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"
-        policy = self.sched_policy
-
-        def setup() -> None:  # in the child, before exec
-            _die_with_launcher()
-            if policy is not None:
-                os.sched_setscheduler(0, policy, os.sched_param(0))
-
-        w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=setup)
+        w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
+        # Set from here rather than in the child before exec: a refusal (a sandbox that forbids the call)
+        # is then a warning, not a learner that cannot start. The learner's first instructions may run
+        # under psd run's own policy; its threads inherit the new one.
+        try:
+            os.sched_setscheduler(w.proc.pid, self.sched_policy, os.sched_param(0))
+        except OSError as e:
+            log.warning("job %r: could not set the scheduling policy of learner %d (pid %d): %s", self.job, w.rank,
+                        w.proc.pid, e)
         w.state = WorkerState.RUNNING
         w.progress_at_start = self._rank_progress(w.rank)
 

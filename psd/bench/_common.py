@@ -10,12 +10,13 @@ import socket
 import time
 from dataclasses import dataclass
 
+from psd.flags import PULL_MODES
+
 STREAM_BYTES = 12  # read g, read w, write w
 
 
 LR = 1e-6
 
-PULL_MODES = ("copy", "view")
 
 
 @dataclass
@@ -76,9 +77,7 @@ def set_learner_sched(name: str, learners: int) -> None:
     """In a learner process: the scheduling policy `psd run --learner-sched name` would give it."""
     from psd.watchdog.launcher import learner_sched_policy
 
-    policy = learner_sched_policy(name, learners)
-    if policy is not None:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+    os.sched_setscheduler(0, learner_sched_policy(name, learners), os.sched_param(0))
 
 
 def attach_kwargs(pull: str) -> dict:
