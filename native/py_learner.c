@@ -690,9 +690,13 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
     if (S->copy) {
         if (now == clock) {
             PSD_ADD_RLX(&s->pulls_skipped, 1);
-        } else {
+        } else if (m->g.n_params < (UINT64_C(1) << 16)) {
             memcpy(S->front.buf, psd_weights(m), (size_t)S->front.len);
             PSD_ADD_RLX(&s->pulls, 1);
+            PSD_STORE_RLX(&s->learner_clock, now);
+        } else { /* busy keeps the buffer and the mapping while the GIL is released */
+            Py_BEGIN_ALLOW_THREADS memcpy(S->front.buf, psd_weights(m), (size_t)S->front.len);
+            Py_END_ALLOW_THREADS PSD_ADD_RLX(&s->pulls, 1);
             PSD_STORE_RLX(&s->learner_clock, now);
         }
     } else {

@@ -231,9 +231,9 @@ def _build() -> tuple[Flag, ...]:
              "parameters are read-only views of the shared weights (no copy, always the newest; CPU float32 "
              "models, no --predict)", "copy", choices=PULL_MODES, commands=(RUN,), metavar="MODE"),
         Flag("--learner-sched", "CPU scheduling of the learners: normal; batch (SCHED_BATCH: no wake-up "
-             "preemption); idle (SCHED_IDLE: the server's update loop, and anything else on the machine, runs "
-             "first whenever it has work, so the loop keeps up with more learners than cores); auto: idle when "
-             "the learners fill the cores, else normal", "auto", choices=LEARNER_SCHED_CHOICES,
+             "preemption of the update loop); idle (SCHED_IDLE: the update loop, and anything else on the "
+             "machine, runs first whenever it has work); auto: batch when the learners fill the cores, else "
+             "normal", "auto", choices=LEARNER_SCHED_CHOICES,
              commands=(RUN,), metavar="POLICY"),
         Flag("--gpus", "GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK % len(LIST)] (more "
              "learners than GPUs share them)", "", commands=(RUN,), metavar="LIST", readme_default=""),

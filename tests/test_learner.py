@@ -231,3 +231,32 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
         assert torch.equal(m.vec.detach(), torch.full((5,), -13.0))
     st = job_status(job)
     assert st["pushed"] == st["applied"] == 42
+
+
+def test_a_pull_thread_only_where_it_has_a_core_and_it_hands_over_weights(job, serve, monkeypatch):
+    """Models over INLINE_PULL_BYTES pull in a native thread when the job's learners and loop threads
+    leave it a core (on this 2-core machine they never do, so the test asks for it), and the thread's
+    weights reach the model at a later step."""
+    from psd.learner import client
+
+    assert client.pull_thread_has_a_core(2, 1, cpus=4) and not client.pull_thread_has_a_core(2, 1, cpus=3)
+    assert not client.pull_thread_has_a_core(1, 0, cpus=2)
+    serve(job, "--learners", "2", "--lr", "1")
+    n = client.INLINE_PULL_BYTES // 4 + 1
+    a, b = Flat(n), Flat(n)
+    with learner.attach(a, job=job) as pa:
+        assert pa._puller is None or len(os.sched_getaffinity(0)) > 3
+        monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: True)
+        with learner.attach(b, job=job) as pb:
+            assert pb._puller is not None and pb._stepper is None
+            for _ in range(5):
+                a.w.grad = torch.zeros_like(a.w)
+                a.w.grad[7] = 1.0
+                pa.step()
+            pa.flush()
+
+            def b_sees_them():
+                pb.step()  # a zero gradient: lets the pull thread hand over
+                return b.w[7].item() == -5.0
+
+            wait_until(b_sees_them, what="the pull thread to hand over a's updates")

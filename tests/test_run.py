@@ -106,12 +106,13 @@ def test_learners_get_the_pull_mode_and_the_scheduling_policy_asked_for(job, tmp
     assert not os.path.exists(shm_path(job))
 
 
-def test_auto_scheduling_idles_learners_only_when_they_fill_the_cores():
+def test_auto_scheduling_batches_learners_only_when_they_fill_the_cores():
     from psd.watchdog.launcher import learner_sched_policy
 
     assert learner_sched_policy("auto", 1, cpus=2) == os.SCHED_OTHER
-    assert learner_sched_policy("auto", 2, cpus=2) == os.SCHED_IDLE
-    assert learner_sched_policy("auto", 8, cpus=2) == os.SCHED_IDLE
+    assert learner_sched_policy("auto", 2, cpus=2) == os.SCHED_BATCH
+    assert learner_sched_policy("auto", 8, cpus=2) == os.SCHED_BATCH
+    assert learner_sched_policy("idle", 1, cpus=2) == os.SCHED_IDLE
     assert learner_sched_policy("batch", 8, cpus=2) == os.SCHED_BATCH
     assert learner_sched_policy("normal", 8, cpus=2) == os.SCHED_OTHER
 

@@ -43,8 +43,8 @@ class BenchConfig:
     # "psd" figures, always measured) and "view" (parameters are views of the shared weights: "psd_view",
     # measured where learner.attach takes pull=).
     pull_modes: tuple[str, ...] = ("copy", "view")
-    # The scheduling policy psd's learners run under, as `psd run --learner-sched` gives it (auto: SCHED_IDLE
-    # when the learners fill the cores, so the update loop is not left a fair share of one). The peers'
+    # The scheduling policy psd's learners run under, as `psd run --learner-sched` gives it (auto: SCHED_BATCH
+    # when the learners fill the cores: they do not preempt the update loop when they wake). The peers'
     # processes keep the normal policy: that is how they run.
     learner_sched: str = "auto"
 
