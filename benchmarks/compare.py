@@ -84,18 +84,15 @@ def _ratios(row: dict, key: str) -> list[tuple[str, float, float | None]]:
 def metrics(result: dict) -> dict[tuple, Metric]:
     """The comparable figures of a bench result (a run's JSON, of this format or an older one)."""
     out: dict[tuple, Metric] = {}
-    for row in result.get("round_trip") or []:
-        for name, value, spread in _ratios(row, "updates_per_s"):
-            fields = {"kind": "round_trip", "params": row["params"], "learners": row["learners"], "ratio": name}
-            label = f"round trip {row['params']:,} params x{row['learners']}: {name.replace('_over_', ' / ')}"
-            key = ("round_trip", row["params"], row["learners"], name)
-            out[key] = Metric(key, label, value, spread, fields)
-    for row in result.get("training") or []:
-        for name, value, spread in _ratios(row, "samples_per_s"):
-            fields = {"kind": "training", "batch": row["batch"], "learners": row["learners"], "ratio": name}
-            label = f"training mini-batch {row['batch']} x{row['learners']}: {name.replace('_over_', ' / ')}"
-            key = ("training", row["batch"], row["learners"], name)
-            out[key] = Metric(key, label, value, spread, fields)
+    # (kind, the figure its ratios divide, the field a row is told apart by, how that field reads)
+    for kind, figure, by, title in (("round_trip", "updates_per_s", "params", "round trip {:,} params"),
+                                    ("training", "samples_per_s", "batch", "training mini-batch {}")):
+        for row in result.get(kind) or []:
+            for name, value, spread in _ratios(row, figure):
+                fields = {"kind": kind, by: row[by], "learners": row["learners"], "ratio": name}
+                label = f"{title.format(row[by])} x{row['learners']}: {name.replace('_over_', ' / ')}"
+                key = (kind, row[by], row["learners"], name)
+                out[key] = Metric(key, label, value, spread, fields)
     for row in result.get("update_loop") or []:
         value = row.get("fraction_of_limit")
         if not isinstance(value, int | float) or not math.isfinite(value):

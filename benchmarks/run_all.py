@@ -53,7 +53,8 @@ def _limit_tables(r: dict) -> list[str]:
             lines.append(f"| {lim['params']:,} | {lim['params'] * 4 / 1e6:.1f} | {lim['threads']} | {lim['gbs']:.1f} | "
                          f"{_f(loop['gbs'])} | {_f(loop['fraction_of_limit'], '.2f')} | {honest} |")
         if any(lim.get("honest") is False for lim, _ in pairs):
-            lines += ["", f"Not a {place} figure: the vectors are not where the heading says (a --quick run)."]
+            lines += ["", f"Not a {place} figure: the vectors are not where the heading says (a --quick run, or a "
+                      f"--loop-sizes size between the two)."]
         skipped = {loop["skipped"] for _, loop in pairs if loop.get("skipped")}
         lines += [f"Update loop skipped: {why}." for why in sorted(skipped)]
     return lines
