@@ -96,7 +96,8 @@ def test_learners_get_the_pull_mode_and_the_scheduling_policy_asked_for(job, tmp
         "    for _ in range(20):\n"
         "        m(torch.randn(2, 4)).sum().backward()\n"
         "        ps.step()\n"
-        "    print('policy', os.sched_getscheduler(0), 'pull', ps.pull_mode, flush=True)\n"
+        # One write per line: both learners share the stdout pipe, and print() writes its parts apart.
+        "    os.write(1, f'policy {os.sched_getscheduler(0)} pull {ps.pull_mode}\\n'.encode())\n"
     )
     run = psd_run(job, tmp_path / "ck", sys.executable, str(script),
                   extra=("--pull", "view", "--learner-sched", "idle"))
