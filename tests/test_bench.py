@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from conftest import ROOT, child_env
-from psd.bench._common import view_available
 from psd.bench.kernels import DEFAULT_LLC_BYTES, cache_params, last_level_cache, parse_cache_size
 
 
@@ -48,10 +47,9 @@ def test_bench_json_has_every_field():
     assert cache_row["honest"] and cache_row["params"] == cache_params(out["llc_bytes"])
     assert not any(x["honest"] for x in out["limit"] if x["where"] == "dram")  # --quick says its DRAM is not one
 
-    view = view_available()
-    assert out["pull_modes"] == (["copy", "view"] if view else ["copy"])
+    assert out["pull_modes"] == ["copy", "view"]
     (row,) = out["round_trip"]
-    names = ["psd", "psd_view"] if view else ["psd"]
+    names = ["psd", "psd_view"]
     for name in names:
         p = row[name]
         assert {"updates_per_s", "updates_per_s_min", "updates_per_s_max", "reps", "model_gbs", "pulls_per_update",
@@ -62,8 +60,7 @@ def test_bench_json_has_every_field():
     assert 0 < row["psd"]["pulls_per_update"]
     for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
         assert row[peer]["updates_per_s"] > 0 and row[f"psd_over_{peer}"] > 0
-    if view:
-        assert row["psd_view_over_hogwild"] > 0 and row["psd_view_over_hogwild_snapshot"] > 0
+    assert row["psd_view_over_hogwild"] > 0 and row["psd_view_over_hogwild_snapshot"] > 0
     (train,) = out["training"]
     for name in names:
         assert train[name]["samples_per_s"] > 0 and 0 <= train[name]["accuracy"] <= 1

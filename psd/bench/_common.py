@@ -18,7 +18,6 @@ STREAM_BYTES = 12  # read g, read w, write w
 LR = 1e-6
 
 
-
 @dataclass
 class BenchConfig:
     """What to measure. ``quick`` shrinks everything to a smoke test."""
@@ -40,8 +39,7 @@ class BenchConfig:
     # The loop holds learners x ring entries plus the weights: 1e8 floats is 3.6 GB of arena.
     loop_sizes: tuple[int, ...] = ()
     # How the round trip's and training's learners get the weights: "copy" (pulled after each step: the
-    # "psd" figures, always measured) and "view" (parameters are views of the shared weights: "psd_view",
-    # measured where learner.attach takes pull=).
+    # "psd" figures, always measured) and "view" (parameters are views of the shared weights: "psd_view").
     pull_modes: tuple[str, ...] = ("copy", "view")
     # The scheduling policy psd's learners run under, as `psd run --learner-sched` gives it (auto: SCHED_BATCH
     # when the learners fill the cores: they do not preempt the update loop when they wake). The peers'
@@ -60,17 +58,8 @@ class BenchConfig:
             raise ValueError(f"pull_modes: {sorted(unknown)} are not pull modes (use {', '.join(PULL_MODES)})")
 
     def view_pulls(self) -> bool:
-        """Whether to measure pull="view" beside the default copy: asked for, and this psd has it."""
-        return "view" in self.pull_modes and view_available()
-
-
-def view_available() -> bool:
-    """Whether learner.attach takes ``pull=`` (the zero-copy view of the shared weights)."""
-    import inspect
-
-    from psd import learner
-
-    return "pull" in inspect.signature(learner.attach).parameters
+        """Whether to measure pull="view" beside the default copy."""
+        return "view" in self.pull_modes
 
 
 def set_learner_sched(name: str, learners: int) -> None:
@@ -78,16 +67,6 @@ def set_learner_sched(name: str, learners: int) -> None:
     from psd.watchdog.launcher import learner_sched_policy
 
     os.sched_setscheduler(0, learner_sched_policy(name, learners), os.sched_param(0))
-
-
-def attach_kwargs(pull: str) -> dict:
-    """attach()'s pull argument: named even for "copy", so that $PSD_PULL cannot turn a copy run into a
-    view run; left out where attach has no such parameter (only "copy" exists there)."""
-    if not view_available():
-        if pull != "copy":
-            raise ValueError(f"pull={pull!r}: this psd's learner.attach has no pull parameter")
-        return {}
-    return {"pull": pull}
 
 
 def _ctx():

@@ -6,7 +6,7 @@ import json
 import os
 
 from psd import __version__
-from psd.bench._common import BenchConfig, view_available
+from psd.bench._common import BenchConfig
 from psd.bench.kernels import dram_params, idle_cpu, kernels, limits
 from psd.bench.round_trip import gpu_round_trip, round_trip
 from psd.bench.training import training
@@ -24,8 +24,6 @@ def run(cfg: BenchConfig, log=print) -> dict:
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")
     out["pull_modes"] = ["copy", "view"] if cfg.view_pulls() else ["copy"]
     out["learner_sched"] = cfg.learner_sched
-    if "view" in cfg.pull_modes and not view_available():
-        log("pull='view': not measured (this psd's learner.attach has no pull parameter)")
     out["round_trip"] = round_trip(cfg, log)
     out["training"] = training(cfg, log) if cfg.training else []
     out["gpu_round_trip"] = gpu_round_trip(cfg, log)

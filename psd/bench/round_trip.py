@@ -20,7 +20,6 @@ from psd.bench._common import (
     _percentiles,
     _server_thread,
     _timed,
-    attach_kwargs,
     reporting,
     set_learner_sched,
 )
@@ -50,7 +49,7 @@ def _psd_null_learner(job: str, n: int, device: str, duration: float, pull: str,
     m = torch.nn.Module()
     m.w = torch.nn.Parameter(torch.zeros(n, device=device))
     g = torch.full((n,), 1e-6, device=device)
-    with learner.attach(m, job=job, timeout=120, **attach_kwargs(pull)) as ps:
+    with learner.attach(m, job=job, timeout=120, pull=pull) as ps:
         for _ in range(ps._k + 1):  # touch every ring entry once: page faults are set-up, not traffic
             m.w.grad = g
             ps.step()

@@ -1,5 +1,5 @@
-"""Training the shipped MLP workload through psd (pulling a copy of the weights, and, where learner.attach
-has it, computing on views of the shared weights: ``psd_view``) and through Hogwild: samples/s and
+"""Training the shipped MLP workload through psd (pulling a copy of the weights, and computing on views of
+the shared weights: ``psd_view``) and through Hogwild: samples/s and
 accuracy."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from psd.bench._common import (
     _interleaved,
     _server_thread,
     _timed,
-    attach_kwargs,
     reporting,
     set_learner_sched,
 )
@@ -33,7 +32,7 @@ def _psd_train_learner(job: str, rank: int, world: int, batch: int, epochs: int,
     x, y = shard(data, rank, world)
     model = make_mlp(data.dim, data.classes)
     g = torch.Generator().manual_seed(rank)
-    with learner.attach(model, job=job, timeout=120, **attach_kwargs(pull)) as ps:
+    with learner.attach(model, job=job, timeout=120, pull=pull) as ps:
         barrier.wait()
         for _ in range(epochs):
             order = torch.randperm(len(x), generator=g)
