@@ -115,6 +115,32 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* psd_push_from, without the GIL for models of 2^16 parameters or more; 0, or -1 with an exception
+ * named after `op` (the caller's name) set. */
+static int push_gradient(Arena *a, const char *op, uint32_t slot, uint64_t clock, uint32_t batch, double loss,
+                         float scale, const struct psd_src *src, uint32_t count, uint32_t dtype,
+                         const double *bufdelta) {
+    int rc;
+    if (a->map.g.n_params < (UINT64_C(1) << 16)) {
+        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, count, dtype, bufdelta);
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, count, dtype, bufdelta);
+        Py_END_ALLOW_THREADS
+    }
+    if (rc == EINVAL)
+        PyErr_Format(PyExc_ValueError, "%s: the tensors do not match the job's %llu trainable elements, or a sparse "
+                     "gradient names rows outside its tensor", op, (unsigned long long)a->map.g.n_train);
+    else if (rc)
+        raise_code(rc, "push gradient", a->name);
+    return rc ? -1 : 0;
+}
+
+/* Whether the slot's ring has a free entry. Pairs with the store-release of head in the update loop. */
+static bool ring_has_space(struct psd_map *m, uint32_t slot) {
+    struct psd_slot *s = psd_slot_at(m, slot);
+    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < m->g.ring_k;
+}
+
 /* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy
  * the gradient from the tensors at the addresses `ptrs` (0: no gradient) of
  * `lens` elements of `dtype` (enum psd_dtype) into the entry at the tail,
@@ -143,7 +169,6 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
     Py_ssize_t count = PySequence_Fast_GET_SIZE(p);
     struct psd_src *src = NULL;
     const double *bufdelta = NULL;
-    int rc = 0;
     if (count != PySequence_Fast_GET_SIZE(l) || (uint64_t)count != a->map.g.n_pieces) {
         PyErr_Format(PyExc_ValueError, "push_from: ptrs and lens must both have one item per trainable tensor (%llu)",
                      (unsigned long long)a->map.g.n_pieces);
@@ -186,18 +211,7 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
         if (PyErr_Occurred())
             goto out;
     }
-    if (a->map.g.n_params < (UINT64_C(1) << 16)) {
-        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
-    } else {
-        Py_BEGIN_ALLOW_THREADS rc =
-            psd_push_from(&a->map, slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
-        Py_END_ALLOW_THREADS
-    }
-    if (rc == EINVAL)
-        PyErr_Format(PyExc_ValueError, "push_from: the tensors do not match the job's %llu trainable elements, "
-                     "or a sparse gradient names rows outside its tensor", (unsigned long long)a->map.g.n_train);
-    else if (rc)
-        raise_code(rc, "push gradient", a->name);
+    push_gradient(a, "push_from", slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
 out:
     PyMem_Free(src);
     Py_DECREF(p);
@@ -246,9 +260,7 @@ static PyObject *arena_has_space(Arena *a, PyObject *args) {
     unsigned int slot;
     if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
         return NULL;
-    struct psd_slot *s = psd_slot_at(&a->map, slot);
-    /* Pairs with the store-release of head in the update loop. */
-    return PyBool_FromLong(PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < a->map.g.ring_k);
+    return PyBool_FromLong(ring_has_space(&a->map, slot));
 }
 
 static PyObject *arena_wait_round(Arena *a, PyObject *args) {
@@ -300,6 +312,35 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
                          "outcome", e->outcome, "flags", e->flags);
 }
 
+/* The weights as of the clock now, for slot's learner: copied into dst (n_params float32) unless
+ * the learner already holds that clock (`known`), or with dst NULL (pull="view": the learner computes
+ * on the shared weights) only recorded as the slot's learner clock. Called with the GIL; it lets go
+ * of it for a large copy. Returns the clock. */
+static uint64_t take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
+    struct psd_slot *s = psd_slot_at(m, slot);
+    /* Pairs with the store-release of clock in the update loop: the weights hold at least every
+     * update up to it. */
+    uint64_t clock = PSD_LOAD_ACQ(&psd_hdr(m)->clock);
+    if (!dst) {
+        PSD_STORE_RLX(&s->learner_clock, clock);
+        return clock;
+    }
+    if (clock == known) {
+        PSD_ADD_RLX(&s->pulls_skipped, 1);
+        return clock;
+    }
+    size_t len = (size_t)(m->g.n_params * sizeof(float));
+    if (m->g.n_params < (UINT64_C(1) << 16)) {
+        memcpy(dst, psd_weights(m), len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS memcpy(dst, psd_weights(m), len);
+        Py_END_ALLOW_THREADS
+    }
+    PSD_ADD_RLX(&s->pulls, 1);
+    PSD_STORE_RLX(&s->learner_clock, clock);
+    return clock;
+}
+
 static PyObject *arena_pull_into(Arena *a, PyObject *args) {
     unsigned int slot;
     unsigned long long known;
@@ -310,22 +351,12 @@ static PyObject *arena_pull_into(Arena *a, PyObject *args) {
         PyBuffer_Release(&dst);
         return NULL;
     }
-    struct psd_header *h = psd_hdr(&a->map);
-    struct psd_slot *s = psd_slot_at(&a->map, slot);
     if ((uint64_t)dst.len != a->map.g.n_params * sizeof(float)) {
         PyBuffer_Release(&dst);
         PyErr_SetString(PyExc_ValueError, "pull_into: the buffer must hold n_params float32");
         return NULL;
     }
-    /* Pairs with the store-release of clock in the update loop. */
-    uint64_t clock = PSD_LOAD_ACQ(&h->clock);
-    if (clock == known) {
-        PSD_ADD_RLX(&s->pulls_skipped, 1);
-    } else {
-        Py_BEGIN_ALLOW_THREADS memcpy(dst.buf, psd_weights(&a->map), (size_t)dst.len);
-        Py_END_ALLOW_THREADS PSD_ADD_RLX(&s->pulls, 1);
-        PSD_STORE_RLX(&s->learner_clock, clock);
-    }
+    uint64_t clock = take_weights(&a->map, slot, dst.buf, known);
     PyBuffer_Release(&dst);
     return PyLong_FromUnsignedLongLong(clock);
 }
@@ -347,11 +378,7 @@ static PyObject *arena_seen_clock(Arena *a, PyObject *args) {
     unsigned int slot;
     if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
         return NULL;
-    /* Pairs with the store-release of clock in the update loop: the weights the next forward
-     * pass reads hold at least every update up to it. */
-    uint64_t clock = PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock);
-    PSD_STORE_RLX(&psd_slot_at(&a->map, slot)->learner_clock, clock);
-    return PyLong_FromUnsignedLongLong(clock);
+    return PyLong_FromUnsignedLongLong(take_weights(&a->map, slot, NULL, 0));
 }
 
 static PyObject *arena_stepper(Arena *a, PyObject *args); /* below, with the Stepper */
@@ -660,48 +687,16 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
             goto out;
     struct psd_map *m = &a->map;
     uint64_t t0 = psd_now_ns();
-    int rc;
-    if (m->g.n_params < (UINT64_C(1) << 16)) {
-        rc = psd_push_from(m, S->slot, clock, (uint32_t)batch, loss, 1.0f, S->src, (uint32_t)S->count, S->dtype_code,
-                           NULL);
-    } else {
-        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(m, S->slot, clock, (uint32_t)batch, loss, 1.0f, S->src,
-                                                  (uint32_t)S->count, S->dtype_code, NULL);
-        Py_END_ALLOW_THREADS
-    }
+    int failed = push_gradient(a, "step", S->slot, clock, (uint32_t)batch, loss, 1.0f, S->src, (uint32_t)S->count,
+                               S->dtype_code, NULL);
     S->push_ns = psd_now_ns() - t0;
-    if (rc == EINVAL) {
-        PyErr_Format(PyExc_ValueError, "step: the gradients do not match the job's %llu trainable elements",
-                     (unsigned long long)m->g.n_train);
+    if (failed)
         goto out;
-    }
-    if (rc) {
-        raise_code(rc, "push gradient", a->name);
-        goto out;
-    }
-    struct psd_slot *s = psd_slot_at(m, S->slot);
-    /* Pairs with the store-release of head in the update loop. */
-    if (PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) >= m->g.ring_k) {
+    if (!ring_has_space(m, S->slot)) {
         result = PyLong_FromLong(-1);
         goto out;
     }
-    /* Pairs with the store-release of clock in the update loop. */
-    uint64_t now = PSD_LOAD_ACQ(&psd_hdr(m)->clock);
-    if (S->copy) {
-        if (now == clock) {
-            PSD_ADD_RLX(&s->pulls_skipped, 1);
-        } else if (m->g.n_params < (UINT64_C(1) << 16)) {
-            memcpy(S->front.buf, psd_weights(m), (size_t)S->front.len);
-            PSD_ADD_RLX(&s->pulls, 1);
-            PSD_STORE_RLX(&s->learner_clock, now);
-        } else { /* busy keeps the buffer and the mapping while the GIL is released */
-            Py_BEGIN_ALLOW_THREADS memcpy(S->front.buf, psd_weights(m), (size_t)S->front.len);
-            Py_END_ALLOW_THREADS PSD_ADD_RLX(&s->pulls, 1);
-            PSD_STORE_RLX(&s->learner_clock, now);
-        }
-    } else {
-        PSD_STORE_RLX(&s->learner_clock, now);
-    }
+    uint64_t now = take_weights(m, S->slot, S->copy ? S->front.buf : NULL, clock);
     result = PyLong_FromUnsignedLongLong(now);
 out:
     for (k = 0; k < got; k++)
