@@ -354,22 +354,13 @@ class Learner:
         self._puller = None
         if self.pull_mode == "view":
             self.clock = a.seen_clock(self.slot)
-            with torch.no_grad():  # read-only pages: an in-place write to a parameter is a SIGSEGV
-                for p, v in zip(self._params, split(self._weights, self._wspec), strict=True):
-                    p.data = v
-            self._pull_buffers()
-            self._tail = a.tail(self.slot)
-            for p in self._params:
-                p.grad = None
-            self._make_stepper()
-            return
-        self.clock = a.clock()
-        self._bufs[self._front].copy_(self._weights)
-        if self._lowp is not None:  # the parameters stay views of the model-dtype copy
-            with torch.no_grad():
-                for p, v in zip(self._params, split(self._lowp, self._wspec), strict=True):
-                    p.data = v
-        self._point(self._front)
+            self._set_params(split(self._weights, self._wspec))  # read-only pages: writing one is a SIGSEGV
+        else:
+            self.clock = a.clock()
+            self._bufs[self._front].copy_(self._weights)
+            if self._lowp is not None:  # the parameters stay views of the model-dtype copy
+                self._set_params(split(self._lowp, self._wspec))
+            self._point(self._front)
         self._sync_model()
         self._tail = a.tail(self.slot)
         for p in self._params:
@@ -377,7 +368,8 @@ class Learner:
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
         # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
         # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
-        if n * 4 > INLINE_PULL_BYTES and pull_thread_has_a_core(h["n_slots"], h["threads"]):
+        if (self.pull_mode == "copy" and n * 4 > INLINE_PULL_BYTES
+                and pull_thread_has_a_core(h["n_slots"], h["threads"])):
             self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
                                           self._bufs[1 - self._front].numpy(), self.clock)
         self._make_stepper()
@@ -645,9 +637,13 @@ class Learner:
         self._front = index
         self._front_array = self._bufs[index].numpy()
         if self._lowp is None:
-            with torch.no_grad():
-                for p, v in zip(self._params, self._buf_views[index], strict=True):
-                    p.data = v
+            self._set_params(self._buf_views[index])
+
+    def _set_params(self, views: list[torch.Tensor]) -> None:
+        """Make the parameters (trainable, then frozen) these views, without copying."""
+        with torch.no_grad():
+            for p, v in zip(self._params, views, strict=True):
+                p.data = v
 
     def _sync_model(self) -> None:
         """New weights are in the front buffer: bring them to a low-precision model, with the job's buffers."""
@@ -770,9 +766,7 @@ class DeviceLearner(Learner):
         self._arena.push(self.slot, clock, batch, loss, 1.0, delta)
 
     def _point_device(self) -> None:
-        with torch.no_grad():
-            for prm, v in zip(self._params, self._w_views[self._pipe.front], strict=True):
-                prm.data = v
+        self._set_params(self._w_views[self._pipe.front])
 
     def _arm_device(self) -> None:
         for prm, v in zip(self._train, self._grad_views(), strict=True):
