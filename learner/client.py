@@ -287,6 +287,8 @@ class Learner:
         self.push_every = h["push_every"]
         self.resume_step *= self.push_every  # in mini-batches: each applied push was a wave of them
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
+        # --grad-dtype bf16: dense gradients go into the ring as bfloat16 (the server widens them).
+        self._store = _native.DTYPE_BF16 if h["cfg_flags"] & _native.CFG_GRAD_BF16 else _native.DTYPE_F32
         self._wave = 0
         self._wave_loss = 0.0
         self._wave_batch = 0
@@ -386,7 +388,7 @@ class Learner:
             return
         front = None if self.pull_mode == "view" else self._bufs[self._front].numpy()
         self._stepper = self._arena.stepper(self.slot, tuple(self._train), self.dtype, self._dtype_code,
-                                            torch.strided, front)
+                                            torch.strided, front, self._store)
 
     def _unmap(self) -> None:
         """Drop every tensor over the arena, stop the pull thread, unmap."""
@@ -536,7 +538,7 @@ class Learner:
         grads, ptrs, sparse = self._take_gradients()
         t0 = time.perf_counter_ns()
         a.push_from(self.slot, self.clock, int(batch_size), lv, 1.0 / size, ptrs, self._numels, self._dtype_code,
-                    self._buffer_delta(), sparse)
+                    self._buffer_delta(), sparse, self._store)
         self.push_ns = time.perf_counter_ns() - t0
         del grads
         self._tail += 1

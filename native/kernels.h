@@ -1,7 +1,8 @@
 /*
  * kernels.h -- the update kernel w -= lr * g as the update loop runs it
  * (4-float vectors unrolled 4 times, the compiler's loop for the tail), shared
- * with the benchmark-only variants in bench_kernels.c. Internal to native/.
+ * with the benchmark-only variants in bench_kernels.c, and its bfloat16-gradient
+ * twin. Internal to native/.
  */
 #ifndef PSD_KERNELS_H
 #define PSD_KERNELS_H
@@ -23,6 +24,26 @@ static inline void psd_store4(float *p, psd_v4 v) { memcpy(p, &v, sizeof v); }
 static inline void psd_sgd_vectorised(float *restrict w, const float *restrict g, uint64_t n, float lr) {
     for (uint64_t i = 0; i < n; i++)
         w[i] -= lr * g[i];
+}
+
+/* A bfloat16's float: its bits are the float's top half. */
+static inline float psd_bf16_to_f32(uint16_t v) {
+    uint32_t b = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+/* w -= lr * g with g bfloat16 (--grad-dtype bf16): widened as it is read, half the bytes of g. */
+static inline void psd_sgd_bf16(float *restrict w, const uint16_t *restrict g, uint64_t n, float lr) {
+    for (uint64_t i = 0; i < n; i++)
+        w[i] -= lr * psd_bf16_to_f32(g[i]);
+}
+
+/* dst = g widened to float32. */
+static inline void psd_bf16_widen(float *restrict dst, const uint16_t *restrict g, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++)
+        dst[i] = psd_bf16_to_f32(g[i]);
 }
 
 #define PSD_SGD_V4(off) psd_store4(w + i + (off), psd_load4(w + i + (off)) - k * psd_load4(g + i + (off)))

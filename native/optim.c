@@ -15,6 +15,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "psd.h"
 
 /* The scalars of one update, computed once per step. */
@@ -168,8 +169,21 @@ static void step_range(const struct psd_header *h, const struct step_scalars *k,
     }
 }
 
-void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
-                        uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat) {
+/* step_range over [lo, hi) with a float32 or a bfloat16 gradient: a bfloat16 chunk is widened
+ * into a buffer of the calling thread's first (at most PSD_CHUNK floats: it stays in cache). */
+static void step_chunk(const struct psd_header *h, const struct step_scalars *k, float *w, const void *g,
+                       uint32_t gdtype, float *s0, float *s1, uint64_t lo, uint64_t hi) {
+    if (gdtype != PSD_DTYPE_BF16) {
+        step_range(h, k, w, g, s0, s1, lo, hi);
+        return;
+    }
+    float wide[PSD_CHUNK];
+    psd_bf16_widen(wide, (const uint16_t *)g + lo, hi - lo);
+    step_range(h, k, w + lo, wide, s0 + lo, s1 + lo, 0, hi - lo);
+}
+
+void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
+                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat) {
     struct step_scalars k = {0};
     k.gscale = gscale;
     k.lr = (float)lr;
@@ -188,14 +202,14 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, fl
     k.decay_mul = (float)(1.0 - lr * h->weight_decay);
     k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay));
     if (h->optimizer == PSD_OPT_SGD && h->weight_decay == 0.0 && gscale == 1.0f) {
-        psd_apply_sgd(w, g, n, (float)lr, threads, beat); /* the plain, fastest path */
+        psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat); /* the plain, fastest path */
         return;
     }
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            step_range(h, &k, w, g, s0, s1, lo, hi);
+            step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
             psd_beat(beat);
         }
         return;
@@ -203,7 +217,7 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, fl
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-        step_range(h, &k, w, g, s0, s1, lo, hi);
+        step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
         if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
             psd_beat(beat);
     }

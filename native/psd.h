@@ -304,13 +304,15 @@ struct psd_src {
     uint64_t row_len;    /* sparse: elements per row (divides len) */
 };
 /* Copy a gradient given tensor by tensor (`count` == n_pieces, in spec
- * order, elements of `dtype`) into the entry at the tail as float32, times
+ * order, elements of `dtype`) into the entry at the tail as `store`
+ * (float32, or bfloat16 for the dense tensors: PSD_PIECE_DENSE_BF16), times
  * `scale`, checking it in the same pass, and publish it. A sparse tensor is
  * stored as rows when they take less room than the dense tensor, else
- * scattered densely. The lengths must be the job's (EINVAL). Dense float32
- * gradients of PSD_STREAM_BYTES or more are written with non-temporal stores. */
+ * scattered densely (float32 either way). The lengths must be the job's
+ * (EINVAL). Dense float32 gradients of PSD_STREAM_BYTES or more stored as
+ * float32 are written with non-temporal stores. */
 int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
-                  const struct psd_src *src, uint32_t count, uint32_t dtype, const double *bufdelta);
+                  const struct psd_src *src, uint32_t count, uint32_t dtype, uint32_t store, const double *bufdelta);
 #define PSD_STREAM_BYTES (UINT64_C(1) << 20)
 /* bsp: wait until more than `rounds` rounds are complete. */
 int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t rounds, uint64_t timeout_ns);
@@ -367,7 +369,8 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
                    uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
-void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads,
+/* w -= lr * g, g n float32 or bfloat16 (gdtype, enum psd_dtype), on `threads` threads. */
+void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
                    struct psd_beat *beat);
 /* bench_kernels.c: one thread, one way of writing the loop (psd bench's unrolling measure). */
 enum psd_kernel { PSD_KERNEL_SCALAR, PSD_KERNEL_VECTOR, PSD_KERNEL_UNROLL4, PSD_KERNEL_UNROLL8 };
@@ -379,11 +382,12 @@ double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
 double psd_async_momentum(const struct psd_header *h);
 /* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
 double psd_async_lr_factor(const struct psd_header *h, double staleness);
-/* One update of the configured optimizer with gradient g * gscale; t is the
- * 1-based step (Adam's bias correction, the momentum buffer's first step). Beats `beat` every
- * PSD_CHUNK floats (of the master thread's share) at most. */
-void psd_optimizer_step(const struct psd_header *h, float *w, const float *g, float gscale, float *s0, float *s1,
-                        uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat);
+/* One update of the configured optimizer with gradient g * gscale (n float32, or bfloat16 when
+ * gdtype is PSD_DTYPE_BF16: widened a chunk at a time); t is the 1-based step (Adam's bias
+ * correction, the momentum buffer's first step). Beats `beat` every PSD_CHUNK floats (of the
+ * master thread's share) at most. */
+void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
+                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat);
 /* Whether the configured optimizer takes sparse gradients (as torch.optim:
  * sgd and adagrad, without weight decay). */
 bool psd_sparse_ok(const struct psd_header *h);

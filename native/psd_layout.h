@@ -373,7 +373,9 @@ struct psd_slot {
  * The payload follows at offset PSD_CACHELINE (see psd_entry_* in psd.h):
  *   gradient    n_train float32, in spec order; the span of piece k holds
  *               either its dense gradient, or (PSD_PIECE_SPARSE) a uint64
- *               row count r, r int64 row indices, then r rows of float32
+ *               row count r, r int64 row indices, then r rows of float32, or
+ *               (PSD_PIECE_DENSE_BF16) its dense gradient as bfloat16 in the
+ *               first half of the span
  *   buffers     n_buffers float64 (8-aligned, PSD_ENTRY_BUFFERS): the learner's
  *               real-valued buffers (they replace the job's), then how far its
  *               integer buffers (counters) moved since it last pulled them (added)
@@ -420,6 +422,7 @@ enum psd_piece_kind {
     PSD_PIECE_ABSENT = 0,
     PSD_PIECE_DENSE = 1,
     PSD_PIECE_SPARSE = 2, /* rows of a 2-D (or wider) tensor: sgd and adagrad only */
+    PSD_PIECE_DENSE_BF16 = 3, /* dense, as bfloat16 (--grad-dtype bf16): half the bytes to write and read */
 };
 
 /* Per trainable tensor, written only by the update loop (or a server
@@ -496,6 +499,7 @@ enum psd_async_momentum {
 #define PSD_CFG_STALENESS_LR 1u /* divide the lr by max(1, staleness) */
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */
 #define PSD_CFG_LEASE_ONLY 4u   /* --liveness lease: never consult /proc, judge learners by their lease */
+#define PSD_CFG_GRAD_BF16 8u    /* --grad-dtype bf16: learners push dense gradients as bfloat16 */
 #define PSD_LEASE_MS_DEFAULT 5000u
 
 /* Optimizer state vectors (n_train floats each) an arena holds. */

@@ -118,18 +118,20 @@ static PyObject *arena_push(Arena *a, PyObject *args) {
 /* psd_push_from, without the GIL for models of 2^16 parameters or more; 0, or -1 with an exception
  * named after `op` (the caller's name) set. */
 static int push_gradient(Arena *a, const char *op, uint32_t slot, uint64_t clock, uint32_t batch, double loss,
-                         float scale, const struct psd_src *src, uint32_t count, uint32_t dtype,
+                         float scale, const struct psd_src *src, uint32_t count, uint32_t dtype, uint32_t store,
                          const double *bufdelta) {
     int rc;
     if (a->map.g.n_params < (UINT64_C(1) << 16)) {
-        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, count, dtype, bufdelta);
+        rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, count, dtype, store, bufdelta);
     } else {
-        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, count, dtype, bufdelta);
+        Py_BEGIN_ALLOW_THREADS rc = psd_push_from(&a->map, slot, clock, batch, loss, scale, src, count, dtype, store,
+                                                  bufdelta);
         Py_END_ALLOW_THREADS
     }
     if (rc == EINVAL)
-        PyErr_Format(PyExc_ValueError, "%s: the tensors do not match the job's %llu trainable elements, or a sparse "
-                     "gradient names rows outside its tensor", op, (unsigned long long)a->map.g.n_train);
+        PyErr_Format(PyExc_ValueError, "%s: the tensors do not match the job's %llu trainable elements, a sparse "
+                     "gradient names rows outside its tensor, or the dtype (%u) or the dtype to store (%u) is "
+                     "unknown", op, (unsigned long long)a->map.g.n_train, dtype, store);
     else if (rc)
         raise_code(rc, "push gradient", a->name);
     return rc ? -1 : 0;
@@ -141,21 +143,22 @@ static bool ring_has_space(struct psd_map *m, uint32_t slot) {
     return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < m->g.ring_k;
 }
 
-/* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy
- * the gradient from the tensors at the addresses `ptrs` (0: no gradient) of
- * `lens` elements of `dtype` (enum psd_dtype) into the entry at the tail,
+/* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None, store=0):
+ * copy the gradient from the tensors at the addresses `ptrs` (0: no gradient) of
+ * `lens` elements of `dtype` (enum psd_dtype) into the entry at the tail, as
+ * `store` (PSD_DTYPE_F32, or PSD_DTYPE_BF16 for the dense tensors),
  * checking it on the way, and publish it. `sparse` lists (k, rows_ptr, nnz,
  * row_len) for the tensors whose gradient is nnz rows (ptrs[k] the values).
  * `bufdelta` is the address of n_buffers doubles. The caller (Learner.step)
  * keeps the tensors alive and vouches for the addresses. */
 static PyObject *arena_push_from(Arena *a, PyObject *args) {
-    unsigned int slot, batch, dtype = PSD_DTYPE_F32;
+    unsigned int slot, batch, dtype = PSD_DTYPE_F32, store = PSD_DTYPE_F32;
     unsigned long long clock;
     double loss;
     float scale;
     PyObject *ptrs, *lens, *bo = Py_None, *sparse = Py_None;
-    if (!PyArg_ParseTuple(args, "IKIdfOO|IOO", &slot, &clock, &batch, &loss, &scale, &ptrs, &lens, &dtype, &bo,
-                          &sparse) ||
+    if (!PyArg_ParseTuple(args, "IKIdfOO|IOOI", &slot, &clock, &batch, &loss, &scale, &ptrs, &lens, &dtype, &bo,
+                          &sparse, &store) ||
         check_slot(a, slot))
         return NULL;
     PyObject *p = PySequence_Fast(ptrs, "push_from: ptrs must be a sequence of addresses");
@@ -211,7 +214,7 @@ static PyObject *arena_push_from(Arena *a, PyObject *args) {
         if (PyErr_Occurred())
             goto out;
     }
-    push_gradient(a, "push_from", slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, bufdelta);
+    push_gradient(a, "push_from", slot, clock, batch, loss, scale, src, (uint32_t)count, dtype, store, bufdelta);
 out:
     PyMem_Free(src);
     Py_DECREF(p);
@@ -512,15 +515,16 @@ PyMethodDef py_learner_methods[] = {
      "push(slot, clock, batch, loss, scale=1, bufdelta=None): scale and check the entry at the tail (every tensor "
      "dense), copy n_buffers doubles from the address bufdelta along, publish it."},
     {"push_from", (PyCFunction)arena_push_from, METH_VARARGS,
-     "push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None): copy the "
-     "gradient tensor by tensor from the addresses ptrs (0: none) into the entry at the tail, converted to float32, "
-     "scaled and checked, and publish it; sparse: (k, rows_ptr, nnz, row_len) per sparse tensor."},
+     "push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None, store=0): copy the "
+     "gradient tensor by tensor from the addresses ptrs (0: none) into the entry at the tail, converted to float32 "
+     "(store=DTYPE_BF16: the dense tensors to bfloat16), scaled and checked, and publish it; sparse: (k, rows_ptr, "
+     "nnz, row_len) per sparse tensor."},
     {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
     {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
     {"stepper", (PyCFunction)arena_stepper, METH_VARARGS,
-     "stepper(slot, params, dtype, dtype_code, strided, front) -> Stepper: the whole step in one call"},
+     "stepper(slot, params, dtype, dtype_code, strided, front, store=0) -> Stepper: the whole step in one call"},
     {"seen_clock", (PyCFunction)arena_seen_clock, METH_VARARGS,
      "seen_clock(slot) -> clock: the weights clock now, recorded as the slot's learner clock (pull='view')"},
     {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
@@ -556,6 +560,7 @@ typedef struct {
     PyObject_HEAD PyObject *arena; /* Arena: kept open (exports) while the Stepper lives */
     unsigned int slot;
     unsigned int dtype_code;
+    unsigned int store; /* enum psd_dtype the ring entry holds (--grad-dtype) */
     Py_ssize_t count;
     PyObject *params;  /* tuple of the trainable parameters, spec order */
     PyObject *dtype;   /* the model's torch dtype */
@@ -688,7 +693,7 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
     struct psd_map *m = &a->map;
     uint64_t t0 = psd_now_ns();
     int failed = push_gradient(a, "step", S->slot, clock, (uint32_t)batch, loss, 1.0f, S->src, (uint32_t)S->count,
-                               S->dtype_code, NULL);
+                               S->dtype_code, S->store, NULL);
     S->push_ns = psd_now_ns() - t0;
     if (failed)
         goto out;
@@ -755,12 +760,14 @@ PyTypeObject StepperType = {
     .tp_getset = stepper_getset,
 };
 
-/* stepper(slot, params, dtype, dtype_code, strided, front) -> Stepper. `front`: the buffer an
- * inline pull copies into (n_params float32), or None for pull="view". */
+/* stepper(slot, params, dtype, dtype_code, strided, front, store=0) -> Stepper. `front`: the buffer an
+ * inline pull copies into (n_params float32), or None for pull="view"; `store`: the enum psd_dtype
+ * pushed into the ring (push_from's). */
 static PyObject *arena_stepper(Arena *a, PyObject *args) {
-    unsigned int slot, dtype_code;
+    unsigned int slot, dtype_code, store = PSD_DTYPE_F32;
     PyObject *params, *dtype, *strided, *front;
-    if (!PyArg_ParseTuple(args, "IO!OIOO", &slot, &PyTuple_Type, &params, &dtype, &dtype_code, &strided, &front) ||
+    if (!PyArg_ParseTuple(args, "IO!OIOO|I", &slot, &PyTuple_Type, &params, &dtype, &dtype_code, &strided, &front,
+                          &store) ||
         check_slot(a, slot))
         return NULL;
     if ((uint64_t)PyTuple_GET_SIZE(params) != a->map.g.n_pieces) {
@@ -786,6 +793,7 @@ static PyObject *arena_stepper(Arena *a, PyObject *args) {
     S->push_ns = 0;
     S->slot = slot;
     S->dtype_code = dtype_code;
+    S->store = store;
     S->count = PyTuple_GET_SIZE(params);
     if (front != Py_None) {
         if (PyObject_GetBuffer(front, &S->front, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS))

@@ -152,7 +152,7 @@ static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
 typedef int (*sgd_fn)(float *restrict w, const float *restrict g, uint64_t n, float lr, int arg);
 
 static int sgd_threads(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
-    psd_apply_sgd(w, g, n, lr, threads, NULL);
+    psd_apply_sgd(w, g, PSD_DTYPE_F32, n, lr, threads, NULL);
     return 0;
 }
 
@@ -178,6 +178,28 @@ static PyObject *sgd_call(PyObject *args, const char *name, sgd_fn fn) {
 static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
     (void)self;
     return sgd_call(args, "apply_sgd", sgd_threads);
+}
+
+/* apply_sgd_bf16(w, g, lr, threads): as apply_sgd with g bfloat16 (n uint16 for n float32 of w). */
+static PyObject *mod_apply_sgd_bf16(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer w, g;
+    float lr;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &threads))
+        return NULL;
+    if (w.len != 2 * g.len || w.len % (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError, "apply_sgd_bf16: w must be float32 and g bfloat16, of one length");
+    } else {
+        Py_BEGIN_ALLOW_THREADS psd_apply_sgd(w.buf, g.buf, PSD_DTYPE_BF16, (uint64_t)w.len / sizeof(float), lr,
+                                             threads, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&g);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
@@ -206,6 +228,8 @@ static PyMethodDef module_methods[] = {
      "vectorised loop, 2 and 3 vectors unrolled 4 and 8 times"},
     {"apply_sgd", mod_apply_sgd, METH_VARARGS,
      "apply_sgd(w, g, lr, threads): w -= lr*g in place, the update loop's kernel"},
+    {"apply_sgd_bf16", mod_apply_sgd_bf16, METH_VARARGS,
+     "apply_sgd_bf16(w, g, lr, threads): w -= lr*g in place, g bfloat16 (--grad-dtype bf16's kernel)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -296,6 +320,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "PIECE_ABSENT", PSD_PIECE_ABSENT);
     PyModule_AddIntConstant(m, "PIECE_DENSE", PSD_PIECE_DENSE);
     PyModule_AddIntConstant(m, "PIECE_SPARSE", PSD_PIECE_SPARSE);
+    PyModule_AddIntConstant(m, "PIECE_DENSE_BF16", PSD_PIECE_DENSE_BF16);
     PyModule_AddIntConstant(m, "KERNEL_SCALAR", PSD_KERNEL_SCALAR);
     PyModule_AddIntConstant(m, "KERNEL_VECTOR", PSD_KERNEL_VECTOR);
     PyModule_AddIntConstant(m, "KERNEL_UNROLL4", PSD_KERNEL_UNROLL4);
@@ -321,6 +346,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "HEADER_SHARED_OFFSET", (long)offsetof(struct psd_header, admission));
     PyModule_AddIntConstant(m, "ENTRY_CLAIM_OFFSET", (long)offsetof(struct psd_entry, claim));
     PyModule_AddIntConstant(m, "CFG_STALENESS_LR", PSD_CFG_STALENESS_LR);
+    PyModule_AddIntConstant(m, "CFG_GRAD_BF16", PSD_CFG_GRAD_BF16);
     PyModule_AddIntConstant(m, "CFG_PREDICT", PSD_CFG_PREDICT);
     PyModule_AddIntConstant(m, "CFG_LEASE_ONLY", PSD_CFG_LEASE_ONLY);
     return m;

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "psd.h"
 
 #if defined(__SSE2__)
@@ -154,13 +155,6 @@ static bool scale_and_check(float *g, uint64_t n, float scale) {
     return !bad;
 }
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t b = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-
 /* IEEE half to single, exact (subnormals, infinities and NaNs included). */
 static inline float f16_to_f32(uint16_t v) {
     const uint32_t shifted_exp = UINT32_C(0x7c00) << 13;
@@ -203,7 +197,37 @@ static uint32_t copy_check(float *restrict dst, const void *restrict src, uint64
     if (dtype == PSD_DTYPE_F32)
         PSD_CONVERT_LOOP(f[i])
     else if (dtype == PSD_DTYPE_BF16)
-        PSD_CONVERT_LOOP(bf16_to_f32(half[i]))
+        PSD_CONVERT_LOOP(psd_bf16_to_f32(half[i]))
+    else
+        PSD_CONVERT_LOOP(f16_to_f32(half[i]))
+#undef PSD_CONVERT_LOOP
+    return bad;
+}
+
+/* bfloat16 bits of a float, rounded to nearest even (as torch rounds); a NaN's bits may come out
+ * as anything: the caller flags it non-finite from the float's own bits. */
+static inline uint16_t f32_to_bf16(uint32_t bits) { return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16); }
+
+/* As copy_check, storing bfloat16 (--grad-dtype bf16): a value that rounds to an infinity is
+ * non-finite too. */
+static uint32_t copy_check_bf16(uint16_t *restrict dst, const void *restrict src, uint64_t n, float scale,
+                                uint32_t dtype) {
+    uint32_t bad = 0;
+    const float *f = src;
+    const uint16_t *half = src;
+#define PSD_CONVERT_LOOP(expr)                                                                                     \
+    for (uint64_t i = 0; i < n; i++) {                                                                             \
+        float v = (expr) * scale;                                                                                  \
+        uint32_t b;                                                                                                \
+        memcpy(&b, &v, sizeof b);                                                                                  \
+        uint16_t r = f32_to_bf16(b);                                                                               \
+        bad |= nonfinite(b) | nonfinite((uint32_t)r << 16);                                                        \
+        dst[i] = r;                                                                                                \
+    }
+    if (dtype == PSD_DTYPE_F32)
+        PSD_CONVERT_LOOP(f[i])
+    else if (dtype == PSD_DTYPE_BF16)
+        PSD_CONVERT_LOOP(psd_bf16_to_f32(half[i]))
     else
         PSD_CONVERT_LOOP(f16_to_f32(half[i]))
 #undef PSD_CONVERT_LOOP
@@ -347,8 +371,8 @@ static uint8_t put_sparse(float *span, const struct psd_src *p, float scale, uin
 }
 
 int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
-                  const struct psd_src *src, uint32_t count, uint32_t dtype, const double *bufdelta) {
-    if (count != m->g.n_pieces || dtype > PSD_DTYPE_F16)
+                  const struct psd_src *src, uint32_t count, uint32_t dtype, uint32_t store, const double *bufdelta) {
+    if (count != m->g.n_pieces || dtype > PSD_DTYPE_F16 || (store != PSD_DTYPE_F32 && store != PSD_DTYPE_BF16))
         return EINVAL;
     uint64_t total = 0;
     for (uint32_t k = 0; k < count; k++) {
@@ -369,13 +393,16 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
     uint8_t *map = psd_entry_pieces(m, e);
     uint32_t bad = 0;
 #ifdef PSD_HAVE_STREAM
-    bool stream = dtype == PSD_DTYPE_F32 && total * sizeof(float) >= PSD_STREAM_BYTES;
+    bool stream = dtype == PSD_DTYPE_F32 && store == PSD_DTYPE_F32 && total * sizeof(float) >= PSD_STREAM_BYTES;
 #endif
     for (uint32_t k = 0; k < count; dst += src[k].len, k++) {
         if (!src[k].data) {
             map[k] = PSD_PIECE_ABSENT;
         } else if (src[k].rows) {
             map[k] = put_sparse(dst, &src[k], scale, dtype, &bad);
+        } else if (store == PSD_DTYPE_BF16) {
+            map[k] = PSD_PIECE_DENSE_BF16;
+            bad |= copy_check_bf16((uint16_t *)dst, src[k].data, src[k].len, scale, dtype);
         } else {
             map[k] = PSD_PIECE_DENSE;
 #ifdef PSD_HAVE_STREAM

@@ -54,17 +54,27 @@ struct psd_loop {
     struct psd_beat beat;
 };
 
+/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype). */
+static inline void sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo, uint64_t hi,
+                             float lr) {
+    if (gdtype == PSD_DTYPE_BF16)
+        psd_sgd_bf16(w + lo, (const uint16_t *)g + lo, hi - lo, lr);
+    else
+        psd_sgd_unroll4(w + lo, (const float *)g + lo, hi - lo, lr);
+}
+
 /* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
  * vectors in cache in some runs, never slower; the same once memory is the
- * limit: `psd bench`, whose other variants are in bench_kernels.c). */
-void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads,
+ * limit: `psd bench`, whose other variants are in bench_kernels.c); a
+ * bfloat16 gradient is widened as it is read. */
+void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
                    struct psd_beat *beat) {
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
     /* Small vectors are not worth waking a team. */
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            psd_sgd_unroll4(w + lo, g + lo, hi - lo, lr);
+            sgd_chunk(w, g, gdtype, lo, hi, lr);
             psd_beat(beat);
         }
         return;
@@ -72,7 +82,7 @@ void psd_apply_sgd(float *restrict w, const float *restrict g, uint64_t n, float
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-        psd_sgd_unroll4(w + lo, g + lo, hi - lo, lr);
+        sgd_chunk(w, g, gdtype, lo, hi, lr);
         if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
             psd_beat(beat);
     }
@@ -132,13 +142,18 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
         } else if (map[k] == PSD_PIECE_SPARSE) {
             psd_sparse_step(cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off, lr, t);
             psd_piece_at(m, k++)->steps = t;
+        } else if (map[k] == PSD_PIECE_DENSE_BF16) {
+            /* Its own call: the bfloat16 halves of two spans are not contiguous. */
+            psd_optimizer_step(cfg, w + pg->off, g + pg->off, PSD_DTYPE_BF16, gscale, s0 + pg->off, s1 + pg->off,
+                               pg->len, lr, t, (int)L->threads, &L->beat);
+            psd_piece_at(m, k++)->steps = t;
         } else {
             uint64_t j = k + 1;
             while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && psd_piece_at(m, j)->steps + 1 == t)
                 j++;
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
-            psd_optimizer_step(cfg, w + lo, g + lo, gscale, s0 + lo, s1 + lo, hi - lo, lr, t, (int)L->threads,
-                               &L->beat);
+            psd_optimizer_step(cfg, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
+                               (int)L->threads, &L->beat);
             for (; k < j; k++)
                 psd_piece_at(m, k)->steps = t;
         }
@@ -171,10 +186,14 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
         psd_loop_hold(m, &L->stop);
 }
 
-/* dst = src, n floats, beating as it goes. */
-static void copy_beating(struct psd_loop *L, float *dst, const float *src, uint64_t n) {
+/* dst = src, n float32 or bfloat16 (widened), beating as it goes. */
+static void copy_beating(struct psd_loop *L, float *dst, const void *src, uint32_t dtype, uint64_t n) {
     for (uint64_t lo = 0; lo < n; lo += PSD_CHUNK) {
-        memcpy(dst + lo, src + lo, (n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK) * sizeof(float));
+        uint64_t len = n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK;
+        if (dtype == PSD_DTYPE_BF16)
+            psd_bf16_widen(dst + lo, (const uint16_t *)src + lo, len);
+        else
+            memcpy(dst + lo, (const float *)src + lo, len * sizeof(float));
         psd_beat(&L->beat);
     }
 }
@@ -190,10 +209,12 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         const struct psd_piece_geom *pg = &L->pieces[k];
         struct psd_piece *ps = psd_piece_at(m, k);
         bool first = ps->round != mark;
-        if (map[k] == PSD_PIECE_DENSE && first)
-            copy_beating(L, acc + pg->off, g + pg->off, pg->len);
-        else if (map[k] == PSD_PIECE_DENSE)
-            psd_apply_sgd(acc + pg->off, g + pg->off, pg->len, -1.0f, (int)L->threads, &L->beat); /* acc += g */
+        bool dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
+        uint32_t dtype = map[k] == PSD_PIECE_DENSE_BF16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
+        if (dense && first)
+            copy_beating(L, acc + pg->off, g + pg->off, dtype, pg->len);
+        else if (dense) /* acc += g */
+            psd_apply_sgd(acc + pg->off, g + pg->off, dtype, pg->len, -1.0f, (int)L->threads, &L->beat);
         if (map[k] == PSD_PIECE_SPARSE) {
             if (first)
                 memset(acc + pg->off, 0, pg->len * sizeof(float));
@@ -210,7 +231,7 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
 static bool pieces_well_formed(const struct psd_loop *L, const float *g, const uint8_t *map) {
     for (uint64_t k = 0; k < L->n_pieces; k++) {
         const struct psd_piece_geom *pg = &L->pieces[k];
-        if (map[k] > PSD_PIECE_SPARSE)
+        if (map[k] > PSD_PIECE_DENSE_BF16)
             return false;
         if (map[k] == PSD_PIECE_SPARSE && psd_sparse_rows(g + pg->off, pg->len, pg->len / pg->row_len, pg->row_len) < 0)
             return false;

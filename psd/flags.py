@@ -110,17 +110,17 @@ def _nodes(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
 
 
 # Imported here, not at the top: psd.server imports this module for ServeConfig.argv().
-def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    from psd.server import ASYNC_MOMENTUM, OPTIMIZERS, SCHEDULES
+def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    from psd.server import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, SCHEDULES
 
-    return OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM
+    return OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM, GRAD_DTYPES
 
 
 LIVENESS = ("auto", "lease")
 
 
 def _build() -> tuple[Flag, ...]:
-    optimizers, schedules, async_momentum = _choices()
+    optimizers, schedules, async_momentum, grad_dtypes = _choices()
     return (
         # -- psd serve and psd run: the job
         _serve("--job", "job name: 1-64 letters, digits, _ . -; the arena is /dev/shm/psd.NAME", default_job,
@@ -171,6 +171,10 @@ def _build() -> tuple[Flag, ...]:
                   "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "
                   "than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
                   choices=async_momentum, metavar="MODE", readme_default="`auto`"),
+        _training("--grad-dtype", "what CPU learners push of a dense gradient: float32, or bf16 (rounded to "
+                  "bfloat16: half the bytes into and out of the ring; the server widens it and keeps float32 "
+                  "weights and state; sparse gradients and GPU learners push float32)", "float32",
+                  choices=grad_dtypes, metavar="D", readme_default="`float32`"),
         # -- several machines (psd/nodelink.py); --nnodes 1 starts nothing of it
         _nodes("--nnodes", "nodes (machines) in the job, each running its own psd serve / psd run; 1: this "
                "machine alone", 1, type=int, metavar="N"),

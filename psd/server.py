@@ -62,6 +62,8 @@ EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of th
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # --async-momentum, in the order of enum psd_async_momentum (psd_layout.h)
 ASYNC_MOMENTUM = ("off", "auto")
+# --grad-dtype: what a CPU learner pushes of a dense gradient (float32, or bfloat16: half the bytes).
+GRAD_DTYPES = ("float32", "bf16")
 SCHEDULES = ("constant", "step", "cosine")
 
 
@@ -111,6 +113,7 @@ class ServeConfig:
     max_staleness: int | None = None
     predict: bool = False
     async_momentum: str = "auto"
+    grad_dtype: str = "float32"
     # -- several nodes (psd/nodelink.py; see the README's "Several machines")
     nnodes: int = 1
     node_rank: int = 0
@@ -150,7 +153,8 @@ class ServeConfig:
                     step_size=self.step_size, t_max=self.t_max, warmup=self.warmup,
                     max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness,
                     async_momentum=ASYNC_MOMENTUM.index(self.async_momentum),
-                    lease_ms=max(1, round(self.lease * 1000)), lease_only=self.liveness == "lease")
+                    lease_ms=max(1, round(self.lease * 1000)), lease_only=self.liveness == "lease",
+                    grad_bf16=self.grad_dtype == "bf16")
 
     def state_vectors(self) -> int:
         """Vectors the size of the weights that the optimizer state and accumulator take."""
@@ -182,6 +186,8 @@ class ServeConfig:
         if self.async_momentum not in ASYNC_MOMENTUM:
             raise ValueError(f"--async-momentum must be one of {', '.join(ASYNC_MOMENTUM)}, "
                              f"not {self.async_momentum!r}")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"--grad-dtype must be one of {', '.join(GRAD_DTYPES)}, not {self.grad_dtype!r}")
         if self.liveness not in ("auto", "lease"):
             raise ValueError(f"--liveness must be auto or lease, not {self.liveness!r}")
         if not 0.05 <= self.lease <= 3600:

@@ -193,11 +193,13 @@ class Bag(torch.nn.Module):
         return self.out(torch.cat([self.emb(idx).mean(1), self.tiny(idx % 3).mean(1)], 1))
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
-def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt):
+@pytest.mark.parametrize("opt, grad_dtype", [("sgd", "float32"), ("adagrad", "float32"), ("sgd", "bf16")])
+def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt, grad_dtype):
     """Sparse gradients travel as rows and are applied with torch.optim's sparse semantics: the result
-    equals torch.optim on the sparse model (and therefore the dense model's for these optimizers)."""
-    served = serve(job, "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", "0.1")
+    equals torch.optim on the sparse model (and therefore the dense model's for these optimizers).
+    With --grad-dtype bf16 the dense tensors' gradients are rounded to bfloat16, the rows stay float32."""
+    served = serve(job, "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", "0.1",
+                   "--grad-dtype", grad_dtype)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 50, (STEPS, 4, 5), generator=g)
     y = torch.randint(0, 3, (STEPS, 4), generator=g)
@@ -206,6 +208,9 @@ def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt):
     for i in range(STEPS):
         o.zero_grad()
         torch.nn.functional.cross_entropy(ref(idx[i]), y[i]).backward()
+        if grad_dtype == "bf16":
+            for p in ref.out.parameters():
+                p.grad = p.grad.bfloat16().float()
         o.step()
     model = Bag(sparse=True)
     with learner.attach(model, job=job) as ps:

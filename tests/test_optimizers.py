@@ -36,24 +36,26 @@ def batches(x, y, steps: int, batch: int = 8):
         yield x[j:j + batch], y[j:j + batch]
 
 
+def torch_optimizer(opt: str, kw: dict, params) -> torch.optim.Optimizer:
+    """torch.optim's single-tensor optimizer for psd's --optimizer opt with hyper-parameters kw."""
+    lr, wd = kw["lr"], kw.get("weight_decay", 0)
+    if opt == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=wd, foreach=False)
+    if opt in ("momentum", "nesterov"):
+        return torch.optim.SGD(params, lr=lr, momentum=kw["momentum"], dampening=kw.get("dampening", 0),
+                               nesterov=opt == "nesterov", weight_decay=wd, foreach=False)
+    if opt == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=kw["betas"], eps=kw["eps"], weight_decay=wd, foreach=False)
+    if opt == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=kw["betas"], eps=kw["eps"], weight_decay=kw["weight_decay"],
+                                 foreach=False)
+    return torch.optim.Adagrad(params, lr=lr, lr_decay=kw.get("lr_decay", 0), eps=kw["eps"], weight_decay=wd,
+                               foreach=False)
+
+
 def torch_reference(opt: str, kw: dict, sched: tuple, steps: int) -> dict[str, torch.Tensor]:
     model, x, y = make_problem()
-    params = model.parameters()
-    lr = kw["lr"]
-    if opt == "sgd":
-        o = torch.optim.SGD(params, lr=lr, weight_decay=kw.get("weight_decay", 0), foreach=False)
-    elif opt in ("momentum", "nesterov"):
-        o = torch.optim.SGD(params, lr=lr, momentum=kw["momentum"], dampening=kw.get("dampening", 0),
-                            nesterov=opt == "nesterov", weight_decay=kw.get("weight_decay", 0), foreach=False)
-    elif opt == "adam":
-        o = torch.optim.Adam(params, lr=lr, betas=kw["betas"], eps=kw["eps"], weight_decay=kw.get("weight_decay", 0),
-                             foreach=False)
-    elif opt == "adamw":
-        o = torch.optim.AdamW(params, lr=lr, betas=kw["betas"], eps=kw["eps"], weight_decay=kw["weight_decay"],
-                              foreach=False)
-    else:
-        o = torch.optim.Adagrad(params, lr=lr, lr_decay=kw.get("lr_decay", 0), eps=kw["eps"],
-                                weight_decay=kw.get("weight_decay", 0), foreach=False)
+    o = torch_optimizer(opt, kw, model.parameters())
     kind = sched[0]
     if kind == "step":
         s = torch.optim.lr_scheduler.StepLR(o, step_size=sched[1], gamma=sched[2])
@@ -125,6 +127,68 @@ def test_optimizer_matches_pytorch_in_bsp(job, serve, opt, kw, sched, flags):
     served.stop()
 
 
+BF16_CASES = [
+    ("sgd", {"lr": 0.1}, "asp", []),
+    ("momentum", {"lr": 0.05, "momentum": 0.9}, "asp", ["--momentum", "0.9", "--async-momentum", "off"]),
+    ("adam", {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}, "asp", []),
+    ("adagrad", {"lr": 0.05, "eps": 1e-10, "lr_decay": 0.01}, "bsp", ["--lr-decay", "0.01"]),
+]
+
+
+@pytest.mark.parametrize("opt, kw, sync, flags", BF16_CASES, ids=[f"{c[0]}-{c[2]}" for c in BF16_CASES])
+def test_grad_dtype_bf16_applies_the_rounded_gradient(job, serve, opt, kw, sync, flags):
+    """--grad-dtype bf16: what the server applies is torch.optim's step on each gradient rounded to
+    bfloat16 (nearest even), to float rounding: asp (each entry widened in the optimizer's chunks) and
+    bsp (widened into the round's sum). The gradients are given, not computed from the weights: Adam's
+    and Adagrad's steps are about lr whatever a gradient's size, so a float-rounding difference in
+    the weights that moved a computed gradient across a bfloat16 rounding boundary would show."""
+    served = serve(job, "--learners", "1", "--sync", sync, "--optimizer", opt, "--lr", str(kw["lr"]),
+                   "--grad-dtype", "bf16", *flags)
+    gen = torch.Generator().manual_seed(3)
+    model = make_problem()[0]
+    grads = [[torch.randn(p.shape, generator=gen) for p in model.parameters()] for _ in range(STEPS)]
+    refs = {}
+    for rounded in (True, False):
+        ref = make_problem()[0]
+        o = torch_optimizer(opt, kw, ref.parameters())
+        for step in grads:
+            for p, g in zip(ref.parameters(), step, strict=True):
+                p.grad = g.bfloat16().float() if rounded else g.clone()
+            o.step()
+        refs[rounded] = ref.state_dict()
+    with learner.attach(model, job=job) as ps:
+        for step in grads:
+            for p, g in zip(model.parameters(), step, strict=True):
+                p.grad = g.clone()
+            ps.step()
+        ps.flush()
+        ours = learner.pull_state_dict(job)
+    assert_close(ours, refs[True])
+    # Not what float32 gradients give: the rounding is really applied.
+    assert max(((ours[k] - v).norm() / v.norm()).item() for k, v in refs[False].items()) > 1e-5
+    served.stop()
+
+
+def test_grad_dtype_bf16_rejects_a_gradient_that_rounds_to_infinity(job, serve):
+    """A float32 gradient just below float32's largest is finite, but rounds to an infinity in
+    bfloat16: the push flags it, the server rejects it and the weights do not move."""
+    served = serve(job, "--learners", "1", "--grad-dtype", "bf16")
+    model = torch.nn.Linear(4, 2)
+    with learner.attach(model, job=job, pull="view") as ps:
+        before = learner.pull_state_dict(job)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 3.4e38)
+        ps.step()
+        ps.flush()
+        after = learner.pull_state_dict(job)
+    a = open_job(job)
+    h = a.header()
+    a.close()
+    assert (h["rejected"], h["applied"]) == (1, 0)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    served.stop()
+
+
 def test_optimizer_state_survives_a_checkpoint_and_resume(job, serve, tmp_path):
     """Adam's moments and step count are in the checkpoint: 10 steps, stop, resume, 15 more == 25 at once."""
     flags = ["--learners", "1", "--sync", "bsp", "--optimizer", "adam", "--lr", "0.01",
@@ -163,6 +227,7 @@ def test_optimizer_state_survives_a_checkpoint_and_resume(job, serve, tmp_path):
     (["--sync", "kasync:0"], "K >= 1"),
     (["--push-every", "0"], "--push-every"),
     (["--optimizer", "lamb"], "invalid choice"),
+    (["--grad-dtype", "float16"], "invalid choice"),
 ])
 def test_bad_training_flags_are_refused_with_the_fix(job, flags, message):
     r = subprocess.run([sys.executable, "-m", "psd.cli", "serve", "--job", job, *flags], capture_output=True,
@@ -179,9 +244,9 @@ def test_every_training_flag_survives_the_trip_through_the_watchdog():
              "--momentum", "0.5", "--dampening", "0.1", "--betas", "0.8", "0.95", "--eps", "1e-6",
              "--weight-decay", "0.02", "--lr-decay", "0.001", "--schedule", "cosine", "--t-max", "100",
              "--eta-min", "0.0001", "--warmup", "10", "--step-size", "5", "--gamma", "0.3", "--staleness-lr",
-             "--max-staleness", "7", "--predict", "--lr", "0.003"]
+             "--max-staleness", "7", "--predict", "--lr", "0.003", "--grad-dtype", "bf16"]
     first = _watchdog_config(get_args_parser().parse_args(flags)).serve
     again = _watchdog_config(get_args_parser().parse_args(["serve", *first.argv()])).serve
     assert again == first
-    assert (again.sync, again.optimizer, again.betas, again.max_staleness, again.predict) == \
-        ("kasync:3", "adamw", (0.8, 0.95), 7, True)
+    assert (again.sync, again.optimizer, again.betas, again.max_staleness, again.predict, again.grad_dtype) == \
+        ("kasync:3", "adamw", (0.8, 0.95), 7, True, "bf16")

@@ -140,7 +140,9 @@ static void *produce(void *arg) {
             float last = 1.0f;
             const struct psd_src src[] = {{mine, NULL, SLOTS, 0, 0}, {NULL, NULL, N - SLOTS - 1, 0, 0},
                                           {&last, NULL, 1, 0, 0}};
-            rc = psd_push_from(&map, p->slot, i, 1, 0.0, 1.0f, src, 3, PSD_DTYPE_F32, NULL);
+            /* Slots 3, 7, ... store them as bfloat16 (--grad-dtype bf16; 1.0 is exact). */
+            uint32_t store = p->slot % 4 == 3 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
+            rc = psd_push_from(&map, p->slot, i, 1, 0.0, 1.0f, src, 3, PSD_DTYPE_F32, store, NULL);
         } else {
             struct psd_slot *s = psd_slot_at(&map, p->slot);
             float *g =
