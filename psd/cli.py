@@ -315,7 +315,8 @@ def _bench(args: argparse.Namespace) -> int:
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in
                {"sizes": args.sizes, "learners": args.learners, "batches": args.batches,
                 "duration": args.duration, "reps": args.reps, "pull_modes": args.pull_modes,
-                "learner_sched": args.learner_sched, "loop_sizes": args.loop_sizes}.items() if v is not None}
+                "grad_dtypes": args.grad_dtypes, "learner_sched": args.learner_sched,
+                "loop_sizes": args.loop_sizes}.items() if v is not None}
     cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training)
     results = run(cfg, log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
     if args.json:

@@ -277,6 +277,9 @@ def _build() -> tuple[Flag, ...]:
         Flag("--pull-modes", "how psd's learners get the weights: copy (the psd figures), view (psd_view)", None,
              nargs="+", choices=PULL_MODES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="copy view"),
+        Flag("--grad-dtypes", "what psd's learners push (--grad-dtype): float32 (the psd figures), bf16 "
+             "(psd_bf16, psd_view_bf16)", None, nargs="+", choices=grad_dtypes, commands=("bench",),
+             env_prefix="PSD_BENCH_", readme_default="float32 bf16"),
         Flag("--learner-sched", "psd's learners' scheduling policy, as psd run --learner-sched gives it", None,
              choices=LEARNER_SCHED_CHOICES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="auto"),

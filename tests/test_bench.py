@@ -30,7 +30,7 @@ def test_bench_json_has_every_field():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {"psd_version", "cpus", "llc_bytes", "llc_source", "llc_fallback", "limit", "kernels", "update_loop",
-            "idle_server_cpu", "pull_modes", "round_trip", "training"} <= set(out)
+            "idle_server_cpu", "pull_modes", "grad_dtypes", "round_trip", "training"} <= set(out)
     assert out["llc_bytes"] > 0 and out["llc_source"]
     assert {x["kernel"] for x in out["kernels"]} == {"scalar", "vectorised", "unrolled x4", "unrolled x8"}
     assert all(x["gbs"] > 0 for x in out["kernels"])
@@ -47,9 +47,9 @@ def test_bench_json_has_every_field():
     assert cache_row["honest"] and cache_row["params"] == cache_params(out["llc_bytes"])
     assert not any(x["honest"] for x in out["limit"] if x["where"] == "dram")  # --quick says its DRAM is not one
 
-    assert out["pull_modes"] == ["copy", "view"]
+    assert out["pull_modes"] == ["copy", "view"] and out["grad_dtypes"] == ["float32", "bf16"]
     (row,) = out["round_trip"]
-    names = ["psd", "psd_view"]
+    names = ["psd", "psd_view", "psd_bf16", "psd_view_bf16"]
     for name in names:
         p = row[name]
         assert {"updates_per_s", "updates_per_s_min", "updates_per_s_max", "reps", "model_gbs", "pulls_per_update",
@@ -60,7 +60,9 @@ def test_bench_json_has_every_field():
     assert 0 < row["psd"]["pulls_per_update"]
     for peer in ("hogwild", "hogwild_snapshot", "ddp_gloo"):
         assert row[peer]["updates_per_s"] > 0 and row[f"psd_over_{peer}"] > 0
-    assert row["psd_view_over_hogwild"] > 0 and row["psd_view_over_hogwild_snapshot"] > 0
+    for name in names[1:]:
+        assert row[f"{name}_over_hogwild"] > 0 and row[f"{name}_over_hogwild_snapshot"] > 0
+        assert row[f"{name}_over_psd"] > 0
     (train,) = out["training"]
     for name in names:
         assert train[name]["samples_per_s"] > 0 and 0 <= train[name]["accuracy"] <= 1

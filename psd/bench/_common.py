@@ -45,6 +45,9 @@ class BenchConfig:
     # when the learners fill the cores: they do not preempt the update loop when they wake). The peers'
     # processes keep the normal policy: that is how they run.
     learner_sched: str = "auto"
+    # What psd's learners push (--grad-dtype): "float32" (always measured) and "bf16" (half the bytes of a
+    # gradient: the "psd_bf16" figures, and "psd_view_bf16" with the view pull).
+    grad_dtypes: tuple[str, ...] = ("float32", "bf16")
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -53,13 +56,28 @@ class BenchConfig:
                    epochs=1, reps=1, llc_multiple=0.0)
 
     def __post_init__(self) -> None:
+        from psd.server import GRAD_DTYPES
+
         unknown = set(self.pull_modes) - set(PULL_MODES)
         if unknown:
             raise ValueError(f"pull_modes: {sorted(unknown)} are not pull modes (use {', '.join(PULL_MODES)})")
+        unknown = set(self.grad_dtypes) - set(GRAD_DTYPES)
+        if unknown:
+            raise ValueError(f"grad_dtypes: {sorted(unknown)} are not --grad-dtype values "
+                             f"(use {', '.join(GRAD_DTYPES)})")
 
     def view_pulls(self) -> bool:
         """Whether to measure pull="view" beside the default copy."""
         return "view" in self.pull_modes
+
+    def variants(self) -> dict[str, tuple[str, str]]:
+        """psd's measured set-ups, name -> (pull mode, --grad-dtype): "psd" (copy, float32) always, then
+        "psd_view", "psd_bf16" and "psd_view_bf16" as pull_modes and grad_dtypes ask."""
+        out = {}
+        for dtype in ("float32", *(["bf16"] if "bf16" in self.grad_dtypes else [])):
+            for pull in ("copy", *(["view"] if self.view_pulls() else [])):
+                out["psd" + ("_view" if pull == "view" else "") + ("_bf16" if dtype == "bf16" else "")] = (pull, dtype)
+        return out
 
 
 def set_learner_sched(name: str, learners: int) -> None:

@@ -4,7 +4,8 @@ server, beside the peers; and the GPU round trip.
 Model traffic counts the pulls the learners actually made (the slot's ``pulls`` counter): a learner
 skips a pull when the clock has not moved and its pull thread merges requests, so "one pull per update"
 would overstate it. ``psd_view`` is the same learner attached with ``pull="view"``: its parameters are
-views of the shared weights and it copies nothing back.
+views of the shared weights and it copies nothing back; ``psd_bf16`` (and ``psd_view_bf16``) push
+bfloat16 gradients (``--grad-dtype bf16``).
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ def _psd_null_learner(job: str, n: int, device: str, duration: float, pull: str,
         q.put({"updates": k, "pulls": pulls, "lat": lat, "push": push})
 
 
-def _traffic(results: list[dict], n: int, elapsed: float) -> dict:
-    """updates/s, model GB/s (a gradient in per update, the weights out per pull made) and pulls per update.
-    Where a learner did not count its pulls, one per update is assumed and ``pulls_counted`` is false."""
+def _traffic(results: list[dict], n: int, elapsed: float, grad_bytes: int = 4) -> dict:
+    """updates/s, model GB/s (a gradient in per update, of ``grad_bytes`` an element, the float32 weights out
+    per pull made) and pulls per update. Where a learner did not count its pulls, one per update is
+    assumed and ``pulls_counted`` is false."""
     updates = sum(r["updates"] for r in results)
     counted = all(r.get("pulls") is not None for r in results)
     pulls = sum(r["pulls"] for r in results) if counted else updates
-    return {"updates_per_s": updates / elapsed, "model_gbs": (updates + pulls) * n * 4 / elapsed / 1e9,
+    return {"updates_per_s": updates / elapsed, "model_gbs": (updates * grad_bytes + pulls * 4) * n / elapsed / 1e9,
             "pulls_per_update": pulls / updates if updates else 0.0, "pulls_counted": counted}
 
 
@@ -136,11 +138,12 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
     return {"host_device_gbs": bw, "gpus": gpus, "rows": rows}
 
 
-def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", sched: str = "auto") -> dict:
+def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", sched: str = "auto",
+                    grad_dtype: str = "float32") -> dict:
     from psd.server import ServeConfig, Server
 
-    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}"
-    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1))
+    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}-{grad_dtype}"
+    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1, grad_dtype=grad_dtype))
     server.start()
     stop = _server_thread(server)
     try:
@@ -150,26 +153,26 @@ def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", 
         stop()
     p50, p99 = _percentiles([x for r in results for x in r["lat"]])
     push50, push99 = _percentiles([x for r in results for x in r["push"]])
-    return {**_traffic(results, n, elapsed), "step_p50_us": p50, "step_p99_us": p99, "push_p50_us": push50,
+    traffic = _traffic(results, n, elapsed, 2 if grad_dtype == "bf16" else 4)
+    return {**traffic, "step_p50_us": p50, "step_p99_us": p99, "push_p50_us": push50,
             "push_p99_us": push99}
 
 
 PEERS = ("hogwild", "hogwild_snapshot", "ddp_gloo")
-# The ratios of psd_view: beside Hogwild (which copies nothing either) and Hogwild with a snapshot per step
-# (which copies as pull="copy" does), and beside psd's own copy.
-VIEW_OVER = ("hogwild", "hogwild_snapshot", "psd")
+# The ratios of psd's other set-ups (psd_view, psd_bf16, psd_view_bf16): beside Hogwild (which copies nothing,
+# as a view does), Hogwild with a snapshot per step (which copies as pull="copy" does), and psd's default.
+VARIANT_OVER = ("hogwild", "hogwild_snapshot", "psd")
 
 
 def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
-    """The round-trip table: one row per (size, learners) with psd's figures (``psd``, and ``psd_view``
-    where pull="view" is measured) and, if asked, the peers'."""
-    view = cfg.view_pulls()
+    """The round-trip table: one row per (size, learners) with psd's figures (``psd``, and ``psd_view``,
+    ``psd_bf16``, ``psd_view_bf16`` as ``cfg.variants()`` says) and, if asked, the peers'."""
+    variants = cfg.variants()
     rows = []
     for n in cfg.sizes:
         for k in cfg.learners:
-            measures = {"psd": partial(_psd_round_trip, n, k, cfg.duration, "copy", cfg.learner_sched)}
-            if view:
-                measures["psd_view"] = partial(_psd_round_trip, n, k, cfg.duration, "view", cfg.learner_sched)
+            measures = {name: partial(_psd_round_trip, n, k, cfg.duration, pull, cfg.learner_sched, dtype)
+                        for name, (pull, dtype) in variants.items()}
             if cfg.peers:
                 measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)
                 measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)
@@ -181,18 +184,18 @@ def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
                 for peer in PEERS:
                     if row[peer]:
                         row[f"psd_over_{peer}"] = row["psd"]["updates_per_s"] / row[peer]["updates_per_s"]
-            if view:
-                for other in VIEW_OVER:
+            for name in variants:
+                for other in VARIANT_OVER if name != "psd" else ():
                     if row.get(other):
-                        row[f"psd_view_over_{other}"] = row["psd_view"]["updates_per_s"] / row[other]["updates_per_s"]
-            log(_round_trip_line(row))
+                        row[f"{name}_over_{other}"] = row[name]["updates_per_s"] / row[other]["updates_per_s"]
+            log(_round_trip_line(row, variants))
             rows.append(row)
     return rows
 
 
-def _round_trip_line(r: dict) -> str:
+def _round_trip_line(r: dict, variants) -> str:
     line = f"round trip  {r['params']:>11,} params  {r['learners']} learners"
-    for name in ("psd", "psd_view"):
+    for name in variants:
         p = r.get(name)
         if p:
             line += (f"  {name} {p['updates_per_s']:>9,.0f} upd/s {p['model_gbs']:6.2f} GB/s "
@@ -201,7 +204,8 @@ def _round_trip_line(r: dict) -> str:
     for peer in PEERS:
         if r.get(peer):
             line += f"  {peer} {r[peer]['updates_per_s']:,.0f} (x{r[f'psd_over_{peer}']:.2f}"
-            if f"psd_view_over_{peer}" in r:
-                line += f", view x{r[f'psd_view_over_{peer}']:.2f}"
+            for name in variants:
+                if f"{name}_over_{peer}" in r and name != "psd":
+                    line += f", {name.removeprefix('psd_')} x{r[f'{name}_over_{peer}']:.2f}"
             line += ")"
     return line

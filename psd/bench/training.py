@@ -1,6 +1,6 @@
 """Training the shipped MLP workload through psd (pulling a copy of the weights, and computing on views of
-the shared weights: ``psd_view``) and through Hogwild: samples/s and
-accuracy."""
+the shared weights: ``psd_view``; pushing bfloat16 gradients: ``psd_bf16``, ``psd_view_bf16``) and through
+Hogwild: samples/s and accuracy."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
 
     data = make_classification(0)
 
-    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str) -> dict:
-        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}"
-        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1))
+    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str, grad_dtype: str) -> dict:
+        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}-{grad_dtype}"
+        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1, grad_dtype=grad_dtype))
         server.start()
         stop = _server_thread(server)
         try:
@@ -80,27 +80,25 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
         rate = _samples_per_s([(_hogwild_train, (shared, r, k, b, epochs, lr)) for r in range(k)])
         return {"samples_per_s": rate, "accuracy": evaluate(shared, data)}
 
-    view = cfg.view_pulls()
+    variants = cfg.variants()
     rows = []
     for b in cfg.batches:
         lr = TRAIN_LR.get(b, 0.03)
         epochs = cfg.epochs or b
         for k in cfg.learners:
-            measures = {"psd": partial(psd_run, b, k, lr, epochs, "copy")}
-            if view:
-                measures["psd_view"] = partial(psd_run, b, k, lr, epochs, "view")
+            measures = {name: partial(psd_run, b, k, lr, epochs, pull, dtype)
+                        for name, (pull, dtype) in variants.items()}
             if cfg.peers:
                 measures["hogwild"] = partial(hogwild_run, b, k, lr, epochs)
             row = {"batch": b, "learners": k, "epochs": epochs, **_interleaved(cfg, measures, "samples_per_s")}
             line = f"training    mini-batch {b}  {k} learners"
-            for name in ("psd", "psd_view", "hogwild"):
+            for name in (*variants, "hogwild"):
                 if name in row:
                     line += f"  {name} {row[name]['samples_per_s']:>8,.0f} samples/s acc {row[name]['accuracy']:.4f}"
             if cfg.peers:
-                for name in ("psd", "psd_view"):
-                    if name in row:
-                        row[f"{name}_over_hogwild"] = row[name]["samples_per_s"] / row["hogwild"]["samples_per_s"]
-                        line += f"  {name}/hogwild x{row[f'{name}_over_hogwild']:.2f}"
+                for name in variants:
+                    row[f"{name}_over_hogwild"] = row[name]["samples_per_s"] / row["hogwild"]["samples_per_s"]
+                    line += f"  {name}/hogwild x{row[f'{name}_over_hogwild']:.2f}"
             log(line)
             rows.append(row)
     return rows
