@@ -360,6 +360,9 @@ class Learner:
         else:
             self.clock = a.clock()
             self._bufs[self._front].copy_(self._weights)
+            # Pulls copy the trainable weights alone (nothing moves the frozen ones while the job runs):
+            # both buffers get the frozen ones here, once per mapping.
+            self._bufs[1 - self._front][self.n_train:].copy_(self._weights[self.n_train:])
             if self._lowp is not None:  # the parameters stay views of the model-dtype copy
                 self._set_params(split(self._lowp, self._wspec))
             self._point(self._front)

@@ -3,8 +3,9 @@
  *
  * GaDei's hand-off: the training thread asks for a pull after each step (a
  * queue of one: asking again before the pull happened changes nothing); this
- * thread copies the shared weights into the back buffer when the server's
- * clock has moved, and marks it fresh; the training thread takes a fresh back
+ * thread copies the shared trainable weights (the first n of them: frozen ones
+ * never move, and both buffers hold them from the start) into the back buffer
+ * when the server's clock has moved, and marks it fresh; the training thread takes a fresh back
  * buffer at its next step and swaps it with the front one it trains on. The
  * thread never touches a buffer that the training thread may be reading: it
  * writes only the back buffer, and only while it is not fresh.

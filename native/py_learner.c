@@ -315,10 +315,12 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
                          "outcome", e->outcome, "flags", e->flags);
 }
 
-/* The weights as of the clock now, for slot's learner: copied into dst (n_params float32) unless
- * the learner already holds that clock (`known`), or with dst NULL (pull="view": the learner computes
- * on the shared weights) only recorded as the slot's learner clock. Called with the GIL; it lets go
- * of it for a large copy. Returns the clock. */
+/* The weights as of the clock now, for slot's learner: the trainable ones copied into dst (n_params
+ * float32, trainable first) unless the learner already holds that clock (`known`), or with dst NULL
+ * (pull="view": the learner computes on the shared weights) only recorded as the slot's learner clock.
+ * The frozen weights are not copied: nothing moves them once the job is READY (the update loop and
+ * the node link write the trainable prefix alone), and the learner filled them in when it mapped the
+ * job. Called with the GIL; it lets go of it for a large copy. Returns the clock. */
 static uint64_t take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
     struct psd_slot *s = psd_slot_at(m, slot);
     /* Pairs with the store-release of clock in the update loop: the weights hold at least every
@@ -332,8 +334,8 @@ static uint64_t take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64
         PSD_ADD_RLX(&s->pulls_skipped, 1);
         return clock;
     }
-    size_t len = (size_t)(m->g.n_params * sizeof(float));
-    if (m->g.n_params < (UINT64_C(1) << 16)) {
+    size_t len = (size_t)(m->g.n_train * sizeof(float));
+    if (m->g.n_train < (UINT64_C(1) << 16)) {
         memcpy(dst, psd_weights(m), len);
     } else {
         Py_BEGIN_ALLOW_THREADS memcpy(dst, psd_weights(m), len);
@@ -487,7 +489,9 @@ static PyObject *arena_start_puller(Arena *a, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "start_puller: buffers must hold n_params float32 each");
         return NULL;
     }
-    int rc = psd_puller_start(&a->map, slot, P->front.buf, P->back.buf, n, clock, &P->p);
+    /* The thread copies the trainable weights alone (see take_weights): both buffers must hold the
+     * frozen ones already. */
+    int rc = psd_puller_start(&a->map, slot, P->front.buf, P->back.buf, a->map.g.n_train, clock, &P->p);
     if (rc) {
         PyBuffer_Release(&P->front);
         PyBuffer_Release(&P->back);

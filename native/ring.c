@@ -256,6 +256,40 @@ static uint32_t copy_check_stream(float *restrict dst, const float *restrict src
     bad |= (uint32_t)_mm_movemask_epi8(acc) != 0;
     return bad | copy_check(dst + i, src + i, n - i, scale, PSD_DTYPE_F32);
 }
+
+/* As copy_check_bf16 for float32, eight values at a time: the rounding add is done on the 32-bit
+ * lanes and an arithmetic shift leaves each lane's top half sign-extended, which _mm_packs_epi32
+ * packs unchanged (SSE2 has no unsigned 32-to-16 pack); the exponent of both the value and the
+ * rounded sum is checked. `stream`: non-temporal stores (the entry goes to memory without being
+ * read into this core's cache first), once dst is 16-byte aligned. */
+static uint32_t copy_check_bf16_sse2(uint16_t *restrict dst, const float *restrict src, uint64_t n, float scale,
+                                     bool stream) {
+    uint64_t i = 0;
+    uint32_t bad = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 15); i++) /* up to a 16-byte boundary */
+        bad |= copy_check_bf16(dst + i, src + i, 1, scale, PSD_DTYPE_F32);
+    const __m128 k = _mm_set1_ps(scale);
+    const __m128i exp = _mm_set1_epi32((int)PSD_EXP_MASK), one = _mm_set1_epi32(1), half = _mm_set1_epi32(0x7fff);
+    __m128i acc = _mm_setzero_si128();
+    for (; i + 8 <= n; i += 8) {
+        __m128i a = _mm_castps_si128(_mm_mul_ps(_mm_loadu_ps(src + i), k));
+        __m128i b = _mm_castps_si128(_mm_mul_ps(_mm_loadu_ps(src + i + 4), k));
+        __m128i ra = _mm_add_epi32(_mm_add_epi32(a, half), _mm_and_si128(_mm_srli_epi32(a, 16), one));
+        __m128i rb = _mm_add_epi32(_mm_add_epi32(b, half), _mm_and_si128(_mm_srli_epi32(b, 16), one));
+        __m128i bad_a = _mm_or_si128(_mm_cmpeq_epi32(_mm_and_si128(a, exp), exp),
+                                     _mm_cmpeq_epi32(_mm_and_si128(ra, exp), exp));
+        __m128i bad_b = _mm_or_si128(_mm_cmpeq_epi32(_mm_and_si128(b, exp), exp),
+                                     _mm_cmpeq_epi32(_mm_and_si128(rb, exp), exp));
+        acc = _mm_or_si128(acc, _mm_or_si128(bad_a, bad_b));
+        __m128i packed = _mm_packs_epi32(_mm_srai_epi32(ra, 16), _mm_srai_epi32(rb, 16));
+        if (stream)
+            _mm_stream_si128((__m128i *)(dst + i), packed);
+        else
+            _mm_store_si128((__m128i *)(dst + i), packed);
+    }
+    bad |= (uint32_t)_mm_movemask_epi8(acc) != 0;
+    return bad | copy_check_bf16(dst + i, src + i, n - i, scale, PSD_DTYPE_F32);
+}
 #endif
 
 /* dst = src (n doubles), checking finiteness; nonzero if any is inf or nan. */
@@ -394,6 +428,7 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
     uint32_t bad = 0;
 #ifdef PSD_HAVE_STREAM
     bool stream = dtype == PSD_DTYPE_F32 && store == PSD_DTYPE_F32 && total * sizeof(float) >= PSD_STREAM_BYTES;
+    bool stream_bf16 = dtype == PSD_DTYPE_F32 && store == PSD_DTYPE_BF16 && total * 2 >= PSD_STREAM_BYTES;
 #endif
     for (uint32_t k = 0; k < count; dst += src[k].len, k++) {
         if (!src[k].data) {
@@ -402,6 +437,12 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
             map[k] = put_sparse(dst, &src[k], scale, dtype, &bad);
         } else if (store == PSD_DTYPE_BF16) {
             map[k] = PSD_PIECE_DENSE_BF16;
+#ifdef PSD_HAVE_STREAM
+            if (dtype == PSD_DTYPE_F32) {
+                bad |= copy_check_bf16_sse2((uint16_t *)dst, src[k].data, src[k].len, scale, stream_bf16);
+                continue;
+            }
+#endif
             bad |= copy_check_bf16((uint16_t *)dst, src[k].data, src[k].len, scale, dtype);
         } else {
             map[k] = PSD_PIECE_DENSE;
@@ -415,7 +456,7 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
         }
     }
 #ifdef PSD_HAVE_STREAM
-    if (stream)
+    if (stream || stream_bf16)
         _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
 #endif
     uint32_t flags = put_buffers(m, e, bufdelta) | (bad ? PSD_ENTRY_NONFINITE : 0);

@@ -102,6 +102,56 @@ def test_steps_swap_in_weights_pushed_by_others(job, serve, monkeypatch, pull):
         assert pb.pull() >= 5 and b.w[7].item() == -5.0
 
 
+@pytest.mark.parametrize("pull", ["inline", "thread"])
+def test_pulls_leave_the_frozen_weights_in_place(job, serve, monkeypatch, pull):
+    """Pulls copy the trainable weights alone (nothing moves the frozen ones while the job runs): the
+    frozen weights a learner got when it attached stay right through pulls and buffer swaps (the pull
+    thread's two buffers both hold them); a local write to one is not undone by a step's pull, only by
+    an explicit pull(), which copies everything."""
+    from psd.learner import client
+
+    serve(job, "--learners", "2", "--lr", "1")
+    monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
+    n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
+
+    def model() -> torch.nn.Module:
+        m = Flat(n)
+        m.frozen = torch.nn.Parameter(torch.arange(5.0) + 1, requires_grad=False)
+        return m
+
+    a, b = model(), model()
+    with learner.attach(a, job=job) as pa, learner.attach(b, job=job) as pb:
+        assert (pb._puller is not None) == (pull == "thread")
+        for i in range(1, 6):
+            a.w.grad = torch.zeros_like(a.w)
+            a.w.grad[7] = 1.0
+            pa.step()
+            pa.flush()
+
+            def b_sees_it(i=i):
+                b.w.grad = torch.zeros_like(b.w)
+                pb.step()  # lets the pull thread hand over (each swap brings the other buffer in)
+                return b.w[7].item() == -i
+
+            wait_until(b_sees_it, what=f"learner b to swap in a's update {i}")
+            assert torch.equal(b.frozen, torch.arange(5.0) + 1) and torch.equal(a.frozen, torch.arange(5.0) + 1)
+        b.frozen.data[0] = 99.0  # a local write: not the job's, and no pull copies the frozen weights
+        a.w.grad = torch.zeros_like(a.w)
+        a.w.grad[7] = 1.0
+        pa.step()
+        pa.flush()
+
+        def b_sees_the_last():
+            b.w.grad = torch.zeros_like(b.w)
+            pb.step()
+            return b.w[7].item() == -6.0
+
+        wait_until(b_sees_the_last, what="learner b to swap in a's last update")
+        assert b.frozen[0].item() == 99.0
+        assert pb.pull() >= 6 and torch.equal(b.frozen, torch.arange(5.0) + 1)
+    assert torch.equal(learner.pull_state_dict(job)["frozen"], torch.arange(5.0) + 1)
+
+
 def test_detached_learner_refuses_to_step(job, serve):
     serve(job, "--learners", "1")
     m = Flat()

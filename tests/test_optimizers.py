@@ -169,6 +169,35 @@ def test_grad_dtype_bf16_applies_the_rounded_gradient(job, serve, opt, kw, sync,
     served.stop()
 
 
+@pytest.mark.parametrize("n", [1000, 300_001])  # under and over the push's non-temporal threshold (1 MiB)
+def test_grad_dtype_bf16_rounds_as_torch(job, serve, n):
+    """Every value rounds as torch's .bfloat16() does (nearest, ties to even), exactly: ties both ways,
+    subnormals, signed zeros, the largest values that stay finite, odd lengths and offsets (the
+    vector path's head and tail). SGD with lr 1 from zero weights leaves -g in the weights."""
+    served = serve(job, "--learners", "1", "--lr", "1", "--grad-dtype", "bf16")
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F81_8001, 0x0000_8000, 0x0001_8000,
+                            0x8000_0000, 0x0000_0000, 0x7F7F_7FFF, 0xFF7F_7FFF, 0x0080_0000, 0x807F_FFFF],
+                           dtype=torch.int64).to(torch.int32)
+    values = torch.randn(n, generator=gen).view(torch.int32) & ~0xFFFF | bits  # every low half
+    values[:len(special)] = special
+    g = values.view(torch.float32)
+    assert torch.isfinite(g).all()
+    m = torch.nn.Module()
+    m.head = torch.nn.Parameter(torch.zeros(3))  # so that the big tensor's span starts unaligned
+    m.w = torch.nn.Parameter(torch.zeros(n))
+    with learner.attach(m, job=job) as ps:
+        m.head.grad = torch.ones(3)
+        m.w.grad = g.clone()
+        ps.step()
+        ps.flush()
+        ours = learner.pull_state_dict(job)
+    assert torch.equal(ours["w"], -g.bfloat16().float())
+    assert torch.equal(ours["head"], -torch.ones(3))
+    served.stop()
+
+
 def test_grad_dtype_bf16_rejects_a_gradient_that_rounds_to_infinity(job, serve):
     """A float32 gradient just below float32's largest is finite, but rounds to an infinity in
     bfloat16: the push flags it, the server rejects it and the weights do not move."""

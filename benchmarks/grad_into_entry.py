@@ -1,0 +1,66 @@
+"""Would backward writing its gradient straight into the ring entry save the push's copy?
+
+torch's autograd (AccumulateGrad) either hands ``p.grad`` the tensor the backward op allocated (when
+``p.grad`` is None: what psd's learners do, then ``psd_push_from`` copies it into the ring entry), or adds
+the new gradient into an existing ``p.grad`` in place. So "backward straight into the entry" means
+pointing ``p.grad`` at the entry, zeroed, before the backward pass: a memset and a read-add-write of the
+entry in place of the copy. This measures both ways on one Linear layer, per step (forward, backward, and
+the gradient in a float32 buffer that stands for the entry), median of several runs:
+
+    python benchmarks/grad_into_entry.py [--features 1024] [--batch 4] [--steps 300]
+
+``copy``: grad None, backward, then copy (with the finiteness check psd's push does, as a separate
+pass here: psd does it in the copy's pass). ``into``: zero the buffer, ``p.grad`` = it, backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def measure(features: int, batch: int, steps: int, how: str) -> float:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(features, features, bias=False)
+    x = torch.randn(batch, features)
+    entry = torch.empty_like(layer.weight)  # stands for the ring entry
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        if how == "into":
+            entry.zero_()
+            layer.weight.grad = entry
+            layer(x).sum().backward()
+        else:
+            layer.weight.grad = None
+            layer(x).sum().backward()
+            entry.copy_(layer.weight.grad)
+            torch.isfinite(entry).all()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times[steps // 10:]) / 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    runs: dict[str, list[float]] = {"copy": [], "into": []}
+    for _ in range(args.reps):
+        for how in runs:
+            runs[how].append(measure(args.features, args.batch, args.steps, how))
+    n = args.features * args.features
+    for how, r in runs.items():
+        print(f"{how:5} {n:>11,} params  batch {args.batch}  step p50 {statistics.median(r):9.1f} us "
+              f"(runs {min(r):.1f}-{max(r):.1f})")
+    print(f"into / copy: {statistics.median(runs['into']) / statistics.median(runs['copy']):.2f} of the time")
+
+
+if __name__ == "__main__":
+    main()
