@@ -4,8 +4,8 @@
     python benchmarks/run_all.py [--quick]
 
 Writes bench.json (every figure), bench.md (the tables, psd/peer ratios) and
-two plots: round_trip.png (updates/s against model size, psd and psd with
-pull="view" beside Hogwild, Hogwild with a weights snapshot per step, and DDP's
+two plots: round_trip.png (updates/s against model size, psd, psd with
+pull="view" and with --grad-dtype bf16 beside Hogwild, Hogwild with a weights snapshot per step, and DDP's
 all_reduce over gloo) and training.png (samples/s against learners). All
 figures come from one run on one machine: compare ratios, not absolute numbers,
 across machines (benchmarks/compare.py reruns the key ratios against bench.json).
@@ -24,6 +24,9 @@ from psd.bench import BenchConfig, run
 OUT = Path(__file__).resolve().parent / "results"
 PEERS = ("hogwild", "hogwild_snapshot", "ddp_gloo")
 PEER_TITLES = {"hogwild": "Hogwild", "hogwild_snapshot": "Hogwild+snapshot", "ddp_gloo": "DDP gloo", "psd": "psd"}
+# psd's set-ups as psd bench names them (BenchConfig.variants), and their short titles in the ratio tables.
+VARIANTS = {"psd": "psd", "psd_view": "view", "psd_bf16": "bf16", "psd_view_bf16": "view+bf16"}
+VARIANT_OVER = ("hogwild", "hogwild_snapshot", "psd")
 LIMIT_TITLES = {"dram": "from DRAM (each vector {llcs:g} or more LLCs)",
                 "cache": "in cache (the update loop's working set within half the LLC)",
                 None: "(an older run's rows: not placed in DRAM or the cache)"}
@@ -60,20 +63,26 @@ def _limit_tables(r: dict) -> list[str]:
     return lines
 
 
+def _variants(rows: list[dict]) -> list[str]:
+    """The psd set-ups measured in these rows, in VARIANTS order."""
+    return [v for v in VARIANTS if any(row.get(v) for row in rows)]
+
+
 def _round_trip_table(r: dict) -> list[str]:
-    """The round trip's figures (psd, and psd_view where measured), then its ratios, as two tables."""
-    view = any(row.get("psd_view") for row in r["round_trip"])
-    names = ["psd", "psd_view"] if view else ["psd"]
-    ratios = [f"psd_over_{p}" for p in PEERS] + ([f"psd_view_over_{p}" for p in ("hogwild", "hogwild_snapshot", "psd")]
-                                                  if view else [])
+    """The round trip's figures (psd, and psd_view, psd_bf16, psd_view_bf16 where measured), then its
+    ratios, as two tables."""
+    names = _variants(r["round_trip"])
+    ratios = [f"psd_over_{p}" for p in PEERS] + [f"{v}_over_{o}" for v in names[1:] for o in VARIANT_OVER]
     head = ["params", "learners"]
     for name in names:
         head += [f"{name} upd/s", f"{name} GB/s", f"{name} pulls/upd", f"{name} push p50 us", f"{name} step p50 us",
                  f"{name} step p99 us"]
     lines = ["", "## Round trip: null learners, push + pull per update", "",
              "GB/s counts the pulls made (a gradient in per update, the weights out per pull)"
-             + ("; psd_view's parameters are views of the shared weights (pull=\"view\"): no pull at all." if view
-                else "."), "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+             + ("; psd_view's parameters are views of the shared weights (pull=\"view\"): no pull at all"
+                if "psd_view" in names else "")
+             + ("; psd_bf16 pushes bfloat16 gradients (--grad-dtype bf16): 2 bytes a parameter in"
+                if "psd_bf16" in names else "") + ".", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in r["round_trip"]:
         cells = [f"{row['params']:,}", str(row["learners"])]
         for name in names:
@@ -83,8 +92,8 @@ def _round_trip_table(r: dict) -> list[str]:
                       _f(p.get("step_p99_us"))]
         lines.append("| " + " | ".join(cells) + " |")
     head = ["params", "learners"] + [_ratio_title(key) for key in ratios]
-    lines += ["", "### Round trip: updates/s over the peers' (view: psd with pull=\"view\")", "",
-              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["", "### Round trip: updates/s over the peers' (view: psd with pull=\"view\"; bf16: --grad-dtype bf16)",
+              "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in r["round_trip"]:
         lines.append("| " + " | ".join([f"{row['params']:,}", str(row["learners"])]
                                        + [_f(row.get(key), ".2f") for key in ratios]) + " |")
@@ -93,14 +102,15 @@ def _round_trip_table(r: dict) -> list[str]:
 
 def _ratio_title(key: str) -> str:
     """"psd_view_over_hogwild_snapshot" as "view / Hogwild+snapshot"."""
-    return " / ".join(PEER_TITLES.get(x, x) for x in key.replace("psd_view", "view").split("_over_"))
+    num, den = key.split("_over_", 1)
+    return f"{VARIANTS.get(num, num)} / {PEER_TITLES.get(den, den)}"
 
 
 def _training_table(r: dict) -> list[str]:
-    view = any(row.get("psd_view") for row in r["training"])
-    names = ["psd", "psd_view", "hogwild"] if view else ["psd", "hogwild"]
-    ratios = ["psd_over_hogwild", "psd_view_over_hogwild"] if view else ["psd_over_hogwild"]
-    head = ["mini-batch", "learners"] + [f"{PEER_TITLES.get(n, n)} {x}" for n in names
+    variants = _variants(r["training"])
+    names = [*variants, "hogwild"] if any(row.get("hogwild") for row in r["training"]) else variants
+    ratios = [f"{v}_over_hogwild" for v in variants] if "hogwild" in names else []
+    head = ["mini-batch", "learners"] + [f"{PEER_TITLES.get(n, VARIANTS.get(n, n))} {x}" for n in names
                                          for x in ("samples/s", "accuracy")]
     head += [_ratio_title(key) for key in ratios]
     lines = ["", "## Training: the shipped MLP workload, as many epochs as the mini-batch size", "",
@@ -130,7 +140,7 @@ def tables(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(r: dict) -> None:
+def plots(r: dict, prefix: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,9 +152,9 @@ def plots(r: dict) -> None:
         rows = [row for row in r["round_trip"] if row["learners"] == k]
         sizes = [row["params"] for row in rows]
         ax.plot(sizes, [row["psd"]["updates_per_s"] for row in rows], "o-", label="psd")
-        pts = [(row["params"], row["psd_view"]["updates_per_s"]) for row in rows if row.get("psd_view")]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), "o-", label='psd, pull="view"')
+        for v in _variants(rows)[1:]:
+            pts = [(row["params"], row[v]["updates_per_s"]) for row in rows if row.get(v)]
+            ax.plot(*zip(*pts, strict=True), "o-", label=f"psd, {VARIANTS[v]}")
         for peer in PEERS:
             pts = [(row["params"], row[peer]["updates_per_s"]) for row in rows if row.get(peer)]
             if pts:
@@ -154,16 +164,16 @@ def plots(r: dict) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("round trip: push + pull per update")
     fig.tight_layout()
-    fig.savefig(OUT / "round_trip.png", dpi=110)
+    fig.savefig(OUT / f"{prefix}round_trip.png", dpi=110)
     batches = sorted({row["batch"] for row in r["training"]})
     fig, ax = plt.subplots(figsize=(6, 4))
     for b in batches:
         rows = [row for row in r["training"] if row["batch"] == b]
         ax.plot([row["learners"] for row in rows], [row["psd"]["samples_per_s"] for row in rows], "o-",
                 label=f"psd, mini-batch {b}")
-        if rows and rows[0].get("psd_view"):
-            ax.plot([row["learners"] for row in rows], [row["psd_view"]["samples_per_s"] for row in rows], "^-",
-                    label=f'psd pull="view", mini-batch {b}')
+        for v in _variants(rows)[1:]:
+            ax.plot([row["learners"] for row in rows], [row[v]["samples_per_s"] for row in rows], "^-",
+                    label=f"psd {VARIANTS[v]}, mini-batch {b}")
         if rows and rows[0].get("hogwild"):
             ax.plot([row["learners"] for row in rows], [row["hogwild"]["samples_per_s"] for row in rows], "s--",
                     label=f"Hogwild, mini-batch {b}")
@@ -171,7 +181,7 @@ def plots(r: dict) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / "training.png", dpi=110)
+    fig.savefig(OUT / f"{prefix}training.png", dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also measure the update loop (and the limit) at these sizes; 1e8 floats is 3.6 GB of arena")
     p.add_argument("--pull-modes", nargs="+", choices=("copy", "view"),
                    help="copy (always measured) and view (pull=\"view\": the psd_view figures)")
+    p.add_argument("--grad-dtypes", nargs="+", choices=("float32", "bf16"),
+                   help="float32 (always measured) and bf16 (--grad-dtype bf16: the psd_bf16 figures)")
+    p.add_argument("--batches", type=int, nargs="+", help="training mini-batch sizes")
+    p.add_argument("--name", default="bench",
+                   help="write NAME.json and NAME.md (and the plots as NAME_round_trip.png, NAME_training.png "
+                        "unless NAME is bench)")
     p.add_argument("--no-training", action="store_true")
     args = p.parse_args(argv)
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
@@ -197,14 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, loop_sizes=tuple(args.loop_sizes))
     if args.pull_modes:
         cfg = dataclasses.replace(cfg, pull_modes=tuple(args.pull_modes))
+    if args.grad_dtypes:
+        cfg = dataclasses.replace(cfg, grad_dtypes=tuple(args.grad_dtypes))
+    if args.batches:
+        cfg = dataclasses.replace(cfg, batches=tuple(args.batches))
     if args.no_training:
         cfg = dataclasses.replace(cfg, training=False)
     r = run(cfg, log=lambda line: print(line, flush=True))
     OUT.mkdir(exist_ok=True)
-    (OUT / "bench.json").write_text(json.dumps(r, indent=2, allow_nan=False))
-    (OUT / "bench.md").write_text(tables(r))
-    plots(r)
-    print(f"wrote {OUT}/bench.json, bench.md, round_trip.png, training.png")
+    (OUT / f"{args.name}.json").write_text(json.dumps(r, indent=2, allow_nan=False))
+    (OUT / f"{args.name}.md").write_text(tables(r))
+    prefix = "" if args.name == "bench" else f"{args.name}_"
+    plots(r, prefix)
+    print(f"wrote {OUT}/{args.name}.json, {args.name}.md, {prefix}round_trip.png, {prefix}training.png")
     return 0
 
 

@@ -540,7 +540,8 @@ PyMethodDef py_learner_methods[] = {
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
      "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
     {"pull_into", (PyCFunction)arena_pull_into, METH_VARARGS,
-     "pull_into(slot, buffer, known_clock) -> clock: copy the weights into buffer unless still at known_clock"},
+     "pull_into(slot, buffer, known_clock) -> clock: copy the trainable weights into buffer (n_params float32; "
+     "the frozen ones never move and are left as they are) unless still at known_clock"},
     {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
     {"start_puller", (PyCFunction)arena_start_puller, METH_VARARGS,
      "start_puller(slot, front, back, clock) -> Puller: a native thread that pulls into back"},
