@@ -1,0 +1,70 @@
+"""Fine-tuning shape: a frozen backbone and a small trainable head, one null learner against a live server.
+
+Pulls copy the trainable weights alone (the frozen ones never move while the job runs), so a step's pull
+costs the head, not the model. This times a learner's step (push of the head's gradient, pull) with the
+trainable and frozen sizes given, median of several runs:
+
+    python benchmarks/frozen_pull.py [--trainable 100000] [--frozen 10000000] [--seconds 2] [--reps 3]
+
+Run it at two commits to compare (the pull copied every weight before 2026-11-23).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from psd import learner
+from psd.server import ServeConfig, Server
+
+
+def measure(trainable: int, frozen: int, seconds: float) -> dict:
+    job = f"bench-frozen-{os.getpid()}"
+    server = Server(ServeConfig(job=job, learners=1, lr=1e-9, threads=1))
+    server.start()
+    stop = threading.Event()
+    t = threading.Thread(target=server.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        m = torch.nn.Module()
+        m.head = torch.nn.Parameter(torch.zeros(trainable))
+        m.backbone = torch.nn.Parameter(torch.zeros(frozen), requires_grad=False)
+        g = torch.full((trainable,), 1e-6)
+        with learner.attach(m, job=job) as ps:
+            lat = []
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                m.head.grad = g
+                t0 = time.perf_counter_ns()
+                ps.step()
+                lat.append(time.perf_counter_ns() - t0)
+            ps.flush()
+        return {"updates_per_s": len(lat) / seconds, "step_p50_us": statistics.median(lat) / 1000}
+    finally:
+        stop.set()
+        t.join()
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainable", type=int, default=100_000)
+    p.add_argument("--frozen", type=int, default=10_000_000)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    runs = [measure(args.trainable, args.frozen, args.seconds) for _ in range(args.reps)]
+    rate = statistics.median(r["updates_per_s"] for r in runs)
+    step = statistics.median(r["step_p50_us"] for r in runs)
+    print(f"{args.trainable:,} trainable + {args.frozen:,} frozen parameters, 1 learner: {rate:,.0f} updates/s, "
+          f"step p50 {step:.1f} us (median of {args.reps})")
+
+
+if __name__ == "__main__":
+    main()
