@@ -9,8 +9,10 @@ the gradient in a float32 buffer that stands for the entry), median of several r
 
     python benchmarks/grad_into_entry.py [--features 1024] [--batch 4] [--steps 300]
 
-``copy``: grad None, backward, then copy (with the finiteness check psd's push does, as a separate
-pass here: psd does it in the copy's pass). ``into``: zero the buffer, ``p.grad`` = it, backward.
+``copy``: grad None (what a psd learner leaves after each push, as ``zero_grad()`` does), backward,
+then the copy into the entry. ``kept``: the same private ``p.grad`` zeroed each step
+(``zero_grad(set_to_none=False)``), backward, then the copy. ``into``: zero the entry, ``p.grad`` = it,
+backward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 def measure(features: int, batch: int, steps: int, how: str) -> float:
     torch.manual_seed(0)
     layer = torch.nn.Linear(features, features, bias=False)
+    layer.weight.grad = torch.zeros_like(layer.weight)
     x = torch.randn(batch, features)
     entry = torch.empty_like(layer.weight)  # stands for the ring entry
     times = []
@@ -34,11 +37,14 @@ def measure(features: int, batch: int, steps: int, how: str) -> float:
             entry.zero_()
             layer.weight.grad = entry
             layer(x).sum().backward()
+        elif how == "kept":  # zero_grad(set_to_none=False): the same private p.grad every step, then the copy
+            layer.weight.grad.zero_()
+            layer(x).sum().backward()
+            entry.copy_(layer.weight.grad)
         else:
             layer.weight.grad = None
             layer(x).sum().backward()
             entry.copy_(layer.weight.grad)
-            torch.isfinite(entry).all()
         times.append(time.perf_counter_ns() - t0)
     return statistics.median(times[steps // 10:]) / 1000
 
@@ -51,7 +57,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(1)
-    runs: dict[str, list[float]] = {"copy": [], "into": []}
+    runs: dict[str, list[float]] = {"copy": [], "kept": [], "into": []}
     for _ in range(args.reps):
         for how in runs:
             runs[how].append(measure(args.features, args.batch, args.steps, how))
@@ -59,7 +65,8 @@ def main() -> None:
     for how, r in runs.items():
         print(f"{how:5} {n:>11,} params  batch {args.batch}  step p50 {statistics.median(r):9.1f} us "
               f"(runs {min(r):.1f}-{max(r):.1f})")
-    print(f"into / copy: {statistics.median(runs['into']) / statistics.median(runs['copy']):.2f} of the time")
+    for how in ("kept", "into"):
+        print(f"{how} / copy: {statistics.median(runs[how]) / statistics.median(runs['copy']):.2f} of the time")
 
 
 if __name__ == "__main__":
