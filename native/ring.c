@@ -176,6 +176,25 @@ static inline float f16_to_f32(uint16_t v) {
 
 static inline size_t dtype_size(uint32_t dtype) { return dtype == PSD_DTYPE_F32 ? 4 : 2; }
 
+/* For each of the n source values of `dtype` (float32 from `f`, bfloat16 or float16 from `half`):
+ * v, the value times scale, and b, its bits; then STORE, a statement on i, v and b. */
+#define PSD_CONVERT_EACH(STORE)                                                                                   \
+    do {                                                                                                          \
+        if (dtype == PSD_DTYPE_F32)                                                                               \
+            PSD_CONVERT_LOOP(f[i], STORE)                                                                         \
+        else if (dtype == PSD_DTYPE_BF16)                                                                         \
+            PSD_CONVERT_LOOP(psd_bf16_to_f32(half[i]), STORE)                                                     \
+        else                                                                                                      \
+            PSD_CONVERT_LOOP(f16_to_f32(half[i]), STORE)                                                          \
+    } while (0)
+#define PSD_CONVERT_LOOP(expr, STORE)                                                                             \
+    for (uint64_t i = 0; i < n; i++) {                                                                            \
+        float v = (expr) * scale;                                                                                 \
+        uint32_t b;                                                                                               \
+        memcpy(&b, &v, sizeof b);                                                                                 \
+        STORE                                                                                                     \
+    }
+
 /* dst = src * scale, src of `dtype` (NULL: zeros), checking finiteness in the
  * same pass; returns nonzero if any value is inf or nan. */
 static uint32_t copy_check(float *restrict dst, const void *restrict src, uint64_t n, float scale, uint32_t dtype) {
@@ -186,21 +205,10 @@ static uint32_t copy_check(float *restrict dst, const void *restrict src, uint64
     }
     const float *f = src;
     const uint16_t *half = src;
-#define PSD_CONVERT_LOOP(expr)                                                                                     \
-    for (uint64_t i = 0; i < n; i++) {                                                                             \
-        float v = (expr) * scale;                                                                                  \
-        uint32_t b;                                                                                                \
-        memcpy(&b, &v, sizeof b);                                                                                  \
-        bad |= nonfinite(b);                                                                                       \
-        dst[i] = v;                                                                                                \
-    }
-    if (dtype == PSD_DTYPE_F32)
-        PSD_CONVERT_LOOP(f[i])
-    else if (dtype == PSD_DTYPE_BF16)
-        PSD_CONVERT_LOOP(psd_bf16_to_f32(half[i]))
-    else
-        PSD_CONVERT_LOOP(f16_to_f32(half[i]))
-#undef PSD_CONVERT_LOOP
+    PSD_CONVERT_EACH({
+        bad |= nonfinite(b);
+        dst[i] = v;
+    });
     return bad;
 }
 
@@ -215,24 +223,15 @@ static uint32_t copy_check_bf16(uint16_t *restrict dst, const void *restrict src
     uint32_t bad = 0;
     const float *f = src;
     const uint16_t *half = src;
-#define PSD_CONVERT_LOOP(expr)                                                                                     \
-    for (uint64_t i = 0; i < n; i++) {                                                                             \
-        float v = (expr) * scale;                                                                                  \
-        uint32_t b;                                                                                                \
-        memcpy(&b, &v, sizeof b);                                                                                  \
-        uint16_t r = f32_to_bf16(b);                                                                               \
-        bad |= nonfinite(b) | nonfinite((uint32_t)r << 16);                                                        \
-        dst[i] = r;                                                                                                \
-    }
-    if (dtype == PSD_DTYPE_F32)
-        PSD_CONVERT_LOOP(f[i])
-    else if (dtype == PSD_DTYPE_BF16)
-        PSD_CONVERT_LOOP(psd_bf16_to_f32(half[i]))
-    else
-        PSD_CONVERT_LOOP(f16_to_f32(half[i]))
-#undef PSD_CONVERT_LOOP
+    PSD_CONVERT_EACH({
+        uint16_t r = f32_to_bf16(b);
+        bad |= nonfinite(b) | nonfinite((uint32_t)r << 16);
+        dst[i] = r;
+    });
     return bad;
 }
+#undef PSD_CONVERT_EACH
+#undef PSD_CONVERT_LOOP
 
 #ifdef PSD_HAVE_STREAM
 /* As copy_check for float32, with non-temporal stores: the entry goes to
