@@ -8,6 +8,7 @@ hyper-parameters, to float rounding (1e-6 relative).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -215,6 +216,12 @@ def test_grad_dtype_bf16_rejects_a_gradient_that_rounds_to_infinity(job, serve):
     a.close()
     assert (h["rejected"], h["applied"]) == (1, 0)
     assert all(torch.equal(before[k], after[k]) for k in before)
+    status = [sys.executable, "-m", "psd.cli", "status", "--job", job]
+    st = json.loads(subprocess.run([*status, "--json"], capture_output=True, text=True, env=child_env(),
+                                   timeout=60, check=True).stdout)
+    assert (st["grad_dtype"], st["rejected"]) == ("bf16", 1)
+    text = subprocess.run(status, capture_output=True, text=True, env=child_env(), timeout=60, check=True).stdout
+    assert "grad-dtype bf16" in text
     served.stop()
 
 
