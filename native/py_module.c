@@ -147,23 +147,34 @@ static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
     return Py_BuildValue("{s:i,s:i}", "max_threads", omp_get_max_threads(), "num_procs", omp_get_num_procs());
 }
 
-/* apply_sgd / apply_sgd_kernel: w -= lr*g in place through `fn`, whose last
- * argument (threads, or which kernel) comes from Python; EINVAL: no such kernel. */
-typedef int (*sgd_fn)(float *restrict w, const float *restrict g, uint64_t n, float lr, int arg);
+/* apply_sgd / apply_sgd_bf16 / apply_sgd_kernel: w -= lr*g in place through `fn`, whose last
+ * argument (threads, or which kernel) comes from Python; g holds as many elements as w, of
+ * `g_size` bytes each (float32, or bfloat16 for apply_sgd_bf16); EINVAL: no such kernel. */
+typedef int (*sgd_fn)(float *restrict w, const void *restrict g, uint64_t n, float lr, int arg);
 
-static int sgd_threads(float *restrict w, const float *restrict g, uint64_t n, float lr, int threads) {
+static int sgd_threads(float *restrict w, const void *restrict g, uint64_t n, float lr, int threads) {
     psd_apply_sgd(w, g, PSD_DTYPE_F32, n, lr, threads, NULL);
     return 0;
 }
 
-static PyObject *sgd_call(PyObject *args, const char *name, sgd_fn fn) {
+static int sgd_threads_bf16(float *restrict w, const void *restrict g, uint64_t n, float lr, int threads) {
+    psd_apply_sgd(w, g, PSD_DTYPE_BF16, n, lr, threads, NULL);
+    return 0;
+}
+
+static int sgd_kernel(float *restrict w, const void *restrict g, uint64_t n, float lr, int kernel) {
+    return psd_apply_sgd_kernel(w, g, n, lr, kernel);
+}
+
+static PyObject *sgd_call(PyObject *args, const char *name, sgd_fn fn, Py_ssize_t g_size) {
     Py_buffer w, g;
     float lr;
     int arg, rc = 0;
     if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &arg))
         return NULL;
-    if (w.len != g.len || w.len % (Py_ssize_t)sizeof(float)) {
-        PyErr_Format(PyExc_ValueError, "%s: w and g must be float32 buffers of one size", name);
+    if (w.len % (Py_ssize_t)sizeof(float) || g.len != w.len / (Py_ssize_t)sizeof(float) * g_size) {
+        PyErr_Format(PyExc_ValueError, "%s: w must be float32 and g %s, of one length", name,
+                     g_size == 2 ? "bfloat16" : "float32");
     } else {
         Py_BEGIN_ALLOW_THREADS rc = fn(w.buf, g.buf, (uint64_t)w.len / sizeof(float), lr, arg);
         Py_END_ALLOW_THREADS if (rc) PyErr_Format(PyExc_ValueError, "%s: no kernel %d", name, arg);
@@ -177,34 +188,17 @@ static PyObject *sgd_call(PyObject *args, const char *name, sgd_fn fn) {
 
 static PyObject *mod_apply_sgd(PyObject *self, PyObject *args) {
     (void)self;
-    return sgd_call(args, "apply_sgd", sgd_threads);
+    return sgd_call(args, "apply_sgd", sgd_threads, 4);
 }
 
-/* apply_sgd_bf16(w, g, lr, threads): as apply_sgd with g bfloat16 (n uint16 for n float32 of w). */
 static PyObject *mod_apply_sgd_bf16(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer w, g;
-    float lr;
-    int threads;
-    if (!PyArg_ParseTuple(args, "w*y*fi", &w, &g, &lr, &threads))
-        return NULL;
-    if (w.len != 2 * g.len || w.len % (Py_ssize_t)sizeof(float)) {
-        PyErr_SetString(PyExc_ValueError, "apply_sgd_bf16: w must be float32 and g bfloat16, of one length");
-    } else {
-        Py_BEGIN_ALLOW_THREADS psd_apply_sgd(w.buf, g.buf, PSD_DTYPE_BF16, (uint64_t)w.len / sizeof(float), lr,
-                                             threads, NULL);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&g);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
+    return sgd_call(args, "apply_sgd_bf16", sgd_threads_bf16, 2);
 }
 
 static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
     (void)self;
-    return sgd_call(args, "apply_sgd_kernel", psd_apply_sgd_kernel);
+    return sgd_call(args, "apply_sgd_kernel", sgd_kernel, 4);
 }
 
 static PyMethodDef module_methods[] = {

@@ -23,7 +23,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     out["idle_server_cpu"] = idle_cpu()
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")
     out["pull_modes"] = ["copy", "view"] if cfg.view_pulls() else ["copy"]
-    out["grad_dtypes"] = sorted({dtype for _, dtype in cfg.variants().values()}, key=("float32", "bf16").index)
+    out["grad_dtypes"] = ["float32", "bf16"] if "bf16" in cfg.grad_dtypes else ["float32"]
     out["learner_sched"] = cfg.learner_sched
     out["round_trip"] = round_trip(cfg, log)
     out["training"] = training(cfg, log) if cfg.training else []
