@@ -43,6 +43,7 @@ from psd.arena import (
 from psd.errors import (
     ArenaBusy,
     Error,
+    Evicted,
     NoFreeSlot,
     OutOfSharedMemory,
     ServerGone,
@@ -295,11 +296,15 @@ class Learner:
         self._map_buffers()
 
     def _claim(self, slot_timeout: float) -> None:
+        """Ask the server for a slot (a request its update loop answers), waiting up to ``slot_timeout``
+        for one to be free and up to ``timeout`` for a server that is restarting to answer."""
         me = os.getpid()
         deadline = _Deadline(slot_timeout)
+        answer = _Deadline(max(self.timeout, slot_timeout))
         while True:
             try:
-                self.slot, self._claim_token = self._arena.claim(me, _native.proc_start_time(me), self.rank)
+                self.slot, self._claim_token = self._arena.claim(
+                    me, _native.proc_start_time(me), self.rank, max(0.05, min(answer.left(), 5.0)))
                 break
             except NoFreeSlot:
                 if deadline.expired():
@@ -313,6 +318,18 @@ class Learner:
                 # Slots free without a signal of their own: recheck every 0.1 s (or when the
                 # arena's state changes, e.g. the server stops).
                 self._arena.wait_state(_native.ARENA_READY, min(deadline.left(), 0.1))
+            except Evicted:
+                raise Evicted(f"job {self.job!r} evicted this process (pid {me}) earlier: something in it wrote "
+                              f"into its slot what no learner writes (a stray pointer, a wrong tensor view); "
+                              f"`psd status --job {self.job}` shows the rule it broke. Fix that and start a new "
+                              f"process: this one gets no slot again") from None
+            except (ServerGone, Timeout) as e:
+                # Nobody answered: the server is restarting, or its loop is not running yet.
+                if answer.expired() or self._arena.state == _native.ARENA_STOPPED:
+                    raise ServerGone(f"job {self.job!r}: no server answered the claim of a learner slot "
+                                     f"within {max(self.timeout, slot_timeout):g} s ({e}); check it with "
+                                     f"`psd status --job {self.job}`") from None
+                time.sleep(0.05)
             except StateError:
                 raise Error(f"job {self.job!r} is not accepting learners (state {self._arena.state})") from None
 

@@ -31,8 +31,12 @@ static uint64_t ranks_bytes(uint32_t n_slots) {
     return round_up((uint64_t)n_slots * sizeof(struct psd_rank), PSD_PAGE);
 }
 
+static uint64_t slotrec_bytes(uint32_t n_slots) {
+    return round_up((uint64_t)n_slots * sizeof(struct psd_slot), PSD_PAGE);
+}
+
 size_t psd_header_span(uint32_t n_slots, uint64_t spec_cap) {
-    return (size_t)(PSD_HEADER_SIZE + ranks_bytes(n_slots) + round_up(spec_cap, PSD_PAGE));
+    return (size_t)(PSD_HEADER_SIZE + ranks_bytes(n_slots) + slotrec_bytes(n_slots) + round_up(spec_cap, PSD_PAGE));
 }
 
 /* a + b and a * b, failing instead of wrapping. */
@@ -52,7 +56,8 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
         (ring_k & (ring_k - 1)) != 0 || spec_cap > max_elems)
         return EINVAL;
     *g = (struct psd_geom){.n_slots = n_slots, .ring_k = ring_k, .spec_cap = spec_cap, .ranks_off = PSD_HEADER_SIZE,
-                           .spec_off = PSD_HEADER_SIZE + ranks_bytes(n_slots),
+                           .slotrec_off = PSD_HEADER_SIZE + ranks_bytes(n_slots),
+                           .spec_off = PSD_HEADER_SIZE + ranks_bytes(n_slots) + slotrec_bytes(n_slots),
                            .total_size = psd_header_span(n_slots, spec_cap)};
     if (!model)
         return 0;
@@ -79,7 +84,7 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
     g->slots_off = g->pieces_off + piece_bytes; /* all below 2^46: no wrap so far */
     g->weights_bytes = model->n_params * sizeof(float);
     g->optstate_bytes = state_bytes;
-    if (!mul_ok(ring_k, g->entry_stride, &ring_bytes) || !add_ok(ring_bytes, sizeof(struct psd_slot), &ring_bytes) ||
+    if (!mul_ok(ring_k, g->entry_stride, &ring_bytes) || !add_ok(ring_bytes, sizeof(struct psd_lslot), &ring_bytes) ||
         !page_ok(ring_bytes, &g->slot_stride) || !mul_ok(n_slots, g->slot_stride, &slots_bytes) ||
         !add_ok(g->slots_off, slots_bytes, &g->total_size) || g->total_size > (uint64_t)SIZE_MAX / 2)
         return EINVAL;
@@ -103,7 +108,7 @@ static int adopt_once(struct psd_map *m, struct psd_geom *out) {
     uint32_t state = PSD_LOAD_ACQ(&h->state);
     struct psd_geom fixed, full;
     if (psd_geometry(h->n_slots, h->ring_k, h->spec_cap, NULL, 0, &fixed) || h->ranks_off != fixed.ranks_off ||
-        h->spec_off != fixed.spec_off || fixed.total_size > m->size)
+        h->slotrec_off != fixed.slotrec_off || h->spec_off != fixed.spec_off || fixed.total_size > m->size)
         return PSD_EGEOMETRY;
     *out = fixed;
     bool grown = state == PSD_ARENA_INIT_WEIGHTS || state == PSD_ARENA_READY ||
@@ -262,6 +267,7 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     h->n_slots = n_slots;
     h->ring_k = ring_k;
     h->ranks_off = g.ranks_off;
+    h->slotrec_off = g.slotrec_off;
     h->spec_off = g.spec_off;
     h->spec_cap = spec_cap;
     struct timespec now;
@@ -276,6 +282,8 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     psd_cond_init(&h->state_cond);
     psd_cond_init(&h->doorbell);
     psd_cond_init(&h->sync_cond);
+    for (uint32_t i = 0; i < n_slots; i++)
+        atomic_init(&psd_slot_at(m, i)->rank, -1); /* fresh pages are zero: every slot FREE */
     h->push_every = 1;
     h->max_staleness = UINT64_MAX;
     atomic_init(&h->state, PSD_ARENA_WAITING_SPEC);
@@ -469,13 +477,10 @@ int psd_arena_grow(struct psd_map *m) {
     h->slot_stride = g.slot_stride;
     h->entry_stride = g.entry_stride;
     h->total_size = g.total_size;
-    for (uint32_t i = 0; i < g.n_slots; i++) {
-        struct psd_slot *s = psd_slot_at(m, i);
-        if ((rc = psd_mutex_init(&s->mutex)) != 0)
-            return rc;
-        psd_cond_init(&s->not_full);
-        atomic_init(&s->state, PSD_SLOT_FREE);
-    }
+    /* Every slot FREE with an empty ring, also after a reset: a new model, new learners. */
+    memset(psd_slot_at(m, 0), 0, (size_t)g.n_slots * sizeof(struct psd_slot));
+    for (uint32_t i = 0; i < g.n_slots; i++)
+        atomic_init(&psd_slot_at(m, i)->rank, -1);
     return 0;
 }
 

@@ -84,10 +84,9 @@ static void renew(struct psd_map *m) {
         uint64_t token = PSD_LOAD_RLX(&m->held[i]);
         if (!token)
             continue;
-        struct psd_slot *s = psd_slot_at(m, i);
         /* A slot handed on to another learner is not renewed: its beat is the new owner's. */
-        if (PSD_LOAD_RLX(&s->claims) == token)
-            PSD_ADD_RLX(&s->lease_beat, 1); /* read relaxed by psd_reap: only the change matters */
+        if (token != UINT64_MAX && PSD_LOAD_RLX(&psd_slot_at(m, i)->claims) == token)
+            PSD_ADD_RLX(&psd_lslot_at(m, i)->lease_beat, 1); /* read relaxed by psd_reap: only the change matters */
     }
 }
 

@@ -45,6 +45,7 @@ void psd_loop_pause(struct psd_map *m, _Atomic int *stop) {
         psd_cond_wait(&h->pause_cond, seen, PAUSE_SLICE_NS);
         psd_cond_done(&h->pause_cond);
         PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* paused is not hung */
+        psd_admit(m); /* claims and releases touch no weights: learners attach during a snapshot */
     }
     atomic_store(&h->paused, 0);
 }
@@ -137,6 +138,7 @@ void psd_loop_hold(struct psd_map *m, _Atomic int *stop) {
             psd_cond_wait(&h->pause_cond, seen, PAUSE_SLICE_NS);
             psd_cond_done(&h->pause_cond);
             PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* held is not hung */
+            psd_admit(m); /* learners attach while the loop is held */
         }
         /* seq_cst, then a seq_cst load of hold_clock: a holder that stored hold_clock and then saw
          * held == 1 has its hold seen here, so the loop holds again instead of applying. */

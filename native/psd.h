@@ -30,7 +30,8 @@
 #define PSD_ESLOT (-30591)      /* the slot is no longer this learner's */
 #define PSD_EINIT (-30590)      /* the arena is still being created (no magic yet) */
 #define PSD_EGEOMETRY (-30589)  /* the header's geometry disagrees with itself or the file's size */
-#define PSD_ELAST (-30589)
+#define PSD_EEVICTED (-30588)   /* this process was evicted from the job: no slot for it */
+#define PSD_ELAST (-30588)
 
 const char *psd_strerror(int code);
 
@@ -64,7 +65,7 @@ struct psd_lease;
  * total_size covers the header, ranks and spec only. */
 struct psd_geom {
     uint32_t n_slots, ring_k, state_vectors;
-    uint64_t spec_cap, ranks_off, spec_off;
+    uint64_t spec_cap, ranks_off, slotrec_off, spec_off;
     uint64_t n_params, n_train, n_buffers, n_pieces;
     uint64_t total_size, weights_off, optstate_off, buffers_off, pieces_off, slots_off, slot_stride, entry_stride;
     uint64_t weights_bytes, optstate_bytes;
@@ -89,11 +90,16 @@ static inline struct psd_header *psd_hdr(const struct psd_map *m) {
 }
 /* Whether the mapping holds the model's regions (weights, state, rings). */
 static inline bool psd_has_model(const struct psd_map *m) { return m->g.n_params != 0; }
+/* The server's record of slot i (read-only to learners). */
 static inline struct psd_slot *psd_slot_at(const struct psd_map *m, uint32_t i) {
-    return (struct psd_slot *)(m->base + m->g.slots_off + (uint64_t)i * m->g.slot_stride);
+    return (struct psd_slot *)(m->base + m->g.slotrec_off) + i;
+}
+/* What learner i writes: its request line, tail and figures, then its ring. */
+static inline struct psd_lslot *psd_lslot_at(const struct psd_map *m, uint32_t i) {
+    return (struct psd_lslot *)(m->base + m->g.slots_off + (uint64_t)i * m->g.slot_stride);
 }
 static inline struct psd_entry *psd_entry_at(const struct psd_map *m, uint32_t i, uint64_t idx) {
-    uint8_t *ring = (uint8_t *)psd_slot_at(m, i) + sizeof(struct psd_slot);
+    uint8_t *ring = (uint8_t *)psd_lslot_at(m, i) + sizeof(struct psd_lslot);
     return (struct psd_entry *)(ring + (idx & (m->g.ring_k - 1)) * m->g.entry_stride);
 }
 static inline float *psd_entry_grad(struct psd_entry *e) {
@@ -138,7 +144,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
  * Slots: X(key, field, how), also SIGNED and BITS (a double's bits). */
 #define PSD_HEADER_FIELDS(X)                                                                                     \
     X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, FIXED) X(ring_k, FIXED) X(spec_cap, FIXED)        \
-    X(ranks_off, FIXED) X(spec_off, FIXED) X(created_unix_ns, PLAIN) X(total_size, MODEL) X(n_params, MODEL)     \
+    X(ranks_off, FIXED) X(slotrec_off, FIXED) X(spec_off, FIXED) X(created_unix_ns, PLAIN) X(total_size, MODEL) X(n_params, MODEL)     \
     X(n_train, MODEL) X(n_buffers, MODEL) X(n_pieces, MODEL) X(buffers_off, MODEL) X(pieces_off, MODEL)          \
     X(weights_off, MODEL) X(weights_bytes, MODEL) X(optstate_off, MODEL) X(optstate_bytes, MODEL)                \
     X(slots_off, MODEL) X(slot_stride, MODEL) X(entry_stride, MODEL) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
@@ -158,15 +164,24 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(holder_pid, PID) X(held, ATOMIC) X(watchdog_pid, PID)                                                      \
     X(watchdog_start_time, ATOMIC) X(checkpoint_clock, ATOMIC) X(checkpoint_unix_ns, ATOMIC)                     \
     X(server_restarts, ATOMIC)
+/* Slots: X(key, field, how) for the server's record (struct psd_slot), LX(key, field, how) for what
+ * the learner writes (struct psd_lslot). */
 #define PSD_SLOT_FIELDS(X)                                                                                       \
     X(state, state, ATOMIC) X(pid, pid, PID) X(start_time, start_time, ATOMIC) X(claims, claims, ATOMIC)         \
-    X(rank, rank, SIGNED) X(waiters, not_full.waiters, ATOMIC) X(tail, tail, ATOMIC) X(head, head, ATOMIC)       \
-    X(learner_clock, learner_clock, ATOMIC) X(pulls, pulls, ATOMIC) X(pulls_skipped, pulls_skipped, ATOMIC)      \
-    X(full_waits, full_waits, ATOMIC) X(applied, applied, ATOMIC) X(rejected, rejected, ATOMIC)                  \
-    X(staleness_sum, staleness_sum, ATOMIC) X(staleness_max, staleness_max, ATOMIC) X(dropped, dropped, ATOMIC)  \
-    X(ssp_base, ssp_base, ATOMIC) X(round_joined, round_joined, ATOMIC) X(last_loss, last_loss_bits, BITS)       \
-    X(pid_ns, pid_ns, ATOMIC) X(ignored, ignored, ATOMIC) X(lease_beat, lease_beat, ATOMIC)                     \
-    X(reap_reason, reap_reason, ATOMIC) X(liveness, liveness, ATOMIC)
+    X(rank, rank, SIGNED) X(refused, refused, ATOMIC) X(answered, answered, ATOMIC) X(head, head, ATOMIC)        \
+    X(applied, applied, ATOMIC) X(rejected, rejected, ATOMIC) X(staleness_sum, staleness_sum, ATOMIC)           \
+    X(staleness_max, staleness_max, ATOMIC) X(dropped, dropped, ATOMIC) X(ssp_base, ssp_base, ATOMIC)           \
+    X(round_joined, round_joined, ATOMIC) X(last_loss, last_loss_bits, BITS) X(pid_ns, pid_ns, ATOMIC)          \
+    X(ignored, ignored, ATOMIC) X(reap_reason, reap_reason, ATOMIC) X(liveness, liveness, ATOMIC)               \
+    X(evicted_pid, evicted_pid, PID) X(evicted_rule, evicted_rule, ATOMIC)                                      \
+    X(evicted_start_time, evicted_start_time, ATOMIC) X(evicted_entries, evicted_entries, ATOMIC)              \
+    X(evicted_unix_ns, evicted_unix_ns, ATOMIC)
+#define PSD_LSLOT_FIELDS(X)                                                                                      \
+    X(tail, tail, ATOMIC) X(learner_clock, learner_clock, ATOMIC) X(pulls, pulls, ATOMIC)                        \
+    X(pulls_skipped, pulls_skipped, ATOMIC) X(full_waits, full_waits, ATOMIC) X(lease_beat, lease_beat, ATOMIC) \
+    X(waiters, waiters, ATOMIC) X(req_nonce, req_nonce, ATOMIC) X(req_pid, req_pid, SIGNED)                      \
+    X(req_rank, req_rank, SIGNED) X(req_start_time, req_start_time, ATOMIC) X(req_pid_ns, req_pid_ns, ATOMIC)   \
+    X(req_check, req_check, ATOMIC) X(release, release, ATOMIC)
 /* The fields of a ring entry's header (struct psd_entry), for the offsets the binding exports. */
 #define PSD_ENTRY_FIELDS(X) X(seq) X(clock) X(batch_size) X(flags) X(loss) X(claim) X(applied_clock) X(outcome)
 
@@ -284,11 +299,22 @@ void psd_arena_set_state(struct psd_map *m, uint32_t state);
 int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns);
 
 /* ring.c: the learner side, and slot bookkeeping */
-/* Claim a free slot for pid: maps it writable in m (PSD_ROLE_LEARNER), records the claim token
- * that m's pushes carry, and starts m's lease thread. */
-int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
-                   uint64_t *claim);
+/* Ask the server for a free slot for pid: post a claim request in a FREE slot's learner page
+ * (mapped writable in m for that), wait up to timeout_ns for the update loop's answer; on
+ * admission record the claim token that m's pushes carry and start m's lease thread.
+ * PSD_ENOSLOT: no free slot; PSD_EEVICTED: refused, this process was evicted; PSD_ETIMEOUT: no
+ * answer (the request is withdrawn). */
+int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint64_t timeout_ns,
+                   uint32_t *slot, uint64_t *claim);
+/* Server, or a tool with the whole arena mapped (PSD_ROLE_FULL): take a free slot for pid at once,
+ * as the update loop would admit its request (benchmarks, tests without a running loop). */
+int psd_slot_assign(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
+                    uint64_t *claim);
+/* Give the slot back: the owner writes its token into its page's `release` and rings the loop. */
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
+/* Server (update loop): answer every new claim request of a FREE slot, and take every release an
+ * owner asked for. Returns how many slots changed hands. */
+uint32_t psd_admit(struct psd_map *m);
 /* Publish the entry at the tail, whose gradient was written in place (every
  * piece dense). The gradient is first multiplied by `scale` (unless 1) and
  * checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and the update
@@ -327,7 +353,8 @@ int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ti
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 /* Server: move ACTIVE slots whose owner is dead (/proc) or whose lease ran out (where /proc
- * cannot tell) to DRAINING; their pids in pids[0..*n). */
+ * cannot tell) to DRAINING; their pids in pids[0..*n). EVICTED slots whose process is gone
+ * become FREE. */
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
 bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
 

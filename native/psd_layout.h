@@ -18,6 +18,9 @@
  *                                     words, lock recoveries); a learner maps only this
  *                                     page of the header writable
  *   [ranks_off, +n_slots lines)      struct psd_rank per learner rank (progress)
+ *   [slotrec_off, +n_slots records)  struct psd_slot: the server's record of each learner
+ *                                     slot (state, owner, claim token, head, counters,
+ *                                     eviction record); only the server process writes it
  *   [spec_off, +spec_cap)            parameter spec, JSON text (names, shapes, dtypes)
  *   [weights_off, +weights_bytes)    float32 weights, PSD_PAGE aligned: the n_train
  *                                     trainable elements first (n_pieces tensors, the
@@ -30,20 +33,24 @@
  *                                     float64, merged from the learners' deltas
  *   [pieces_off, +16*n_pieces)       struct psd_piece: per trainable tensor, its own
  *                                     optimizer step count and bsp/kasync round mark
- *   [slots_off + i*slot_stride, ...) learner slot i: struct psd_slot, then its
- *                                     ring of ring_k entries, each a
- *                                     struct psd_entry followed by the payload
- *                                     (see psd_entry)
+ *   [slots_off + i*slot_stride, ...) learner block i: struct psd_lslot (claim request,
+ *                                     release, tail, the learner's figures), then its
+ *                                     ring of ring_k entries, each a struct psd_entry
+ *                                     followed by the payload (see psd_entry); only
+ *                                     the learner holding slot i writes it
  *
  * Field comments say who writes a field, who reads it, and what always holds.
  * Each atomic operation in the .c files names the operation it pairs with.
  *
  * Protections (arena.c psd_arena_open_as): the server and the watchdog map the
  * whole arena read-write; `psd status` and other readers map it read-only; a
- * learner maps it read-only except the header's shared page, the slots it
- * claimed (each with its ring), and, only while it offers a spec and writes the
+ * learner maps it read-only except the header's shared page, its own learner
+ * block (with its ring), and, only while it offers a spec and writes the
  * initial weights, the header's server page, the spec, the weights and the
  * buffers. A stray write anywhere else faults in the learner's own process.
+ * Nothing the server relies on lives in learner-writable memory: it never locks
+ * or waits on anything there but the doorbell (bounded), and reads a learner's
+ * block as a kernel reads a user-shared ring (copied once, checked, then used).
  */
 #ifndef PSD_LAYOUT_H
 #define PSD_LAYOUT_H
@@ -63,7 +70,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 5
+#define PSD_LAYOUT_VERSION 6
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -88,16 +95,45 @@ enum psd_arena_state {
     PSD_ARENA_STOPPED = 5,
 };
 
-/* Learner slot life cycle, psd_slot.state. Transitions:
- *   FREE     -> ACTIVE    a learner claims it (admission mutex held)
- *   ACTIVE   -> DRAINING  the learner detaches, or the server finds it dead
- *   DRAINING -> FREE      the update loop applied everything fully pushed
+/* Learner slot life cycle, psd_slot.state; the server process makes every transition:
+ *   FREE            -> ACTIVE    the update loop admits a claim request (psd_admit)
+ *   ACTIVE          -> DRAINING  the learner asked to release it, or the reaper found it dead
+ *   DRAINING        -> FREE      the update loop applied everything fully pushed
+ *   ACTIVE/DRAINING -> EVICTED   the update loop found a broken rule in the learner's memory
+ *   EVICTED         -> FREE      the reaper, once the evicted process is gone
  * Only ACTIVE and DRAINING rings are consumed. */
 enum psd_slot_state {
     PSD_SLOT_FREE = 0,
     PSD_SLOT_ACTIVE = 1,
     PSD_SLOT_DRAINING = 2,
+    PSD_SLOT_EVICTED = 3, /* its learner broke a rule; freed once that process is gone */
 };
+
+/* psd_slot.refused: why the server refused a claim request. */
+enum psd_refusal {
+    PSD_REFUSE_NONE = 0,    /* admitted */
+    PSD_REFUSE_GONE = 1,    /* the requesting process is not alive (/proc) */
+    PSD_REFUSE_RANK = 2,    /* rank out of range */
+    PSD_REFUSE_EVICTED = 3, /* this process was evicted from the job */
+    PSD_REFUSE_GARBLED = 4, /* the request's check word does not match its fields: not a claimer's */
+};
+
+/* The check word of a claim request (a 64-bit mix of its fields): a stray write into a request line
+ * makes a request the server refuses, never one it admits. */
+static inline uint64_t psd_request_check(uint64_t nonce, int32_t pid, int32_t rank, uint64_t start_time,
+                                         uint64_t pid_ns) {
+    uint64_t x = nonce ^ UINT64_C(0x9E3779B97F4A7C15);
+    const uint64_t parts[] = {(uint64_t)(uint32_t)pid, (uint64_t)(uint32_t)rank, start_time, pid_ns};
+    for (unsigned i = 0; i < 4; i++) {
+        x ^= parts[i] + UINT64_C(0x9E3779B97F4A7C15) + (x << 6) + (x >> 2);
+        x ^= x >> 30;
+        x *= UINT64_C(0xBF58476D1CE4E5B9);
+        x ^= x >> 27;
+        x *= UINT64_C(0x94D049BB133111EB);
+        x ^= x >> 31;
+    }
+    return x;
+}
 
 /* A condition variable that leaves no state behind when a waiter dies.
  * glibc's process-shared pthread_cond_t keeps per-waiter group references, and
@@ -124,6 +160,7 @@ struct psd_header {
     alignas(PSD_CACHELINE) uint32_t n_slots;
     uint32_t ring_k;        /* entries per ring, a power of two */
     uint64_t ranks_off;     /* n_slots struct psd_rank, one per learner rank */
+    uint64_t slotrec_off;   /* n_slots struct psd_slot: the server's record of each slot */
     uint64_t spec_off;
     uint64_t spec_cap;
     uint64_t created_unix_ns;
@@ -308,64 +345,98 @@ struct psd_rank {
     alignas(PSD_CACHELINE) _Atomic uint64_t applied;
 };
 
-/* Per-learner control block, at the start of each slot. */
+/* The server's record of learner slot i, in the slot table (`slotrec_off`): only the server
+ * process writes it (the update loop, the reaper in its main thread); a learner maps it read-only.
+ * Everything the server relies on about a learner lives here, never in the learner's page. */
 struct psd_slot {
-    /* -- ownership: written under `mutex` (and `admission` for a claim);
-     *    `state` is store-released last and load-acquired by the update loop.
-     *    pid, start_time and claims are also read without the mutex (relaxed),
-     *    and rechecked under it before anything is changed. */
+    /* -- ownership: written by the update loop when it admits a claim request (psd_admit), before
+     *    the store-release of `state`; cleared when the slot is freed. `state` changes by
+     *    compare-exchange (the loop and the reaper both move it), load-acquired by everyone. */
     alignas(PSD_CACHELINE) _Atomic uint32_t state;
     _Atomic int32_t pid;         /* as the owner sees itself: meaningful only in its PID namespace (pid_ns) */
     _Atomic uint64_t start_time; /* /proc/<pid>/stat starttime: a reused pid is not the owner */
-    _Atomic uint64_t claims;     /* grows at every claim: tells reattached learners apart */
-    _Atomic int32_t rank;        /* the learner's rank, or -1 */
-    _Atomic uint64_t ssp_base;   /* ssp: the learner's clock is ssp_base + tail (set at claim to
+    _Atomic uint64_t claims;     /* the claim token: a fresh random value at every admitted claim, so
+                                  * reattached learners are told apart and no stray write names it */
+    _Atomic int32_t rank;        /* the learner's rank, or -1 (checked at admission) */
+    _Atomic uint32_t refused;    /* enum psd_refusal: the answer to request `answered` (0: admitted) */
+    _Atomic uint64_t ssp_base;   /* ssp: the learner's clock is ssp_base + tail (set at admission to
                                   * the slowest live learner's, so a newcomer holds nobody back) */
     _Atomic uint64_t pid_ns;     /* inode of the owner's PID namespace, 0: unknown. The pid and
                                   * start time mean something only in the same namespace. */
+    _Atomic uint64_t answered;   /* the nonce of the last claim request the server answered
+                                  * (store-release after the answer's fields; the claimer load-acquires) */
 
-    /* -- robust, process-shared; protects ownership changes and pairs with
-     *    `not_full`. Initialised by the server only. */
-    alignas(PSD_CACHELINE) pthread_mutex_t mutex;
-
-    /* -- signalled by the update loop after it frees an entry, when a learner
-     *    announced itself as a waiter. */
+    /* -- bumped (and futex-woken) by the update loop after it frees an entry, admits or refuses a
+     *    claim request, or frees the slot; learners wait on `seq` through their read-only mapping,
+     *    announcing themselves in their own page (psd_lslot.waiters). `waiters` is unused. */
     alignas(PSD_CACHELINE) struct psd_cond not_full;
 
-    /* -- producer index: written only by the owning learner, store-release
-     *    after an entry is completely written; the update loop load-acquires.
-     *    Free-running; tail - head <= ring_k always. */
-    alignas(PSD_CACHELINE) _Atomic uint64_t tail;
-
-    /* -- consumer index: written only by the update loop, store-release after
-     *    an entry is applied; the learner load-acquires before reusing it. */
+    /* -- consumer index: written only by the update loop, store-release after an entry is applied
+     *    (the learner load-acquires it before reusing the entry). Entries consumed since the claim. */
     alignas(PSD_CACHELINE) _Atomic uint64_t head;
 
-    /* -- learner-side figures, written only by the owner (relaxed). */
-    alignas(PSD_CACHELINE) _Atomic uint64_t learner_clock; /* clock of the weights it trains on */
-    _Atomic uint64_t pulls;
-    _Atomic uint64_t pulls_skipped;
-    _Atomic uint64_t full_waits; /* times it found its ring full */
-    _Atomic uint64_t lease_beat; /* bumped by every push and by the owner's lease thread (lease.c);
-                                  * the reaper reclaims the slot when it stands still for lease_ms */
-
-    /* -- server-side figures for this slot, written only by the update loop. */
+    /* -- figures for this slot, written only by the update loop. */
     alignas(PSD_CACHELINE) _Atomic uint64_t applied;
     _Atomic uint64_t rejected;       /* non-finite gradients */
     _Atomic uint64_t dropped;        /* older than --max-staleness */
     _Atomic uint64_t staleness_sum;
     _Atomic uint64_t staleness_max;
-    _Atomic uint64_t last_loss_bits; /* double, bit pattern */
+    _Atomic uint64_t last_loss_bits; /* double, bit pattern (a finite loss the learner reported) */
     _Atomic uint64_t round_joined;   /* bsp: rounds + 1 of the round it last contributed to */
     _Atomic uint64_t ignored;        /* entries whose claim token was not this slot's claim */
 
     /* -- the lease as the reaper saw it, written only by the server's reaper
      *    (psd_reap, main thread; relaxed), reset when it sees a new claim. */
     alignas(PSD_CACHELINE) _Atomic uint64_t lease_claim; /* the claim these describe */
-    _Atomic uint64_t lease_seen;     /* lease_beat when the reaper last saw it move */
+    _Atomic uint64_t lease_seen;     /* the learner's lease_beat when the reaper last saw it move */
     _Atomic uint64_t lease_seen_ns;  /* the reaper's CLOCK_MONOTONIC then */
     _Atomic uint32_t reap_reason;    /* enum psd_reap_reason: why the slot was taken back, if it was */
     _Atomic uint32_t liveness;       /* enum psd_live_method the reaper used last (for psd status) */
+
+    /* -- the last eviction from this slot, written by the update loop before the store-release of
+     *    state EVICTED: who (a process with this identity is refused a slot while any slot keeps
+     *    its record), which rule, when. Kept until the slot is claimed again. */
+    alignas(PSD_CACHELINE) _Atomic int32_t evicted_pid;
+    _Atomic uint32_t evicted_rule;   /* enum psd_rule */
+    _Atomic uint64_t evicted_start_time;
+    _Atomic uint64_t evicted_pid_ns;
+    _Atomic uint64_t evicted_unix_ns;
+    _Atomic uint64_t evicted_entries; /* entries the loop had taken from it (it pushed at least these) */
+};
+
+/* What learner i may write: one page-aligned block per slot at `slots_off + i * slot_stride`,
+ * this struct, then its ring of `ring_k` entries. The claimer writes the request line of a FREE
+ * slot (mapping only that block writable); once admitted, the owner writes the rest. The server
+ * reads it as a kernel reads a user-shared ring: every value copied once, checked, then used. */
+struct psd_lslot {
+    /* -- claim request: the claimer writes pid, start time, namespace and rank, then
+     *    store-releases a fresh non-zero `req_nonce` (under the header's `admission` mutex, taken by
+     *    learners only: the server never locks it). The update loop answers each new nonce once, in
+     *    the server's record (`answered`, `refused`). `release`: the owner's claim token, written to
+     *    give the slot back (the loop then drains and frees it). */
+    alignas(PSD_CACHELINE) _Atomic uint64_t req_nonce;
+    _Atomic int32_t req_pid;
+    _Atomic int32_t req_rank;
+    _Atomic uint64_t req_start_time;
+    _Atomic uint64_t req_pid_ns;
+    _Atomic uint64_t req_check; /* psd_request_check() of the fields above: garbage is never a request */
+    _Atomic uint64_t release;
+
+    /* -- producer index: written only by the owning learner, store-release
+     *    after an entry is completely written; the update loop load-acquires.
+     *    Free-running from 0 at the claim; tail - head <= ring_k, else the learner is evicted. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t tail;
+
+    /* -- the owner's own figures (relaxed; shown by psd status as the learner reports them). */
+    alignas(PSD_CACHELINE) _Atomic uint64_t learner_clock; /* clock of the weights it trains on */
+    _Atomic uint64_t pulls;
+    _Atomic uint64_t pulls_skipped;
+    _Atomic uint64_t full_waits; /* times it found its ring full */
+    _Atomic uint64_t lease_beat; /* bumped by every push and by the owner's lease thread (lease.c);
+                                  * the reaper reclaims the slot when it stands still for lease_ms
+                                  * where /proc cannot tell */
+    _Atomic uint32_t waiters;    /* the owner waits on its record's not_full (a hint: the loop wakes it) */
+    uint32_t pad;
 };
 
 /* Header of one ring entry. Written by the learner before it store-releases
@@ -409,6 +480,7 @@ enum psd_rule {
     PSD_RULE_BATCH = 6, /* an entry's batch_size must be at most PSD_MAX_BATCH */
     PSD_RULE_CLOCK = 7, /* an entry's clock must not be ahead of the weights clock */
     PSD_RULE_PIECES = 8, /* an entry's piece map must hold known kinds, its sparse pieces rows of their tensor */
+    PSD_RULE_VALUES = 9, /* a gradient the learner marked finite must be finite where the loop reads it */
 };
 #define PSD_MAX_BATCH (UINT32_C(1) << 24) /* samples in one gradient; more is a stray write */
 
@@ -517,9 +589,9 @@ _Static_assert(offsetof(struct psd_header, magic) == 0, "identity line is fixed"
 _Static_assert(offsetof(struct psd_header, layout_version) == 8, "identity line is fixed");
 _Static_assert(offsetof(struct psd_header, psd_version) == 16, "identity line is fixed");
 _Static_assert(offsetof(struct psd_header, clock) % PSD_CACHELINE == 0, "clock on its own line");
-_Static_assert(offsetof(struct psd_slot, tail) % PSD_CACHELINE == 0, "tail on its own line");
-_Static_assert(offsetof(struct psd_slot, head) - offsetof(struct psd_slot, tail) >= PSD_CACHELINE,
-               "head and tail on separate lines");
+_Static_assert(offsetof(struct psd_lslot, tail) % PSD_CACHELINE == 0, "tail on its own line");
+_Static_assert(offsetof(struct psd_slot, head) % PSD_CACHELINE == 0, "head on its own line");
+_Static_assert(sizeof(struct psd_lslot) % PSD_CACHELINE == 0, "a learner page header is whole lines");
 _Static_assert(sizeof(struct psd_entry) == PSD_CACHELINE, "entry header is one line");
 _Static_assert(sizeof(struct psd_rank) == PSD_CACHELINE, "a rank is one line");
 _Static_assert(sizeof(pthread_mutex_t) <= PSD_CACHELINE, "a mutex fits its line");
@@ -532,10 +604,11 @@ static inline uint32_t psd_fingerprint(void) {
     const uint64_t parts[] = {
         sizeof(struct psd_header), sizeof(struct psd_slot), sizeof(struct psd_entry),
         sizeof(pthread_mutex_t),   sizeof(struct psd_cond), PSD_CACHELINE,
-        offsetof(struct psd_header, admission), offsetof(struct psd_slot, mutex),
+        offsetof(struct psd_header, admission), sizeof(struct psd_lslot),
         offsetof(struct psd_slot, head),   sizeof(struct psd_piece),
         offsetof(struct psd_header, n_pieces), offsetof(struct psd_entry, claim),
-        offsetof(struct psd_slot, lease_beat), offsetof(struct psd_header, lease_ms),
+        offsetof(struct psd_lslot, lease_beat), offsetof(struct psd_header, lease_ms),
+        offsetof(struct psd_slot, evicted_entries), offsetof(struct psd_header, slotrec_off),
     };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         h ^= parts[i];

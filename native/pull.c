@@ -55,7 +55,7 @@ static void pull_weights(struct psd_puller *P, float *dst) {
 static void *puller_main(void *arg) {
     struct psd_puller *P = arg;
     struct psd_header *h = psd_hdr(P->m);
-    struct psd_slot *s = psd_slot_at(P->m, P->slot);
+    struct psd_lslot *s = psd_lslot_at(P->m, P->slot);
     while (!atomic_load(&P->stop)) {
         uint32_t seen = psd_cond_prepare(&P->want);
         /* Pairs with the release store of fresh = 0 in psd_puller_take: the back buffer is ours again. */
@@ -115,7 +115,7 @@ int psd_puller_take(struct psd_puller *P, uint64_t *clock) {
     atomic_store(&P->back, front ^ 1u);
     *clock = atomic_load(&P->back_clock);
     atomic_store(&P->front_clock, *clock);
-    PSD_STORE_RLX(&psd_slot_at(P->m, P->slot)->learner_clock, *clock); /* for psd status */
+    PSD_STORE_RLX(&psd_lslot_at(P->m, P->slot)->learner_clock, *clock); /* for psd status */
     atomic_store_explicit(&P->fresh, 0, memory_order_release); /* the old front may be written now */
     psd_puller_request(P); /* a pull may have been skipped while fresh was set */
     return (int)front;

@@ -169,12 +169,10 @@ static PyObject *arena_grad_offset(Arena *a, PyObject *args) {
 static pthread_mutex_t *named_mutex(Arena *a, const char *which, unsigned int slot) {
     if (check_open(a))
         return NULL;
+    (void)slot; /* slots have no mutex: their owner changes only in the server process */
     if (strcmp(which, "admission") == 0)
         return &psd_hdr(&a->map)->admission;
-    if (strcmp(which, "slot") == 0 && check_slot(a, slot) == 0)
-        return &psd_slot_at(&a->map, slot)->mutex;
-    if (!PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "no mutex %s (use 'admission' or 'slot')", which);
+    PyErr_Format(PyExc_ValueError, "no mutex %s (use 'admission')", which);
     return NULL;
 }
 

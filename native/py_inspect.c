@@ -94,6 +94,12 @@ static PyObject *arena_slot_info(Arena *a, PyObject *args) {
 #define SLOT_FIELD(key, f, how) SET(d, #key, READ_##how(s, f));
     PSD_SLOT_FIELDS(SLOT_FIELD)
 #undef SLOT_FIELD
+    if (psd_has_model(&a->map)) { /* the learner pages exist once the arena holds its model */
+        struct psd_lslot *l = psd_lslot_at(&a->map, i);
+#define LSLOT_FIELD(key, f, how) SET(d, #key, READ_##how(l, f));
+        PSD_LSLOT_FIELDS(LSLOT_FIELD)
+#undef LSLOT_FIELD
+    }
     return d;
 }
 
@@ -138,12 +144,16 @@ static PyObject *arena_counters(Arena *a, PyObject *noargs) {
     if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY && psd_has_model(&a->map)) {
         for (uint32_t i = 0; i < a->map.g.n_slots; i++) {
             struct psd_slot *s = psd_slot_at(&a->map, i);
-            if (atomic_load(&s->state) == PSD_SLOT_FREE)
+            uint32_t st = atomic_load(&s->state);
+            if (st != PSD_SLOT_ACTIVE && st != PSD_SLOT_DRAINING)
                 continue;
-            uint64_t tail = atomic_load(&s->tail), head = atomic_load(&s->head);
-            pushed += tail;
-            pending += tail - head;
-            active += atomic_load(&s->state) == PSD_SLOT_ACTIVE;
+            /* The server's own count of what it took, plus what waits in the ring: the learner's
+             * tail only as far as the ring holds (a runaway tail is the loop's to evict). */
+            uint64_t tail = atomic_load(&psd_lslot_at(&a->map, i)->tail), head = atomic_load(&s->head);
+            uint64_t waiting = tail >= head && tail - head <= a->map.g.ring_k ? tail - head : 0;
+            pushed += head + waiting;
+            pending += waiting;
+            active += st == PSD_SLOT_ACTIVE;
         }
     }
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:I}", "pushed", (unsigned long long)pushed,
@@ -159,7 +169,7 @@ static PyObject *arena_tail(Arena *a, PyObject *args) {
     unsigned int slot;
     if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
         return NULL;
-    return PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&psd_slot_at(&a->map, slot)->tail));
+    return PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&psd_lslot_at(&a->map, slot)->tail));
 }
 
 static PyObject *arena_head(Arena *a, PyObject *args) {

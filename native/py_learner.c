@@ -68,16 +68,34 @@ static PyObject *arena_offer_window(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* claim(pid, start_time, rank=-1, timeout=30.0) -> (slot, claim): ask the server's update loop
+ * for a free slot and wait for its answer (GIL released). */
 static PyObject *arena_claim(Arena *a, PyObject *args) {
+    int pid, rank = -1;
+    unsigned long long start;
+    double timeout = 30.0;
+    if (!PyArg_ParseTuple(args, "iK|id", &pid, &start, &rank, &timeout) || check_open(a))
+        return NULL;
+    uint32_t slot = 0;
+    uint64_t claim = 0;
+    uint64_t timeout_ns = seconds_to_ns(timeout);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, rank, timeout_ns, &slot, &claim);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "claim learner slot", a->name);
+    return Py_BuildValue("(IK)", slot, (unsigned long long)claim);
+}
+
+/* assign(pid, start_time, rank=-1) -> (slot, claim): a full mapping takes a free slot at once. */
+static PyObject *arena_assign(Arena *a, PyObject *args) {
     int pid, rank = -1;
     unsigned long long start;
     if (!PyArg_ParseTuple(args, "iK|i", &pid, &start, &rank) || check_open(a))
         return NULL;
     uint32_t slot = 0;
     uint64_t claim = 0;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, rank, &slot, &claim);
-    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "claim learner slot", a->name);
+    int rc = psd_slot_assign(&a->map, pid, start, rank, &slot, &claim);
+    if (rc)
+        return raise_code(rc, "assign learner slot", a->name);
     return Py_BuildValue("(IK)", slot, (unsigned long long)claim);
 }
 
@@ -139,8 +157,7 @@ static int push_gradient(Arena *a, const char *op, uint32_t slot, uint64_t clock
 
 /* Whether the slot's ring has a free entry. Pairs with the store-release of head in the update loop. */
 static bool ring_has_space(struct psd_map *m, uint32_t slot) {
-    struct psd_slot *s = psd_slot_at(m, slot);
-    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < m->g.ring_k;
+    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) - PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head) < m->g.ring_k;
 }
 
 /* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None, store=0):
@@ -322,7 +339,7 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
  * the node link write the trainable prefix alone), and the learner filled them in when it mapped the
  * job. Called with the GIL; it lets go of it for a large copy. Returns the clock. */
 static uint64_t take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
-    struct psd_slot *s = psd_slot_at(m, slot);
+    struct psd_lslot *s = psd_lslot_at(m, slot);
     /* Pairs with the store-release of clock in the update loop: the weights hold at least every
      * update up to it. */
     uint64_t clock = PSD_LOAD_ACQ(&psd_hdr(m)->clock);
@@ -371,7 +388,7 @@ static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     unsigned long long clock;
     if (!PyArg_ParseTuple(args, "IKp", &slot, &clock, &skipped) || check_slot(a, slot))
         return NULL;
-    struct psd_slot *s = psd_slot_at(&a->map, slot);
+    struct psd_lslot *s = psd_lslot_at(&a->map, slot);
     PSD_STORE_RLX(&s->learner_clock, clock);
     PSD_ADD_RLX(skipped ? &s->pulls_skipped : &s->pulls, 1);
     Py_RETURN_NONE;
@@ -513,7 +530,9 @@ PyMethodDef py_learner_methods[] = {
      "False if one was offered already."},
     {"wait_state", (PyCFunction)arena_wait_state, METH_VARARGS,
      "wait_state(not_state, timeout) -> bool: wait until the state is not `not_state`."},
-    {"claim", (PyCFunction)arena_claim, METH_VARARGS, "claim(pid, start_time) -> (slot, claim)"},
+    {"claim", (PyCFunction)arena_claim, METH_VARARGS, "claim(pid, start_time, rank=-1, timeout=30.0) -> (slot, claim): the server answers"},
+    {"assign", (PyCFunction)arena_assign, METH_VARARGS,
+     "assign(pid, start_time, rank=-1) -> (slot, claim): a full mapping takes a free slot without the loop"},
     {"release", (PyCFunction)arena_release, METH_VARARGS, "release(slot, claim)"},
     {"push", (PyCFunction)arena_push, METH_VARARGS,
      "push(slot, clock, batch, loss, scale=1, bufdelta=None): scale and check the entry at the tail (every tensor "

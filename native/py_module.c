@@ -24,6 +24,7 @@ static const struct {
     {PSD_EEXPORTS, "ArenaBusy"},     {PSD_ESERVER, "ServerGone"},
     {PSD_ETIMEOUT, "Timeout"},       {PSD_ESLOT, "SlotLost"},
     {PSD_EINIT, "ArenaIncomplete"}, {PSD_EGEOMETRY, "ArenaCorrupt"},
+    {PSD_EEVICTED, "Evicted"},
 };
 
 PyObject *error_type(const char *cls) { return PyObject_GetAttrString(errors_module, cls); }
@@ -83,11 +84,11 @@ static PyObject *mod_proc_start_time(PyObject *self, PyObject *args) {
 
 static PyObject *mod_owner_alive(PyObject *self, PyObject *args) {
     (void)self;
-    int pid;
+    long long pid; /* whatever an arena held: a value no pid takes is simply not alive */
     unsigned long long start;
-    if (!PyArg_ParseTuple(args, "iK", &pid, &start))
+    if (!PyArg_ParseTuple(args, "LK", &pid, &start))
         return NULL;
-    return PyBool_FromLong(psd_owner_alive(pid, start));
+    return PyBool_FromLong(pid > 0 && pid <= INT32_MAX && psd_owner_alive((pid_t)pid, start));
 }
 
 static PyObject *mod_pid_ns(PyObject *self, PyObject *noargs) {
@@ -98,14 +99,16 @@ static PyObject *mod_pid_ns(PyObject *self, PyObject *noargs) {
 
 static PyObject *mod_liveness(PyObject *self, PyObject *args) {
     (void)self;
-    int pid, lease_only = 0;
+    long long pid; /* whatever an arena held: a value no pid takes is "dead" */
+    int lease_only = 0;
     unsigned long long start, pid_ns;
-    if (!PyArg_ParseTuple(args, "iKK|p", &pid, &start, &pid_ns, &lease_only))
+    if (!PyArg_ParseTuple(args, "LKK|p", &pid, &start, &pid_ns, &lease_only))
         return NULL;
     struct psd_header h; /* only cfg_flags is read */
     h.cfg_flags = lease_only ? PSD_CFG_LEASE_ONLY : 0;
     static const char *const names[] = {"unknown", "alive", "dead"};
-    return PyUnicode_FromString(names[psd_liveness(&h, pid, start, pid_ns)]);
+    pid_t p = pid > 0 && pid <= INT32_MAX ? (pid_t)pid : 0;
+    return PyUnicode_FromString(names[psd_liveness(&h, p, start, pid_ns)]);
 }
 
 static PyObject *mod_arena_size(PyObject *self, PyObject *args) {
@@ -248,11 +251,12 @@ static PyMethodDef *join_methods(void) {
 
 /* {field: byte offset} of a struct's fields, for fault injection (tests, psd chaos); NULL on error. */
 static PyObject *offsets(void) {
-    PyObject *all = Py_BuildValue("{s:N,s:N,s:N}", "header", PyDict_New(), "slot", PyDict_New(), "entry", PyDict_New());
+    PyObject *all = Py_BuildValue("{s:N,s:N,s:N,s:N}", "header", PyDict_New(), "slot", PyDict_New(), "lslot",
+                                  PyDict_New(), "entry", PyDict_New());
     if (!all)
         return NULL;
     PyObject *h = PyDict_GetItemString(all, "header"), *s = PyDict_GetItemString(all, "slot"),
-             *e = PyDict_GetItemString(all, "entry");
+             *ls = PyDict_GetItemString(all, "lslot"), *e = PyDict_GetItemString(all, "entry");
     int bad = 0;
 #define PUT(d, key, type, f)                                                                       \
     do {                                                                                           \
@@ -262,6 +266,7 @@ static PyObject *offsets(void) {
     } while (0);
 #define HEADER_OFFSET(f, how) PUT(h, #f, struct psd_header, f)
 #define SLOT_OFFSET(key, f, how) PUT(s, #key, struct psd_slot, f)
+#define LSLOT_OFFSET(key, f, how) PUT(ls, #key, struct psd_lslot, f)
 #define ENTRY_OFFSET(f) PUT(e, #f, struct psd_entry, f)
     PSD_HEADER_FIELDS(HEADER_OFFSET)
     PUT(h, "staleness_avg_bits", struct psd_header, staleness_avg_bits)
@@ -269,9 +274,12 @@ static PyObject *offsets(void) {
     PUT(h, "doorbell.waiters", struct psd_header, doorbell.waiters)
     PUT(h, "sync_cond.waiters", struct psd_header, sync_cond.waiters)
     PSD_SLOT_FIELDS(SLOT_OFFSET)
+    PSD_LSLOT_FIELDS(LSLOT_OFFSET)
+    PUT(s, "not_full.seq", struct psd_slot, not_full.seq)
     PSD_ENTRY_FIELDS(ENTRY_OFFSET)
 #undef HEADER_OFFSET
 #undef SLOT_OFFSET
+#undef LSLOT_OFFSET
 #undef ENTRY_OFFSET
 #undef PUT
     if (bad)
@@ -306,7 +314,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
     PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);
     PyModule_AddIntConstant(m, "SLOT_RANK_OFFSET", (long)offsetof(struct psd_slot, rank));
-    PyModule_AddIntConstant(m, "SLOT_TAIL_OFFSET", (long)offsetof(struct psd_slot, tail));
+    PyModule_AddIntConstant(m, "SLOT_TAIL_OFFSET", (long)offsetof(struct psd_lslot, tail));
+    PyModule_AddIntConstant(m, "LSLOT_SIZE", (long)sizeof(struct psd_lslot));
+    PyModule_AddIntConstant(m, "SLOT_RECORD_SIZE", (long)sizeof(struct psd_slot));
     PyModule_AddIntConstant(m, "ENTRY_SEQ_OFFSET", (long)offsetof(struct psd_entry, seq));
     PyModule_AddIntConstant(m, "DTYPE_F32", PSD_DTYPE_F32);
     PyModule_AddIntConstant(m, "DTYPE_BF16", PSD_DTYPE_BF16);
@@ -327,6 +337,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "SLOT_FREE", PSD_SLOT_FREE);
     PyModule_AddIntConstant(m, "SLOT_ACTIVE", PSD_SLOT_ACTIVE);
     PyModule_AddIntConstant(m, "SLOT_DRAINING", PSD_SLOT_DRAINING);
+    PyModule_AddIntConstant(m, "SLOT_EVICTED", PSD_SLOT_EVICTED);
     PyModule_AddIntConstant(m, "OUTCOME_PENDING", PSD_OUTCOME_PENDING);
     PyModule_AddIntConstant(m, "OUTCOME_APPLIED", PSD_OUTCOME_APPLIED);
     PyModule_AddIntConstant(m, "OUTCOME_REJECTED", PSD_OUTCOME_REJECTED);
@@ -336,7 +347,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "REAP_LEASE", PSD_REAP_LEASE);
     PyModule_AddIntConstant(m, "LIVE_BY_PROC", PSD_LIVE_BY_PROC);
     PyModule_AddIntConstant(m, "LIVE_BY_LEASE", PSD_LIVE_BY_LEASE);
-    PyModule_AddIntConstant(m, "SLOT_LEASE_BEAT_OFFSET", (long)offsetof(struct psd_slot, lease_beat));
+    PyModule_AddIntConstant(m, "SLOT_LEASE_BEAT_OFFSET", (long)offsetof(struct psd_lslot, lease_beat));
     PyModule_AddIntConstant(m, "HEADER_SHARED_OFFSET", (long)offsetof(struct psd_header, admission));
     PyModule_AddIntConstant(m, "ENTRY_CLAIM_OFFSET", (long)offsetof(struct psd_entry, claim));
     PyModule_AddIntConstant(m, "CFG_STALENESS_LR", PSD_CFG_STALENESS_LR);

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels.h"
 #include "psd.h"
@@ -20,97 +21,170 @@
 #define PSD_HAVE_STREAM 1
 #endif
 
-static int lock_slot(struct psd_map *m, struct psd_slot *s) {
-    int rc = psd_mutex_lock(psd_hdr(m), &s->mutex);
-    return psd_locked(rc) ? 0 : rc; /* a dead previous holder is counted, nothing to repair */
-}
-
 /* The claim token m holds for `slot`, 0 if none. */
 static uint64_t held_token(const struct psd_map *m, uint32_t slot) {
     return slot < m->n_held ? PSD_LOAD_RLX(&m->held[slot]) : 0;
 }
 
-/* m's table of held slots, made once (under the admission mutex: claims of one mapping from
- * several threads are serialised by it). */
+/* m's table of held slots, made once (claims of one mapping may come from several threads: a lock
+ * of this process's own, never one in the arena). */
+static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static int held_table(struct psd_map *m, uint32_t n_slots) {
-    if (m->held)
-        return 0;
     if (n_slots == 0 || n_slots > PSD_MAX_SLOTS)
         return EINVAL;
-    m->held = calloc(n_slots, sizeof *m->held);
-    if (!m->held)
-        return ENOMEM;
-    m->n_held = n_slots;
-    return 0;
+    int rc = 0;
+    pthread_mutex_lock(&held_lock);
+    if (!m->held) {
+        m->held = calloc(n_slots, sizeof *m->held);
+        if (m->held)
+            m->n_held = n_slots;
+        else
+            rc = ENOMEM;
+    }
+    pthread_mutex_unlock(&held_lock);
+    return rc;
 }
 
-int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
-                   uint64_t *claim) {
+/* Take the request line of slot i for a new request (compare-exchange from an answered or empty
+ * nonce to PSD_NONCE_WRITING): lock-free, so no claimer waits on anything a learner can scribble. A
+ * claimer that dies while writing leaves PSD_NONCE_WRITING, which the update loop clears after a
+ * second. */
+#define PSD_NONCE_WRITING UINT64_MAX
+static bool take_request_line(struct psd_map *m, uint32_t i) {
+    struct psd_lslot *l = psd_lslot_at(m, i);
+    /* Pairs with the store-release of req_nonce below, and of answered in answer(). */
+    uint64_t n = PSD_LOAD_ACQ(&l->req_nonce);
+    if (n == PSD_NONCE_WRITING || (n != 0 && n != PSD_LOAD_ACQ(&psd_slot_at(m, i)->answered)))
+        return false; /* another claimer's, not answered yet */
+    return atomic_compare_exchange_strong(&l->req_nonce, &n, PSD_NONCE_WRITING);
+}
+
+/* A claim request's nonce: never 0, never the same twice in one process. */
+static uint64_t fresh_nonce(void) {
+    static _Atomic uint64_t counter; /* relaxed: only uniqueness matters */
+    uint64_t n = (psd_now_ns() ^ ((uint64_t)getpid() << 40)) + PSD_ADD_RLX(&counter, 1) * UINT64_C(0x9E3779B97F4A7C15);
+    return n ? n : 1;
+}
+
+static int server_check(struct psd_map *m) {
+    /* A dead server is noticed within one wait slice, not at the deadline. */
+    return psd_server_alive(m, 0) ? 0 : PSD_ESERVER;
+}
+
+/* Wait for the server's answer to request `nonce` in slot i: 0 once answered. */
+static int await_answer(struct psd_map *m, uint32_t i, uint64_t nonce, uint64_t deadline) {
+    struct psd_slot *s = psd_slot_at(m, i);
+    for (;;) {
+        uint32_t seen = atomic_load(&s->not_full.seq); /* the loop bumps it after every answer */
+        /* Pairs with the store-release of answered in psd_admit: the answer's fields are written. */
+        if (PSD_LOAD_ACQ(&s->answered) == nonce)
+            return 0;
+        uint64_t now = psd_now_ns();
+        int rc = server_check(m);
+        if (rc == 0 && now >= deadline)
+            rc = PSD_ETIMEOUT;
+        if (rc)
+            return rc;
+        uint64_t left = deadline - now, slice = PSD_WAIT_SLICE_NS / 5;
+        if ((rc = psd_cond_wait(&s->not_full, seen, left < slice ? left : slice)) == EINTR)
+            return EINTR;
+    }
+}
+
+/* Whether a process of this identity was evicted and a slot still keeps its record. */
+static bool banned(const struct psd_map *m, int32_t pid, uint64_t start_time, uint64_t pid_ns) {
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
+        struct psd_slot *s = psd_slot_at(m, i);
+        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_EVICTED && PSD_LOAD_RLX(&s->evicted_pid) == pid &&
+            PSD_LOAD_RLX(&s->evicted_start_time) == start_time && PSD_LOAD_RLX(&s->evicted_pid_ns) == pid_ns)
+            return true;
+    }
+    return false;
+}
+
+int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint64_t timeout_ns,
+                   uint32_t *slot, uint64_t *claim) {
     struct psd_header *h = psd_hdr(m);
     /* Pairs with the store-release of READY in psd_arena_set_state. */
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return PSD_ESTATE;
     if (!psd_has_model(m))
         return PSD_ESTATE; /* not mapped at the grown size yet */
-    uint64_t pid_ns = psd_pid_ns();
-    int rc = psd_mutex_lock(h, &h->admission);
-    if (!psd_locked(rc))
+    uint64_t deadline = psd_now_ns() + timeout_ns;
+    int rc = held_table(m, m->g.n_slots);
+    if (rc)
         return rc;
-    if ((rc = held_table(m, m->g.n_slots)) != 0) {
-        psd_mutex_unlock(&h->admission);
-        return rc;
-    }
-    /* Slots this mapping lost (taken back, handed on) are not its to write any more. */
+    /* Slots this mapping lost (taken back, evicted, handed on) are not its to write any more. */
     for (uint32_t i = 0; i < m->n_held; i++) {
         uint64_t token = PSD_LOAD_RLX(&m->held[i]);
-        if (token && PSD_LOAD_RLX(&psd_slot_at(m, i)->claims) != token)
-            PSD_STORE_RLX(&m->held[i], 0);
-    }
-    rc = PSD_ENOSLOT;
-    for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
-        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE)
-            continue;
-        /* Writable before its mutex is taken: the lock itself writes the slot. */
-        PSD_STORE_RLX(&m->held[i], UINT64_MAX); /* a placeholder until the claim's token */
-        if ((rc = psd_arena_protect(m)) != 0 || (rc = lock_slot(m, s)) != 0) {
+        uint32_t st = PSD_LOAD_ACQ(&s->state);
+        if (token && token != UINT64_MAX &&
+            (PSD_LOAD_RLX(&s->claims) != token || st == PSD_SLOT_FREE || st == PSD_SLOT_EVICTED))
             PSD_STORE_RLX(&m->held[i], 0);
-            break;
-        }
-        PSD_STORE_RLX(&s->pid, pid);
-        PSD_STORE_RLX(&s->start_time, start_time);
-        PSD_STORE_RLX(&s->pid_ns, pid_ns);
-        PSD_ADD_RLX(&s->claims, 1);
-        PSD_STORE_RLX(&s->rank, rank >= 0 && (uint32_t)rank < m->g.n_slots ? rank : -1);
-        PSD_STORE_RLX(&s->learner_clock, 0);
-        PSD_STORE_RLX(&s->pulls, 0);
-        PSD_STORE_RLX(&s->pulls_skipped, 0);
-        PSD_STORE_RLX(&s->full_waits, 0);
-        PSD_STORE_RLX(&s->applied, 0);
-        PSD_STORE_RLX(&s->rejected, 0);
-        PSD_STORE_RLX(&s->staleness_sum, 0);
-        PSD_STORE_RLX(&s->staleness_max, 0);
-        PSD_STORE_RLX(&s->dropped, 0);
-        PSD_STORE_RLX(&s->round_joined, 0);
-        PSD_STORE_RLX(&s->tail, 0); /* a free slot's ring is empty (free_slot, evict): so it stays, */
-        PSD_STORE_RLX(&s->head, 0); /* whatever a stray write left in it (the loop's head is 0 too) */
-        uint64_t mine, slowest;
-        PSD_STORE_RLX(&s->ssp_base, 0);
-        psd_ssp_clocks(m, i, true, &mine, &slowest); /* ssp: join at the slowest learner's clock */
-        PSD_STORE_RLX(&s->ssp_base, slowest == UINT64_MAX ? 0 : slowest - PSD_LOAD_RLX(&s->tail));
-        /* Pairs with the load-acquire of state in the update loop and reaper. */
-        PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
-        *slot = i;
-        *claim = PSD_LOAD_RLX(&s->claims);
-        PSD_STORE_RLX(&m->held[i], *claim); /* read by this process's pushes and lease thread */
-        psd_mutex_unlock(&s->mutex);
-        break;
     }
-    int prot = psd_arena_protect(m); /* lost slots read-only again */
-    psd_mutex_unlock(&h->admission);
-    if (rc == 0 && prot == 0)
-        prot = psd_lease_start(m);
-    return rc ? rc : prot;
+    /* The server refuses an evicted process; say so at once, also when no slot is free to ask in. */
+    if (banned(m, pid, start_time, psd_pid_ns()))
+        return PSD_EEVICTED;
+    uint32_t i = 0;
+    for (; i < m->g.n_slots; i++) {
+        if (PSD_LOAD_ACQ(&psd_slot_at(m, i)->state) != PSD_SLOT_FREE || PSD_LOAD_RLX(&m->held[i]))
+            continue;
+        /* The request line is the learner block's: writable in this mapping from now on. */
+        PSD_STORE_RLX(&m->held[i], UINT64_MAX); /* a placeholder until the claim's token */
+        if ((rc = psd_arena_protect(m)) != 0) {
+            PSD_STORE_RLX(&m->held[i], 0);
+            psd_arena_protect(m);
+            return rc;
+        }
+        if (take_request_line(m, i))
+            break;
+        PSD_STORE_RLX(&m->held[i], 0);
+    }
+    if (i == m->g.n_slots) {
+        rc = psd_arena_protect(m);
+        return rc ? rc : PSD_ENOSLOT;
+    }
+    struct psd_lslot *l = psd_lslot_at(m, i);
+    uint64_t nonce;
+    do
+        nonce = fresh_nonce();
+    while (nonce == PSD_NONCE_WRITING);
+    int32_t req_rank = rank >= 0 && (uint32_t)rank < m->g.n_slots ? rank : -1;
+    uint64_t pid_ns = psd_pid_ns();
+    PSD_STORE_RLX(&l->req_pid, pid);
+    PSD_STORE_RLX(&l->req_rank, req_rank);
+    PSD_STORE_RLX(&l->req_start_time, start_time);
+    PSD_STORE_RLX(&l->req_pid_ns, pid_ns);
+    PSD_STORE_RLX(&l->req_check, psd_request_check(nonce, pid, req_rank, start_time, pid_ns));
+    /* Pairs with the load-acquire of req_nonce in psd_admit: the request's fields are written. */
+    PSD_STORE_REL(&l->req_nonce, nonce);
+    psd_cond_broadcast(&h->doorbell); /* the loop may be asleep */
+    struct psd_slot *s = psd_slot_at(m, i);
+    rc = await_answer(m, i, nonce, deadline);
+    if (rc) {
+        /* Withdraw the request (unless answered meanwhile: then give an admitted slot back). */
+        uint64_t mine = nonce;
+        atomic_compare_exchange_strong(&l->req_nonce, &mine, 0);
+        if (PSD_LOAD_ACQ(&s->answered) == nonce && PSD_LOAD_RLX(&s->refused) == PSD_REFUSE_NONE) {
+            PSD_STORE_REL(&l->release, PSD_LOAD_RLX(&s->claims));
+            psd_cond_broadcast(&h->doorbell);
+        }
+        PSD_STORE_RLX(&m->held[i], 0);
+        psd_arena_protect(m);
+        return rc;
+    }
+    uint32_t refused = PSD_LOAD_RLX(&s->refused);
+    if (refused != PSD_REFUSE_NONE) {
+        PSD_STORE_RLX(&m->held[i], 0);
+        psd_arena_protect(m);
+        return refused == PSD_REFUSE_EVICTED ? PSD_EEVICTED : refused == PSD_REFUSE_GONE ? ESRCH : EINVAL;
+    }
+    *slot = i;
+    *claim = PSD_LOAD_RLX(&s->claims);
+    PSD_STORE_RLX(&m->held[i], *claim); /* read by this process's pushes and lease thread */
+    return psd_lease_start(m);
 }
 
 static bool still_mine(struct psd_slot *s, uint64_t claim) {
@@ -118,25 +192,165 @@ static bool still_mine(struct psd_slot *s, uint64_t claim) {
 }
 
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim) {
-    struct psd_slot *s = psd_slot_at(m, slot);
-    int rc = lock_slot(m, s);
+    if (slot >= m->g.n_slots || held_token(m, slot) != claim || !still_mine(psd_slot_at(m, slot), claim))
+        return PSD_ESLOT;
+    struct psd_header *h = psd_hdr(m);
+    /* Pairs with the load-acquire of release in psd_admit: the loop drains the ring, then frees it. */
+    PSD_STORE_REL(&psd_lslot_at(m, slot)->release, claim);
+    psd_cond_broadcast(&h->doorbell);
+    return 0;
+}
+
+/* ---- the server's side of slot ownership (the update loop's thread) ---------------------- */
+
+/* A claim request as the loop copied it out of the learner page. */
+struct request {
+    int32_t req_pid, req_rank;
+    uint64_t req_start_time, req_pid_ns, req_check;
+};
+
+/* Answer the request with nonce n in FREE slot i, from the copy `r` the loop took of it. */
+static bool answer(struct psd_map *m, uint32_t i, uint64_t n, const struct request *r) {
+    struct psd_header *h = psd_hdr(m);
+    struct psd_slot *s = psd_slot_at(m, i);
+    uint32_t refused = PSD_REFUSE_NONE;
+    if (r->req_check != psd_request_check(n, r->req_pid, r->req_rank, r->req_start_time, r->req_pid_ns))
+        refused = PSD_REFUSE_GARBLED;
+    else if (r->req_rank < -1 || (r->req_rank >= 0 && (uint32_t)r->req_rank >= m->g.n_slots))
+        refused = PSD_REFUSE_RANK;
+    else if (banned(m, r->req_pid, r->req_start_time, r->req_pid_ns))
+        refused = PSD_REFUSE_EVICTED;
+    else if (r->req_pid <= 0 || psd_liveness(h, r->req_pid, r->req_start_time, r->req_pid_ns) == PSD_LIVE_NO)
+        refused = PSD_REFUSE_GONE;
+    PSD_STORE_RLX(&s->refused, refused);
+    if (refused == PSD_REFUSE_NONE) {
+        struct psd_lslot *l = psd_lslot_at(m, i);
+        PSD_STORE_RLX(&s->pid, r->req_pid);
+        PSD_STORE_RLX(&s->start_time, r->req_start_time);
+        PSD_STORE_RLX(&s->pid_ns, r->req_pid_ns);
+        PSD_STORE_RLX(&s->rank, r->req_rank);
+        /* A fresh 64-bit token, not a count: a stray write into the owner's `release` (or an entry's
+         * `claim`) cannot name it by chance. Never 0 or the claim placeholder. */
+        uint64_t token = PSD_LOAD_RLX(&s->claims);
+        do
+            token = fresh_nonce() ^ (token * UINT64_C(0xBF58476D1CE4E5B9));
+        while (token == 0 || token == UINT64_MAX);
+        PSD_STORE_RLX(&s->claims, token);
+        PSD_STORE_RLX(&s->applied, 0);
+        PSD_STORE_RLX(&s->rejected, 0);
+        PSD_STORE_RLX(&s->dropped, 0);
+        PSD_STORE_RLX(&s->ignored, 0);
+        PSD_STORE_RLX(&s->staleness_sum, 0);
+        PSD_STORE_RLX(&s->staleness_max, 0);
+        PSD_STORE_RLX(&s->last_loss_bits, UINT64_C(0x7ff8000000000000)); /* NaN: no loss reported yet */
+        PSD_STORE_RLX(&s->round_joined, 0);
+        PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
+        PSD_STORE_RLX(&s->lease_seen_ns, 0); /* the reaper starts the lease afresh */
+        PSD_STORE_RLX(&s->evicted_pid, 0);
+        PSD_STORE_RLX(&s->evicted_rule, PSD_RULE_NONE);
+        PSD_STORE_RLX(&s->evicted_start_time, 0);
+        PSD_STORE_RLX(&s->evicted_pid_ns, 0);
+        PSD_STORE_RLX(&s->evicted_entries, 0);
+        /* The learner page starts clean, whatever was written into it while the slot was free. */
+        PSD_STORE_RLX(&l->tail, 0);
+        PSD_STORE_RLX(&l->release, 0);
+        PSD_STORE_RLX(&l->learner_clock, 0);
+        PSD_STORE_RLX(&l->pulls, 0);
+        PSD_STORE_RLX(&l->pulls_skipped, 0);
+        PSD_STORE_RLX(&l->full_waits, 0);
+        PSD_STORE_RLX(&l->waiters, 0);
+        PSD_STORE_RLX(&s->head, 0);
+        uint64_t mine, slowest;
+        PSD_STORE_RLX(&s->ssp_base, 0);
+        psd_ssp_clocks(m, i, true, &mine, &slowest); /* ssp: join at the slowest learner's clock */
+        PSD_STORE_RLX(&s->ssp_base, slowest == UINT64_MAX ? 0 : slowest);
+        /* Pairs with the load-acquire of state in the learner's checks, the reaper and the loop. */
+        PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
+    }
+    /* Pairs with the load-acquire of answered in await_answer and request_pending. */
+    PSD_STORE_REL(&s->answered, n);
+    psd_cond_broadcast(&s->not_full);
+    return refused == PSD_REFUSE_NONE;
+}
+
+int psd_slot_assign(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint32_t *slot,
+                    uint64_t *claim) {
+    struct psd_header *h = psd_hdr(m);
+    if (m->role != PSD_ROLE_FULL)
+        return EPERM;
+    if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY || !psd_has_model(m))
+        return PSD_ESTATE;
+    int rc = held_table(m, m->g.n_slots);
     if (rc)
         return rc;
-    if (still_mine(s, claim)) {
-        /* The update loop drains what is left, then frees the slot. */
-        PSD_STORE_REL(&s->state, PSD_SLOT_DRAINING);
-        rc = 0;
-    } else {
-        rc = PSD_ESLOT;
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
+        /* Holding the request line, nobody else answers for this slot (the loop skips a line being written). */
+        if (PSD_LOAD_ACQ(&psd_slot_at(m, i)->state) != PSD_SLOT_FREE || !take_request_line(m, i))
+            continue;
+        struct psd_lslot *l = psd_lslot_at(m, i);
+        int32_t req_rank = rank >= 0 && (uint32_t)rank < m->g.n_slots ? rank : -1;
+        uint64_t nonce = fresh_nonce(), pid_ns = psd_pid_ns();
+        const struct request r = {pid, req_rank, start_time, pid_ns,
+                                  psd_request_check(nonce, pid, req_rank, start_time, pid_ns)};
+        bool ok = answer(m, i, nonce, &r);
+        PSD_STORE_REL(&l->req_nonce, nonce); /* answered already: nothing pending */
+        if (!ok)
+            return PSD_EEVICTED;
+        *slot = i;
+        *claim = PSD_LOAD_RLX(&psd_slot_at(m, i)->claims);
+        PSD_STORE_RLX(&m->held[i], *claim);
+        return 0;
     }
-    psd_mutex_unlock(&s->mutex);
-    if (rc == 0) {
-        struct psd_header *h = psd_hdr(m);
-        if (atomic_load(&h->sleeping))
-            psd_cond_broadcast(&h->doorbell);
-        psd_cond_broadcast_if_waiters(&h->sync_cond); /* ssp: the slowest may have left */
+    return PSD_ENOSLOT;
+}
+
+uint32_t psd_admit(struct psd_map *m) {
+    struct psd_header *h = psd_hdr(m);
+    uint32_t changed = 0;
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
+        struct psd_slot *s = psd_slot_at(m, i);
+        struct psd_lslot *l = psd_lslot_at(m, i);
+        uint32_t st = PSD_LOAD_ACQ(&s->state);
+        if (st == PSD_SLOT_ACTIVE) {
+            /* Pairs with the store-release of release in psd_slot_release. */
+            uint32_t want = PSD_SLOT_ACTIVE;
+            if (PSD_LOAD_ACQ(&l->release) == PSD_LOAD_RLX(&s->claims) &&
+                atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_DRAINING)) {
+                changed++;
+                psd_cond_broadcast_if_waiters(&h->sync_cond); /* ssp: the slowest may have left */
+            }
+            continue;
+        }
+        if (st != PSD_SLOT_FREE)
+            continue;
+        /* Pairs with the store-release of req_nonce in psd_slot_claim. */
+        uint64_t n = PSD_LOAD_ACQ(&l->req_nonce);
+        if (n == PSD_NONCE_WRITING) {
+            /* A claimer is writing its request, or died doing so: after a second the line is freed. */
+            uint64_t now = psd_now_ns(), since = PSD_LOAD_RLX(&s->lease_seen_ns);
+            if (PSD_LOAD_RLX(&s->lease_claim) != PSD_NONCE_WRITING) {
+                PSD_STORE_RLX(&s->lease_claim, PSD_NONCE_WRITING);
+                PSD_STORE_RLX(&s->lease_seen_ns, now);
+            } else if (now - since > UINT64_C(1000000000)) {
+                atomic_compare_exchange_strong(&l->req_nonce, &n, 0);
+                PSD_STORE_RLX(&s->lease_claim, 0);
+            }
+            continue;
+        }
+        if (n == 0 || n == PSD_LOAD_RLX(&s->answered))
+            continue;
+        struct request r; /* copied once; only the copy is checked and used */
+        r.req_pid = PSD_LOAD_RLX(&l->req_pid);
+        r.req_rank = PSD_LOAD_RLX(&l->req_rank);
+        r.req_start_time = PSD_LOAD_RLX(&l->req_start_time);
+        r.req_pid_ns = PSD_LOAD_RLX(&l->req_pid_ns);
+        r.req_check = PSD_LOAD_RLX(&l->req_check);
+        atomic_thread_fence(memory_order_acquire);
+        if (PSD_LOAD_RLX(&l->req_nonce) != n)
+            continue; /* rewritten while it was read: the next pass takes it */
+        changed += answer(m, i, n, &r);
     }
-    return rc;
+    return changed;
 }
 
 #define PSD_EXP_MASK 0x7f800000u /* a float's exponent bits: all ones is inf or nan */
@@ -311,7 +525,7 @@ static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, ui
      * (A push racing the hand-over carries the old token; the update loop ignores it.) */
     if (!token || PSD_LOAD_RLX(&s->claims) != token || PSD_LOAD_RLX(&s->state) != PSD_SLOT_ACTIVE)
         return PSD_ESLOT;
-    *tail = PSD_LOAD_RLX(&s->tail); /* only this process writes it */
+    *tail = PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail); /* only this process writes it */
     /* Pairs with the store-release of head in the update loop: the entry at
      * `tail` is no longer being read. */
     if (*tail - PSD_LOAD_ACQ(&s->head) >= m->g.ring_k)
@@ -324,7 +538,7 @@ static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, ui
 static void publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint64_t tail, uint64_t clock,
                     uint32_t batch, double loss, uint32_t flags) {
     struct psd_header *h = psd_hdr(m);
-    struct psd_slot *s = psd_slot_at(m, slot);
+    struct psd_lslot *s = psd_lslot_at(m, slot);
     e->seq = tail;
     e->clock = clock;
     e->batch_size = batch;
@@ -463,70 +677,76 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
     return 0;
 }
 
-static int server_check(struct psd_map *m) {
-    /* A dead server is noticed within one wait slice, not at the deadline. */
-    return psd_server_alive(m, 0) ? 0 : PSD_ESERVER;
-}
-
 /* Wait until `ready(m, slot, arg)` holds, sleeping on `c` in slices of at most
  * `slice_ns`, rechecking between them that the server lives and the slot is
- * still this claim's. */
+ * still this claim's. A waiter announces itself in `announce` (its own page's word, for the
+ * read-only not_full of its record), or in c->waiters (the shared page's conditions). */
 typedef bool (*ready_fn)(struct psd_map *, uint32_t, uint64_t);
 
-static int wait_until(struct psd_map *m, uint32_t slot, uint64_t claim, struct psd_cond *c, uint64_t slice_ns,
-                      uint64_t timeout_ns, ready_fn ready, uint64_t arg) {
+static int wait_until(struct psd_map *m, uint32_t slot, uint64_t claim, struct psd_cond *c,
+                      _Atomic uint32_t *announce, uint64_t slice_ns, uint64_t timeout_ns, ready_fn ready,
+                      uint64_t arg) {
     struct psd_slot *s = psd_slot_at(m, slot);
+    _Atomic uint32_t *w = announce ? announce : &c->waiters;
     uint64_t deadline = psd_now_ns() + timeout_ns;
     for (;;) {
-        uint32_t seen = psd_cond_prepare(c);
-        if (ready(m, slot, arg)) {
-            psd_cond_done(c);
-            return 0;
-        }
-        int rc = PSD_LOAD_RLX(&s->claims) == claim ? server_check(m) : PSD_ESLOT;
+        /* seq_cst: the announcement is visible before the predicate is read (pairs with the
+         * signaller's load of the count after it stored the predicate). */
+        atomic_fetch_add(w, 1);
+        uint32_t seen = atomic_load(&c->seq);
+        int rc = 0;
+        if (ready(m, slot, arg))
+            rc = -1;
+        else if (PSD_LOAD_RLX(&s->claims) != claim)
+            rc = PSD_ESLOT;
+        else
+            rc = server_check(m);
         uint64_t now = psd_now_ns();
         if (rc == 0 && now >= deadline)
             rc = PSD_ETIMEOUT;
-        if (rc) {
-            psd_cond_done(c);
-            return rc;
+        if (rc == 0) {
+            uint64_t left = deadline - now;
+            rc = psd_cond_wait(c, seen, left < slice_ns ? left : slice_ns);
+            rc = rc == EINTR ? EINTR : 0;
         }
-        uint64_t left = deadline - now;
-        rc = psd_cond_wait(c, seen, left < slice_ns ? left : slice_ns);
-        psd_cond_done(c);
-        if (rc == EINTR)
-            return EINTR;
+        uint32_t v = atomic_load(w); /* never below zero, even after the loop reset it */
+        while (v > 0 && !atomic_compare_exchange_weak(w, &v, v - 1)) {
+        }
+        if (rc)
+            return rc == -1 ? 0 : rc;
     }
 }
 
 static bool has_space(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
-    struct psd_slot *s = psd_slot_at(m, slot);
     /* Pairs with the store-release of head in the update loop. */
-    return PSD_LOAD_RLX(&s->tail) - PSD_LOAD_ACQ(&s->head) < m->g.ring_k;
+    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) - PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head) < m->g.ring_k;
 }
 
 static bool is_drained(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
-    struct psd_slot *s = psd_slot_at(m, slot);
-    return PSD_LOAD_RLX(&s->tail) == PSD_LOAD_ACQ(&s->head);
+    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) == PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head);
 }
 
 static bool is_freed(struct psd_map *m, uint32_t slot, uint64_t claim) {
     struct psd_slot *s = psd_slot_at(m, slot);
     /* Pairs with the store-release of FREE in free_slot (update.c). */
-    return PSD_LOAD_ACQ(&s->state) == PSD_SLOT_FREE || PSD_LOAD_RLX(&s->claims) != claim;
+    uint32_t st = PSD_LOAD_ACQ(&s->state);
+    return st == PSD_SLOT_FREE || st == PSD_SLOT_EVICTED || PSD_LOAD_RLX(&s->claims) != claim;
 }
 
 static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns, ready_fn ready) {
-    return wait_until(m, slot, claim, &psd_slot_at(m, slot)->not_full, PSD_WAIT_SLICE_NS, timeout_ns, ready,
-                      claim);
+    if (slot >= m->g.n_slots)
+        return EINVAL;
+    /* The freed-slot wait may outlive the claim (claims moves on): it then holds, and never waits. */
+    return wait_until(m, slot, claim, &psd_slot_at(m, slot)->not_full,
+                      held_token(m, slot) ? &psd_lslot_at(m, slot)->waiters : NULL, PSD_WAIT_SLICE_NS, timeout_ns,
+                      ready, claim);
 }
 
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
-    struct psd_slot *s = psd_slot_at(m, slot);
-    if (!has_space(m, slot, claim))
-        PSD_ADD_RLX(&s->full_waits, 1);
+    if (slot < m->g.n_slots && !has_space(m, slot, claim) && held_token(m, slot))
+        PSD_ADD_RLX(&psd_lslot_at(m, slot)->full_waits, 1);
     return wait_slot(m, slot, claim, timeout_ns, has_space);
 }
 
@@ -535,22 +755,24 @@ int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t 
 }
 
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
+    if (slot < m->g.n_slots && is_freed(m, slot, claim))
+        return 0;
     return wait_slot(m, slot, claim, timeout_ns, is_freed);
 }
 
 void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *mine, uint64_t *slowest) {
     struct psd_header *h = psd_hdr(m);
     struct psd_slot *me = psd_slot_at(m, slot);
-    *mine = PSD_LOAD_RLX(&me->ssp_base) + PSD_LOAD_RLX(&me->tail);
+    *mine = PSD_LOAD_RLX(&me->ssp_base) + PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail);
     *slowest = UINT64_MAX;
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         if (i == slot)
             continue;
         struct psd_slot *s = psd_slot_at(m, i);
-        /* Pairs with the store-release of state in claim: base is set. */
+        /* Pairs with the store-release of state in psd_admit: base is set. */
         if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE)
             continue;
-        uint64_t c = PSD_LOAD_RLX(&s->ssp_base) + PSD_LOAD_ACQ(&s->tail);
+        uint64_t c = PSD_LOAD_RLX(&s->ssp_base) + PSD_LOAD_ACQ(&psd_lslot_at(m, i)->tail);
         /* A dead learner leaves the minimum at once, without waiting for the reaper.
          * Unless strict, only one that holds us back costs the liveness check (a /proc read). */
         if (c < *slowest && ((!strict && c + h->sync_param >= *mine) || psd_slot_owner_alive(h, s)))
@@ -571,7 +793,7 @@ static bool ssp_may_go_on(struct psd_map *m, uint32_t slot) {
  * signals nothing, so liveness is rechecked often. */
 static int wait_sync(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns, ready_fn ready,
                      uint64_t arg) {
-    return wait_until(m, slot, claim, &psd_hdr(m)->sync_cond, PSD_WAIT_SLICE_NS / 5, timeout_ns, ready, arg);
+    return wait_until(m, slot, claim, &psd_hdr(m)->sync_cond, NULL, PSD_WAIT_SLICE_NS / 5, timeout_ns, ready, arg);
 }
 
 static bool ssp_ready(struct psd_map *m, uint32_t slot, uint64_t arg) {
@@ -595,19 +817,20 @@ int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ro
     return wait_sync(m, slot, claim, timeout_ns, round_done, rounds);
 }
 
-/* Why an ACTIVE slot's owner is gone (enum psd_reap_reason), or PSD_REAP_NONE. /proc first
- * where it can tell; else the lease: the beat must have moved within lease_ns of this
- * (the reaper's) clock. The reaper's view of the lease is kept in the slot, so a server
- * that takes over goes on from it. */
-static uint32_t owner_gone(const struct psd_header *h, struct psd_slot *s, uint64_t now, uint64_t lease_ns) {
-    uint64_t claim = PSD_LOAD_RLX(&s->claims), beat = PSD_LOAD_RLX(&s->lease_beat);
+/* Why a slot's owner (or its evicted process) is gone (enum psd_reap_reason), or PSD_REAP_NONE.
+ * /proc first where it can tell; else the lease: the beat must have moved within lease_ns of
+ * this (the reaper's) clock. The reaper's view of the lease is kept in the server's record, so a
+ * server that takes over goes on from it. */
+static uint32_t owner_gone(const struct psd_header *h, struct psd_slot *s, struct psd_lslot *l, pid_t pid,
+                           uint64_t start_time, uint64_t pid_ns, uint64_t now, uint64_t lease_ns) {
+    uint64_t claim = PSD_LOAD_RLX(&s->claims), beat = PSD_LOAD_RLX(&l->lease_beat);
     if (PSD_LOAD_RLX(&s->lease_claim) != claim || PSD_LOAD_RLX(&s->lease_seen) != beat ||
         PSD_LOAD_RLX(&s->lease_seen_ns) == 0) {
         PSD_STORE_RLX(&s->lease_claim, claim);
         PSD_STORE_RLX(&s->lease_seen, beat);
         PSD_STORE_RLX(&s->lease_seen_ns, now);
     }
-    enum psd_live live = psd_slot_liveness(h, s);
+    enum psd_live live = psd_liveness(h, pid, start_time, pid_ns);
     PSD_STORE_RLX(&s->liveness, live == PSD_LIVE_UNKNOWN ? PSD_LIVE_BY_LEASE : PSD_LIVE_BY_PROC);
     if (live == PSD_LIVE_NO)
         return PSD_REAP_EXITED;
@@ -623,26 +846,39 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
     if (PSD_LOAD_ACQ(&h->state) != PSD_ARENA_READY)
         return 0;
     uint64_t now = psd_now_ns(), lease_ns = psd_lease_ns(h);
+    bool freed = false;
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
-        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || owner_gone(h, s, now, lease_ns) == PSD_REAP_NONE)
+        struct psd_lslot *l = psd_lslot_at(m, i);
+        uint32_t st = PSD_LOAD_ACQ(&s->state);
+        if (st == PSD_SLOT_EVICTED) {
+            /* Quarantined while the evicted process lives: it may still write into the ring. */
+            if (owner_gone(h, s, l, PSD_LOAD_RLX(&s->evicted_pid), PSD_LOAD_RLX(&s->evicted_start_time),
+                           PSD_LOAD_RLX(&s->evicted_pid_ns), now, lease_ns) != PSD_REAP_NONE) {
+                uint32_t want = PSD_SLOT_EVICTED;
+                PSD_STORE_RLX(&l->req_nonce, 0); /* nothing it left in its request line is a request */
+                freed |= atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_FREE);
+            }
             continue;
-        int rc = lock_slot(m, s);
-        if (rc)
-            return rc;
+        }
         uint32_t why;
-        if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_ACTIVE && (why = owner_gone(h, s, now, lease_ns)) != PSD_REAP_NONE) {
-            /* Everything it fully pushed is still applied; then the loop frees it. */
-            PSD_STORE_RLX(&s->reap_reason, why);
-            PSD_STORE_REL(&s->state, PSD_SLOT_DRAINING);
+        if (st != PSD_SLOT_ACTIVE ||
+            (why = owner_gone(h, s, l, PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time), PSD_LOAD_RLX(&s->pid_ns),
+                              now, lease_ns)) == PSD_REAP_NONE)
+            continue;
+        /* Everything it fully pushed is still applied; then the loop frees it. The reason is
+         * stored first: the loop reads it when it frees the slot (a lost race leaves it on a
+         * slot that the next admission clears). */
+        PSD_STORE_RLX(&s->reap_reason, why);
+        uint32_t want = PSD_SLOT_ACTIVE;
+        /* Pairs with the load-acquire of state in the loop and the learner's checks. */
+        if (atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_DRAINING)) {
             if (*n < max)
                 pids[(*n)++] = PSD_LOAD_RLX(&s->pid);
         }
-        psd_mutex_unlock(&s->mutex);
     }
-    if (*n) {
-        if (atomic_load(&h->sleeping))
-            psd_cond_broadcast(&h->doorbell);
+    if (*n || freed) {
+        psd_cond_broadcast(&h->doorbell);
         psd_cond_broadcast_if_waiters(&h->sync_cond);
     }
     return 0;

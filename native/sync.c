@@ -33,6 +33,8 @@ static const char *const psd_errors[] = {
     [PSD_EINIT - PSD_EFIRST] = "the arena is still being created",
     [PSD_EGEOMETRY - PSD_EFIRST] = "the arena's header describes a geometry that does not match its model or its "
                                    "size (corrupt, or overwritten by a stray process)",
+    [PSD_EEVICTED - PSD_EFIRST] = "this process was evicted from the job for writing into its slot what no "
+                                  "learner writes; it gets no slot again",
 };
 
 const char *psd_strerror(int code) {

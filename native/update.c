@@ -101,12 +101,13 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, const struct ps
     double loss = e->loss;
     uint64_t loss_bits;
     memcpy(&loss_bits, &loss, sizeof loss_bits);
-    PSD_STORE_RLX(&s->last_loss_bits, loss_bits);
+    if (loss == loss && loss - loss == 0.0) /* a finite loss; a learner that reports none leaves the last one */
+        PSD_STORE_RLX(&s->last_loss_bits, loss_bits);
     PSD_ADD_RLX(&s->applied, 1);
     PSD_ADD_RLX(&s->staleness_sum, staleness);
     atomic_max(&s->staleness_max, staleness);
     PSD_ADD_RLX(&h->applied, 1);
-    int32_t rank = PSD_LOAD_RLX(&s->rank); /* checked by slot_rule before the entry was taken */
+    int32_t rank = PSD_LOAD_RLX(&s->rank); /* the server's record, checked at admission */
     if (rank >= 0 && (uint32_t)rank < m->g.n_slots)
         PSD_ADD_RLX(&psd_rank_at(m, (uint32_t)rank)->applied, 1);
     PSD_ADD_RLX(&h->staleness_sum, staleness);
@@ -278,6 +279,16 @@ static void finish_round(struct psd_loop *L) {
 /* Consume the entry at `head` of slot i, whose header `eh` (the loop's copy) and piece map
  * (L->entry_map) slot_rule checked: reject, drop, apply, or (bsp, kasync) add it to the round's
  * sum; then hand the entry back. */
+/* The entry at head is free again: pairs with the load-acquire of head in tail_entry /
+ * has_space. seq_cst so the load of the owner's waiter count stays after it (a Dekker pair with
+ * the waiter's announcement and its load of head). */
+static void hand_back(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head) {
+    L->heads[i] = head + 1;
+    atomic_store(&s->head, head + 1);
+    if (atomic_load(&psd_lslot_at(L->m, i)->waiters)) /* a hint the learner writes: at worst a wake too many */
+        psd_cond_broadcast(&s->not_full);
+}
+
 static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head,
                        const struct psd_entry *eh) {
     struct psd_map *m = L->m;
@@ -296,9 +307,7 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
         PSD_ADD_RLX(&h->ignored, 1);
         e->applied_clock = clock;
         e->outcome = PSD_OUTCOME_IGNORED;
-        L->heads[i] = head + 1;
-        atomic_store(&s->head, head + 1); /* as below: pairs with the load-acquire of head in tail_entry */
-        psd_cond_broadcast_if_waiters(&s->not_full);
+        hand_back(L, i, s, head);
         return;
     }
     if ((eh->flags & PSD_ENTRY_NONFINITE) || !sparse_taken(L, map)) {
@@ -341,11 +350,7 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
         finish_round(L);
     e->applied_clock = clock;
     e->outcome = outcome;
-    /* The entry is free again: pairs with the load-acquire of head in
-     * psd_push / has_space. seq_cst so the load of waiters below stays after it. */
-    L->heads[i] = head + 1;
-    atomic_store(&s->head, head + 1);
-    psd_cond_broadcast_if_waiters(&s->not_full);
+    hand_back(L, i, s, head);
 }
 
 /* bsp: the round is complete once every active learner contributed. */
@@ -364,44 +369,30 @@ static bool round_complete(struct psd_map *m) {
 /* A draining slot whose ring is empty: account for it and hand it back. */
 static void free_slot(struct psd_loop *L, uint32_t i, struct psd_slot *s) {
     struct psd_header *h = psd_hdr(L->m);
-    if (!psd_locked(psd_mutex_lock(h, &s->mutex)))
-        return; /* try again next round */
-    /* Pairs with the store of tail in psd_push. */
-    uint64_t tail = PSD_LOAD_ACQ(&s->tail);
-    if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_DRAINING && tail == L->heads[i]) {
-        PSD_ADD_RLX(&h->retired_pushed, tail);
-        if (PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE) /* taken back by the reaper */
-            PSD_ADD_RLX(&h->reclaimed, 1);
-        PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
-        PSD_STORE_RLX(&s->tail, 0);
-        L->heads[i] = 0;
-        atomic_store(&s->head, 0);
-        PSD_STORE_RLX(&s->not_full.waiters, 0); /* a dead waiter's announcement */
-        PSD_STORE_RLX(&s->pid, 0);
-        PSD_STORE_RLX(&s->rank, -1);
-        PSD_STORE_RLX(&s->start_time, 0);
-        /* Pairs with the load-acquire of state in psd_slot_claim. */
-        PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
-    }
-    psd_mutex_unlock(&s->mutex);
-    /* Unconditionally: the waiter count was just cleared (a dead waiter's announcement), so a
-     * detaching learner waiting for this would otherwise sleep out its whole wait slice. */
-    psd_cond_broadcast(&s->not_full);
+    PSD_ADD_RLX(&h->retired_pushed, L->heads[i]); /* what the loop took from this ring */
+    if (PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE) /* taken back by the reaper */
+        PSD_ADD_RLX(&h->reclaimed, 1);
+    PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
+    L->heads[i] = 0;
+    atomic_store(&s->head, 0);
+    PSD_STORE_RLX(&s->pid, 0);
+    PSD_STORE_RLX(&s->rank, -1);
+    PSD_STORE_RLX(&s->start_time, 0);
+    PSD_STORE_RLX(&psd_lslot_at(L->m, i)->req_nonce, 0); /* its old request line holds no request */
+    /* Pairs with the load-acquire of state in psd_slot_claim and the waits; only this thread
+     * moves a DRAINING slot (the reaper takes ACTIVE and EVICTED ones). */
+    PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
+    psd_cond_broadcast(&s->not_full); /* a detaching learner waits for this */
 }
 
-/* The rule a slot breaks (enum psd_rule), checked before each entry is taken: every value a
- * learner writes and the loop uses is checked first. The entry's header is copied into *eh and
- * its piece map into L->entry_map, and only the copies are used afterwards. */
-static uint32_t slot_rule(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head, uint64_t tail,
-                          struct psd_entry *eh) {
+/* The rule a learner's memory breaks (enum psd_rule), checked before each entry is taken: every
+ * value a learner writes and the loop uses is checked first. `tail` is the loop's one load of it;
+ * the entry's header is copied into *eh and its piece map into L->entry_map, and only the copies
+ * are used afterwards. */
+static uint32_t slot_rule(struct psd_loop *L, uint32_t i, uint64_t head, uint64_t tail, struct psd_entry *eh) {
     const struct psd_map *m = L->m;
-    if (PSD_LOAD_RLX(&s->head) != head) /* only this loop writes it */
-        return PSD_RULE_HEAD;
     if (tail - head > m->g.ring_k)
         return PSD_RULE_TAIL;
-    int32_t rank = PSD_LOAD_RLX(&s->rank);
-    if (rank < -1 || (rank >= 0 && (uint32_t)rank >= m->g.n_slots))
-        return PSD_RULE_RANK;
     if (head == tail)
         return PSD_RULE_NONE;
     struct psd_entry *e = psd_entry_at(m, i, head);
@@ -420,28 +411,37 @@ static uint32_t slot_rule(struct psd_loop *L, uint32_t i, struct psd_slot *s, ui
     return PSD_RULE_NONE;
 }
 
-/* A learner broke a rule of its slot: free the slot at once, without taking
- * anything more from its ring (its tail cannot be trusted; what it pushed and
- * was applied stays counted: pushed == applied + rejected + dropped holds for
- * the others). Its next push fails with PSD_ESLOT. */
+/* A learner broke a rule: the slot becomes EVICTED at once, without taking anything more from
+ * its ring (its tail cannot be trusted; what it pushed and was applied stays counted: pushed ==
+ * applied + rejected + dropped holds for the others). The record keeps who it was, so that
+ * process gets no slot again; the reaper frees the slot once that process is gone. Its next
+ * push fails with PSD_ESLOT. */
 static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t rule) {
     struct psd_header *h = psd_hdr(L->m);
-    if (!psd_locked(psd_mutex_lock(h, &s->mutex)))
-        return; /* try again next round */
+    uint32_t st = PSD_LOAD_ACQ(&s->state);
+    if (st != PSD_SLOT_ACTIVE && st != PSD_SLOT_DRAINING)
+        return;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
     PSD_ADD_RLX(&h->retired_pushed, L->heads[i]); /* what the loop took from this ring */
+    PSD_STORE_RLX(&s->evicted_pid, PSD_LOAD_RLX(&s->pid));
+    PSD_STORE_RLX(&s->evicted_start_time, PSD_LOAD_RLX(&s->start_time));
+    PSD_STORE_RLX(&s->evicted_pid_ns, PSD_LOAD_RLX(&s->pid_ns));
+    PSD_STORE_RLX(&s->evicted_rule, rule);
+    PSD_STORE_RLX(&s->evicted_entries, L->heads[i]);
+    PSD_STORE_RLX(&s->evicted_unix_ns, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec);
     PSD_STORE_RLX(&h->evicted_pid, PSD_LOAD_RLX(&s->pid));
     PSD_STORE_RLX(&h->evicted_rank, PSD_LOAD_RLX(&s->rank));
     PSD_STORE_RLX(&h->evicted_rule, rule);
-    PSD_STORE_RLX(&s->tail, 0);
     L->heads[i] = 0;
-    PSD_STORE_RLX(&s->head, 0);
-    PSD_STORE_RLX(&s->pid, 0);
-    PSD_STORE_RLX(&s->rank, -1);
-    PSD_STORE_RLX(&s->start_time, 0);
-    PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
+    atomic_store(&s->head, 0);
+    PSD_STORE_RLX(&s->lease_seen_ns, 0); /* the reaper judges the evicted process afresh */
+    /* The reaper may move an ACTIVE slot to DRAINING meanwhile: either way it is evicted now.
+     * Pairs with the load-acquire of state everywhere. */
+    while (!atomic_compare_exchange_weak(&s->state, &st, PSD_SLOT_EVICTED)) {
+    }
     /* Pairs with the load-acquire of evicted in the server's watch (evicted_pid, _rank and _rule). */
     PSD_STORE_REL(&h->evicted, PSD_LOAD_RLX(&h->evicted) + 1);
-    psd_mutex_unlock(&s->mutex);
     psd_cond_broadcast(&s->not_full);
     psd_cond_broadcast(&h->sync_cond); /* a learner waiting on this one's progress goes on */
 }
@@ -456,16 +456,16 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
     *busy = 0;
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
-        /* Pairs with the store-release of state in claim / release / reap. */
+        /* Pairs with the store-release of state in psd_admit / the reaper's compare-exchange. */
         uint32_t st = PSD_LOAD_ACQ(&s->state);
-        if (st == PSD_SLOT_FREE)
+        if (st != PSD_SLOT_ACTIVE && st != PSD_SLOT_DRAINING)
             continue;
         ++*busy;
         uint64_t head = L->heads[i];
-        /* Pairs with the store of tail in psd_push: the entry is whole. */
-        uint64_t tail = PSD_LOAD_ACQ(&s->tail);
+        /* Pairs with the store of tail in psd_push: the entry is whole. Loaded once. */
+        uint64_t tail = PSD_LOAD_ACQ(&psd_lslot_at(m, i)->tail);
         struct psd_entry eh;
-        uint32_t rule = slot_rule(L, i, s, head, tail, &eh);
+        uint32_t rule = slot_rule(L, i, head, tail, &eh);
         if (rule != PSD_RULE_NONE) {
             evict(L, i, s, rule);
             continue;
@@ -495,11 +495,17 @@ static bool any_pending(struct psd_loop *L) {
     struct psd_header *h = psd_hdr(m);
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
+        struct psd_lslot *l = psd_lslot_at(m, i);
         uint32_t st = atomic_load(&s->state);
-        if (st == PSD_SLOT_FREE)
+        /* A claim request or a release to answer (the claimer rings the doorbell after posting it). */
+        if ((st == PSD_SLOT_FREE && atomic_load(&l->req_nonce) != 0 &&
+             atomic_load(&l->req_nonce) != PSD_LOAD_RLX(&s->answered)) ||
+            (st == PSD_SLOT_ACTIVE && atomic_load(&l->release) == PSD_LOAD_RLX(&s->claims)))
+            return true;
+        if (st != PSD_SLOT_ACTIVE && st != PSD_SLOT_DRAINING)
             continue;
         /* seq_cst load: the other half of the Dekker pair in psd_push. */
-        if (atomic_load(&s->tail) == L->heads[i]) {
+        if (atomic_load(&l->tail) == L->heads[i]) {
             if (st == PSD_SLOT_DRAINING)
                 return true; /* to be freed */
             continue;
@@ -576,7 +582,7 @@ static void *loop_main(void *arg) {
             psd_loop_hold(L->m, &L->stop);
             continue;
         }
-        uint32_t applied = round_robin(L, &busy);
+        uint32_t applied = psd_admit(L->m) + round_robin(L, &busy);
         now = psd_now_ns();
         psd_beat_at(&L->beat, now);
         if (applied) {
@@ -678,8 +684,10 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     L->clock = PSD_LOAD_RLX(&psd_hdr(m)->clock); /* restored before READY, or the last server's */
     /* A new server starts each ring where the last one left it (a free slot's head is 0). The
      * load-acquire of state pairs with its store-release in claim / release / reap / free_slot. */
-    for (uint32_t i = 0; i < m->g.n_slots; i++)
-        L->heads[i] = PSD_LOAD_ACQ(&psd_slot_at(m, i)->state) == PSD_SLOT_FREE ? 0 : PSD_LOAD_RLX(&psd_slot_at(m, i)->head);
+    for (uint32_t i = 0; i < m->g.n_slots; i++) {
+        uint32_t st = PSD_LOAD_ACQ(&psd_slot_at(m, i)->state);
+        L->heads[i] = st == PSD_SLOT_ACTIVE || st == PSD_SLOT_DRAINING ? PSD_LOAD_RLX(&psd_slot_at(m, i)->head) : 0;
+    }
     L->threads = threads ? threads : 1;
     L->spin_ns = (uint64_t)spin_us * 1000;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);

@@ -49,6 +49,17 @@ _PREFIX = "psd."
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _MIB = 1 << 20
 _PAGE = 4096  # PSD_PAGE
+# What the update loop found in a learner's memory when it evicted it: enum psd_rule (psd_layout.h).
+EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of the head",
+                  2: "a ring entry's sequence number was not the index it was published at",
+                  3: "its rank was outside the job's ranks",
+                  4: "its ring's head, which only the server writes, was moved",
+                  5: "a ring entry had flags this psd does not know",
+                  6: "a ring entry's batch size was beyond any real batch",
+                  7: "a ring entry claimed weights newer than the server's",
+                  8: "a ring entry's piece map or sparse rows did not fit the model",
+                  9: "a gradient it marked finite held a NaN or an infinity where the server read it"}
+
 _CACHELINE = 64  # PSD_CACHELINE, and sizeof(struct psd_rank)
 # The exit status of a process that died of SIGBUS on an arena (its file was truncated or replaced): the
 # handler that native/sigbus.c installs says so on stderr and exits with it. The watchdog restarts a server
@@ -198,6 +209,20 @@ def _page_up(v: int) -> int:
     return -(-v // _PAGE) * _PAGE
 
 
+def learner_writable(job: str, h: dict, slot: int) -> list[dict]:
+    """Every byte range the learner of ``slot`` can write in ``job``'s arena file (the trust boundary's
+    contract, `psd inspect --json`): the header's shared page (wake-up words, the learners' admission mutex)
+    and its slot's learner block (claim request, tail, its own figures, its ring). The server's records,
+    the weights, the optimizer state and the rest of the header are mapped read-only. (The first learner
+    also writes the spec, the weights and the buffers while it offers the model, before the job is READY.)"""
+    path = shm_path(job)
+    ranges = [{"file": path, "offset": _PAGE, "length": _native.HEADER_SIZE - _PAGE, "what": "header shared page"}]
+    if h.get("slot_stride"):
+        ranges.append({"file": path, "offset": h["slots_off"] + slot * h["slot_stride"], "length": h["slot_stride"],
+                       "what": f"slot {slot} learner block (request, tail, figures, ring)"})
+    return ranges
+
+
 def _geometry_problem(h: dict) -> str:
     """What is wrong with an arena header's geometry, checked against the size of the mapping ('' if nothing).
 
@@ -209,8 +234,10 @@ def _geometry_problem(h: dict) -> str:
         return f"its geometry is impossible ({n_slots} learner slots of ring depth {ring_k})"
     if not _native.ARENA_WAITING_SPEC <= h["state"] <= _native.ARENA_STOPPED:
         return f"its state {h['state']} is not one psd knows"
-    span = _native.HEADER_SIZE + _page_up(n_slots * _CACHELINE)
-    if h["ranks_off"] != _native.HEADER_SIZE or h["spec_off"] != span or cap > 1 << 40 or h["spec_len"] > cap:
+    records = _native.HEADER_SIZE + _page_up(n_slots * _CACHELINE)  # after the ranks: the server's slot records
+    span = records + _page_up(n_slots * _native.SLOT_RECORD_SIZE)
+    if (h["ranks_off"] != _native.HEADER_SIZE or h["slotrec_off"] != records or h["spec_off"] != span
+            or cap > 1 << 40 or h["spec_len"] > cap):
         return "its header regions are out of place"
     span += _page_up(cap)
     if not span <= h["total_size"] <= size:

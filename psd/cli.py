@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from psd import __version__, _native, chaos, events
-from psd.arena import list_jobs, open_job, shm_name, shm_path
+from psd.arena import learner_writable, list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
 from psd.flags import add_flags, serve_fields
 from psd.server import ServeConfig, Server
@@ -178,8 +179,11 @@ def serve_bare(cfg: ServeConfig) -> int:
     try:
         server.start()
         server.run(stop)
-    finally:
-        server.stop(remove=not handover.is_set())
+    except BaseException:
+        # An internal error is not a stop: leave the arena (its learners, their rings) to the next server.
+        server.stop(remove=False)
+        raise
+    server.stop(remove=not handover.is_set())
     return 0
 
 
@@ -286,6 +290,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finite(v):
+    """``v`` with every NaN or infinity (whatever a damaged arena holds) as None: strict JSON."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
 def _inspect(args: argparse.Namespace) -> int:
     a = open_job(args.job, role="reader")
     try:
@@ -295,14 +310,16 @@ def _inspect(args: argparse.Namespace) -> int:
         slots = [a.slot_info(i) for i in range(h["n_slots"])] if a.state == _native.ARENA_READY else []
     finally:
         a.close()
+    for i, s in enumerate(slots):
+        s["learner_writable"] = learner_writable(args.job, h, i)
     if args.json:
-        print(json.dumps({"header": h, "slots": slots}, indent=2))
+        print(json.dumps(_finite({"header": h, "slots": slots}), indent=2, allow_nan=False))
         return 0
     print(f"arena {shm_path(args.job)}")
     for k in sorted(h):
         print(f"  {k:24} {h[k]}")
     for i, s in enumerate(slots):
-        print(f"slot {i}: " + "  ".join(f"{k}={v}" for k, v in s.items()))
+        print(f"slot {i}: " + "  ".join(f"{k}={v}" for k, v in s.items() if k != "learner_writable"))
     return 0
 
 

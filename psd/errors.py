@@ -13,6 +13,7 @@ __all__ = [
     "ArenaCorrupt",
     "ArenaIncomplete",
     "Error",
+    "Evicted",
     "InvalidJobName",
     "JobNotFound",
     "NoFreeSlot",
@@ -93,6 +94,11 @@ class ServerGone(Error):
 
 class Timeout(Error, TimeoutError):
     """A bounded wait ran out."""
+
+
+class Evicted(Error):
+    """The server evicted this process from the job: something in it wrote into its slot what no learner
+    writes (a stray pointer, a wrong tensor view). It is refused a slot for the rest of the job."""
 
 
 class SlotLost(Error):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from psd import __version__, _native
 from psd.arena import (
+    EVICTION_RULES,
     ParamSpec,
     arena_spec,
     buffers_set,
@@ -51,14 +52,6 @@ SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
 DRAIN_TIMEOUT = 3.0
 # enum psd_rule: why the update loop evicted a learner.
 # enum psd_rule (native/psd_layout.h): why the update loop evicted a learner
-EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of the head",
-                  2: "a ring entry's sequence number was not the index it was published at",
-                  3: "its rank was outside the job's ranks",
-                  4: "its ring's head, which only the server writes, was moved",
-                  5: "a ring entry had flags this psd does not know",
-                  6: "a ring entry's batch size was beyond any real batch",
-                  7: "a ring entry claimed weights newer than the server's",
-                  8: "a ring entry's piece map or sparse rows did not fit the model"}
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # --async-momentum, in the order of enum psd_async_momentum (psd_layout.h)
 ASYNC_MOMENTUM = ("off", "auto")
@@ -363,6 +356,7 @@ class Server:
             a.close()
             self.arena = None
             raise
+        self._evicted = h["evicted"]  # the last server logged those; only new evictions are news
         if h["state"] == _native.ARENA_STOPPED:  # the dead server was stopping: go on where it stopped
             a.set_state(_native.ARENA_READY if h["n_params"] and h["weights_off"] else _native.ARENA_WAITING_SPEC)
         log.warning("job %r: taking over the arena of dead server pid %d (clock %d, %d gradients pending)",
@@ -486,9 +480,9 @@ class Server:
         if h["evicted"] != self._evicted:
             self._evicted = h["evicted"]
             rule = EVICTION_RULES.get(h["evicted_rule"], f"rule {h['evicted_rule']}")
-            log.error("job %r: evicted learner pid %d (rank %d): %s (a stray write into its slot?); its slot is "
-                      "free, nothing more of its ring was applied, and the job goes on", self.config.job,
-                      h["evicted_pid"], h["evicted_rank"], rule)
+            log.error("job %r: evicted learner pid %d (rank %d): %s (a stray write into its slot?); nothing more "
+                      "of its ring is applied, that process gets no slot again, and the job goes on",
+                      self.config.job, h["evicted_pid"], h["evicted_rank"], rule)
             self.events.emit("learner_evicted", learner_pid=h["evicted_pid"], rank=h["evicted_rank"], rule=rule,
                              evicted=h["evicted"])
         for i in range(a.header()["n_slots"]):
@@ -509,7 +503,7 @@ class Server:
                 self._rejected[i] = info["rejected"]
             new = info["dropped"] - self._dropped.get(i, 0)
             if pid and new > 0:
-                log.info("job %r: dropped %d gradient(s) staler than --max-staleness %d from learner pid %d",
+                log.info("job %r: dropped %d gradient(s) staler than --max-staleness %s from learner pid %d",
                          self.config.job, new, self.config.max_staleness, pid)
                 self.events.emit("gradients_dropped", learner_pid=pid, slot=i, count=new, reason="stale")
                 self._dropped[i] = info["dropped"]

@@ -6,10 +6,11 @@ server, so it works the same against a live, a hung or a dead server.
 
 from __future__ import annotations
 
+import math
 import time
 
 from psd import _native
-from psd.arena import list_jobs, open_job, shm_path
+from psd.arena import EVICTION_RULES, list_jobs, open_job, shm_path
 from psd.errors import Error
 
 __all__ = ["STATES", "all_jobs", "format_job", "job_status", "stale_bucket_label"]
@@ -95,9 +96,23 @@ def job_status(job: str, sample: float = 0.0) -> dict:
             "learners": [],
             "node_link": _node_link(job, h),
         }
+        k = h["ring_k"]
+        out["evicted_learners"] = []
         for i, s in enumerate(slots):
-            if s["state"] == _native.SLOT_FREE:
+            if s["state"] == _native.SLOT_EVICTED:
+                out["evicted_learners"].append({
+                    "slot": i, "pid": s["evicted_pid"], "rule": EVICTION_RULES.get(s["evicted_rule"],
+                                                                                   f"rule {s['evicted_rule']}"),
+                    "entries_taken": s["evicted_entries"],
+                    "age_s": round(max(0, now_ns - s["evicted_unix_ns"]) / 1e9, 1),
+                })
                 continue
+            if s["state"] not in (_native.SLOT_ACTIVE, _native.SLOT_DRAINING):
+                continue
+            # Everything here is the server's record of the slot; the learner's own words (its tail, its pull
+            # figures) only where they are its business, and its tail only as far as the ring holds.
+            waiting = (s["tail"] - s["head"]) % (1 << 64)
+            waiting = waiting if waiting <= k else 0
             out["learners"].append({
                 "slot": i, "pid": s["pid"], "rank": s["rank"],
                 # /proc where it can tell; else (another PID namespace, hidepid) the server's lease decides
@@ -105,12 +120,12 @@ def job_status(job: str, sample: float = 0.0) -> dict:
                                           bool(h["cfg_flags"] & _native.CFG_LEASE_ONLY)) != "dead",
                 "liveness": LIVENESS_METHODS.get(s["liveness"]),
                 "state": "active" if s["state"] == _native.SLOT_ACTIVE else "draining",
-                "pushed": s["tail"], "applied": s["applied"], "rejected": s["rejected"], "dropped": s["dropped"],
-                "ignored": s["ignored"],
-                "queued": s["tail"] - s["head"], "clock": s["learner_clock"],
+                "pushed": s["head"] + waiting, "applied": s["applied"], "rejected": s["rejected"],
+                "dropped": s["dropped"], "ignored": s["ignored"], "queued": waiting, "clock": s["learner_clock"],
                 "pulls": s["pulls"], "pulls_skipped": s["pulls_skipped"],
                 "staleness_mean": s["staleness_sum"] / s["applied"] if s["applied"] else 0.0,
-                "staleness_max": s["staleness_max"], "last_loss": s["last_loss"],
+                "staleness_max": s["staleness_max"],
+                "last_loss": s["last_loss"] if math.isfinite(s["last_loss"]) else None,  # None: none reported
             })
         return out
     finally:
@@ -187,5 +202,8 @@ def format_job(j: dict) -> str:
                          f"{s['pushed']:>8} "
                          f"{s['queued']:>6} {s['rejected']:>8} {s['dropped']:>7} {s['clock']:>8} "
                          f"{s['staleness_mean']:>6.2f} "
-                         f"{s['last_loss']:>8.4f}")
+                         + (f"{s['last_loss']:>8.4f}" if s["last_loss"] is not None else f"{'-':>8}"))
+    for e in j.get("evicted_learners", []):
+        lines.append(f"  slot {e['slot']}: EVICTED pid {e['pid']} {e['age_s']:g} s ago: {e['rule']} (that process "
+                     f"gets no slot again; the slot is free once it exits)")
     return "\n".join(lines)

@@ -49,7 +49,7 @@ def test_a_long_pass_keeps_beating_and_a_checkpoint_in_it_is_whole(job, serve):
     view = np.frombuffer(a, dtype=np.uint8)
     a.pause(me, start, 10.0)  # fill every ring before the loop may take anything
     try:
-        slots = [a.claim(me, start)[0] for _ in range(FILLED)]
+        slots = [a.assign(me, start)[0] for _ in range(FILLED)]
         for slot in slots:
             for k in range(DEPTH):
                 off = a.grad_offset(slot, k)

@@ -94,6 +94,9 @@ def test_status_and_stop_of_a_hung_job(busy_job, job):
 
 def test_events_are_logged(busy_job, job, tmp_path):
     s, p, _ = busy_job
+    log = tmp_path / "events.jsonl"
+    # The server notices an attach at its next poll (every 0.1 s): wait for it before killing anything.
+    wait_until(lambda: log.exists() and "learner_attached" in log.read_text(), what="the attach to be logged")
     s.proc.send_signal(signal.SIGUSR1)
     os.kill(arena_header(job)["server_pid"], signal.SIGKILL)
     p.kill()

@@ -175,7 +175,7 @@ def update_loop(n: int, threads: int, rounds: int | None = None, learners: int =
         a.grow()
         a.become_server(me, start, 0.01, threads, 50)
         a.set_state(_native.ARENA_READY)
-        slots = [a.claim(me, start) for _ in range(learners)]
+        slots = [a.assign(me, start) for _ in range(learners)]
         view = np.frombuffer(a, dtype=np.uint8)
         for slot, _ in slots:
             for k in range(ring):

@@ -17,7 +17,7 @@ from psd import learner
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("target", ["weights", "header", "other_slot", "reader", "view_param"])
+@pytest.mark.parametrize("target", ["weights", "header", "other_slot", "own_record", "reader", "view_param"])
 def test_a_stray_write_kills_the_writer_and_the_job_goes_on(job, serve, target):
     served = serve(job, "--learners", "2", "--lr", "1", "--no-watchdog")
     model = torch.nn.Linear(4, 1, bias=False)

@@ -1,6 +1,6 @@
 """A learner that gets itself killed at an awkward moment, for the dead-owner tests.
 
-    holder.py JOB --hold slot|admission   take that robust mutex, print "ready", block
+    holder.py JOB --hold admission        take the admission mutex (learners' claims), print "ready", block
     holder.py JOB --idle                  attach, print "ready", block (a victim for psd chaos)
     holder.py JOB --fill-ring             push until the ring is full and wait on its condition
                                           variable (the test pauses the server first)
@@ -18,7 +18,7 @@ from psd import learner
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("job")
-    p.add_argument("--hold", choices=["slot", "admission"])
+    p.add_argument("--hold", choices=["admission"])
     p.add_argument("--fill-ring", action="store_true")
     p.add_argument("--idle", action="store_true")
     a = p.parse_args()
@@ -27,7 +27,7 @@ def main() -> int:
     ps = learner.attach(m, job=a.job)
     if a.hold or a.idle:
         if a.hold:
-            ps._arena.hold_mutex(a.hold, ps.slot)
+            ps._arena.hold_mutex(a.hold)
         print("ready", flush=True)
         signal.pause()  # until the test kills us (SIGKILL): never returns on its own
         return 1

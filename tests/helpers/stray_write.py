@@ -2,7 +2,8 @@
 
     stray_write.py JOB TARGET
 
-TARGET: weights, header (the header's server page), other_slot (a slot it did not claim), reader
+TARGET: weights, header (the header's server page), other_slot (a slot it did not claim), own_record (the
+server's record of its own slot: state, owner, head, counters), reader
 (a read-only mapping, as `psd status` has, written anywhere), or view_param (a learner attached with
 pull="view" writing a parameter in place, as a local optimizer would). First it writes where it may (its own
 slot, the header's shared page) and prints "own ok"; then the stray write, which must kill it with
@@ -52,7 +53,8 @@ def main() -> int:
             print("wrote", flush=True)
             return 0
         offset = {"weights": h["weights_off"], "header": 64,
-                  "other_slot": h["slots_off"] + (1 - ps.slot) * h["slot_stride"]}[target]
+                  "other_slot": h["slots_off"] + (1 - ps.slot) * h["slot_stride"],
+                  "own_record": h["slotrec_off"] + ps.slot * _native.SLOT_RECORD_SIZE}[target]
         rewrite(base, offset)
         print("wrote", flush=True)
     return 0

@@ -65,25 +65,25 @@ static void setup(void) {
 }
 
 static void test_dead_mutex_owner(void) {
-    struct psd_slot *s = psd_slot_at(&map, 0);
+    pthread_mutex_t *mu = &psd_hdr(&map)->admission; /* the one mutex left: learners' claims */
     pid_t child = fork();
     if (child == 0) {
-        psd_mutex_lock(psd_hdr(&map), &s->mutex);
+        psd_mutex_lock(psd_hdr(&map), mu);
         _exit(0); /* dies holding it */
     }
     int status;
     waitpid(child, &status, 0);
-    int rc = psd_mutex_lock(psd_hdr(&map), &s->mutex);
+    int rc = psd_mutex_lock(psd_hdr(&map), mu);
     CHECK(rc == PSD_EOWNERDEAD, "lock after dead owner gave %d (%s)", rc, psd_strerror(rc));
-    psd_mutex_unlock(&s->mutex);
-    rc = psd_mutex_lock(psd_hdr(&map), &s->mutex);
+    psd_mutex_unlock(mu);
+    rc = psd_mutex_lock(psd_hdr(&map), mu);
     CHECK(rc == 0, "lock after recovery gave %d", rc);
-    psd_mutex_unlock(&s->mutex);
+    psd_mutex_unlock(mu);
     CHECK(atomic_load(&psd_hdr(&map)->lock_recoveries) == 1, "recovery not counted");
 }
 
 static void test_dead_cond_waiter(void) {
-    struct psd_cond *c = &psd_slot_at(&map, 1)->not_full;
+    struct psd_cond *c = &psd_hdr(&map)->sync_cond;
     pid_t child = fork();
     if (child == 0) {
         uint32_t seen = psd_cond_prepare(c);
@@ -144,9 +144,8 @@ static void *produce(void *arg) {
             uint32_t store = p->slot % 4 == 3 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
             rc = psd_push_from(&map, p->slot, i, 1, 0.0, 1.0f, src, 3, PSD_DTYPE_F32, store, NULL);
         } else {
-            struct psd_slot *s = psd_slot_at(&map, p->slot);
-            float *g =
-                psd_entry_grad(psd_entry_at(&map, p->slot, atomic_load_explicit(&s->tail, memory_order_relaxed)));
+            struct psd_lslot *l = psd_lslot_at(&map, p->slot);
+            float *g = psd_entry_grad(psd_entry_at(&map, p->slot, atomic_load_explicit(&l->tail, memory_order_relaxed)));
             memset(g, 0, N * sizeof(float));
             g[p->slot] = 1.0f;
             g[N - 1] = 1.0f;
@@ -169,12 +168,13 @@ static void test_rings(void) {
     pid_t me = getpid();
     for (int i = 0; i < SLOTS; i++) {
         memset(&prods[i], 0, sizeof prods[i]);
-        rc = psd_slot_claim(&map, me, psd_proc_start_time(me), i, &prods[i].slot, &prods[i].claim);
+        rc = psd_slot_claim(&map, me, psd_proc_start_time(me), i, 5ull * 1000 * 1000 * 1000, &prods[i].slot,
+                            &prods[i].claim);
         CHECK(rc == 0, "claim %d: %s", i, psd_strerror(rc));
     }
     uint32_t extra;
     uint64_t extra_claim;
-    rc = psd_slot_claim(&map, me, psd_proc_start_time(me), -1, &extra, &extra_claim);
+    rc = psd_slot_claim(&map, me, psd_proc_start_time(me), -1, 5ull * 1000 * 1000 * 1000, &extra, &extra_claim);
     CHECK(rc == PSD_ENOSLOT, "claim beyond the slots gave %d", rc);
     for (int i = 0; i < SLOTS; i++)
         pthread_create(&prods[i].thread, NULL, produce, &prods[i]);
@@ -272,7 +272,7 @@ struct sync_learner {
 static void *sync_learn(void *arg) {
     struct sync_learner *p = arg;
     struct psd_header *h = psd_hdr(p->m);
-    struct psd_slot *s = psd_slot_at(p->m, p->slot);
+    struct psd_lslot *l = psd_lslot_at(p->m, p->slot);
     const uint64_t second = 1000ull * 1000 * 1000;
     for (uint64_t i = 0; i < SYNC_PUSHES && !p->rc; i++) {
         if ((p->rc = psd_wait_space(p->m, p->slot, p->claim, 5 * second)))
@@ -280,7 +280,7 @@ static void *sync_learn(void *arg) {
         for (volatile int spin = 0; spin < p->slow * 2000; spin++) {
         }
         uint64_t rounds = atomic_load(&h->rounds);
-        float *g = psd_entry_grad(psd_entry_at(p->m, p->slot, atomic_load_explicit(&s->tail, memory_order_relaxed)));
+        float *g = psd_entry_grad(psd_entry_at(p->m, p->slot, atomic_load_explicit(&l->tail, memory_order_relaxed)));
         memset(g, 0, N * sizeof(float));
         g[p->slot] = 1.0f;
         g[N - 1] = 1.0f;
@@ -304,7 +304,7 @@ static uint64_t ssp_gap(struct psd_map *m) {
             struct psd_slot *s = psd_slot_at(m, i);
             if (atomic_load(&s->state) != PSD_SLOT_ACTIVE)
                 continue;
-            uint64_t c = atomic_load(&s->ssp_base) + atomic_load(&s->tail);
+            uint64_t c = atomic_load(&s->ssp_base) + atomic_load(&psd_lslot_at(m, i)->tail);
             if (pass == 0 && c > hi)
                 hi = c;
             if (pass == 1 && c < lo)
@@ -326,7 +326,8 @@ static void test_sync_mode(uint32_t mode) {
         memset(&ls[i], 0, sizeof ls[i]);
         ls[i].m = &m;
         ls[i].slow = i == 0 ? 5 : 1;
-        rc = psd_slot_claim(&m, me, psd_proc_start_time(me), i, &ls[i].slot, &ls[i].claim);
+        rc = psd_slot_claim(&m, me, psd_proc_start_time(me), i, 5ull * 1000 * 1000 * 1000, &ls[i].slot,
+                            &ls[i].claim);
         CHECK(rc == 0, "claim %d: %s", i, psd_strerror(rc));
     }
     for (int i = 0; i < SLOTS; i++)
