@@ -83,7 +83,8 @@ class JobCollector:
             pushed.add_metric(lv, x["pushed"])
             queued.add_metric(lv, x["queued"])
             stale.add_metric(lv, x["staleness_mean"])
-            loss.add_metric(lv, x["last_loss"])
+            if x["last_loss"] is not None:  # None: the learner reported no loss yet
+                loss.add_metric(lv, x["last_loss"])
         yield from (pushed, queued, stale, loss)
 
 

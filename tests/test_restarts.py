@@ -126,3 +126,34 @@ def test_a_truncated_arena_is_a_clear_error_and_psd_run_resumes_from_its_checkpo
     assert "resuming from" in err
     final = checkpoint.load(checkpoint.list_checkpoints(ck)[0])
     assert final.clock >= clock + 100 and not os.path.exists(shm_path(job))
+
+
+def test_a_lost_arena_without_a_checkpoint_stops_the_job_instead_of_starting_it_empty(job, tmp_path):
+    """Truncating a trained job's arena when no checkpoint exists: the watchdog must not start an empty job
+    (the next learner's model would silently become the job's); it stops with a clear error and its give-up
+    status, and starts nothing."""
+    from conftest import spawn
+
+    ck = tmp_path / "ck"
+    serve = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--learners", "1", "--lr", "1",
+                              "--checkpoint-dir", str(ck), "--checkpoint-every", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
+    pusher = spawn("pusher.py", job, "--forever", "--index", "3", "--ready-after", "50")
+    try:
+        assert read_line(pusher, timeout=60) == "ready"
+        seen = []
+        while "the job holds its model" not in (line := read_line(serve, timeout=60)):
+            seen.append(line)
+        os.truncate(shm_path(job), 8192)
+        out, _ = serve.communicate(timeout=60)
+    finally:
+        for p in (serve, pusher):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert serve.returncode == GIVE_UP_EXIT, out
+    assert "no valid checkpoint" in out and "the trained weights are gone" in out, out
+    assert "waiting for a model" not in out and "`psd clean`" in out
+    assert not checkpoint.list_checkpoints(ck)
+    subprocess.run([sys.executable, "-m", "psd.cli", "clean"], env=child_env(), check=True, capture_output=True)
+    assert not os.path.exists(shm_path(job))

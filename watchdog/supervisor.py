@@ -157,6 +157,7 @@ class Watchdog:
         self._last_ckpt_clock = -1
         self.checkpoint_requested = threading.Event()
         self._resume_first = bool(config.serve.resume)
+        self._had_model = False  # the job reached READY under this watchdog (its arena held weights)
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
         self.link: subprocess.Popen | None = None  # the node link (--nnodes > 1), psd/nodelink.py
@@ -288,8 +289,22 @@ class Watchdog:
         """Start the next server once the back-off has passed (poll() calls again until then)."""
         if time.monotonic() < self._restart_at:
             return
-        self.restarts += 1
         a = None if self._arena_lost else self._open_arena()
+        if a is None and self._had_model and checkpoint.latest(self.config.ckpt_dir) is None:
+            # Starting over would silently make the next learner's model the job's: the trained weights
+            # are gone, and that must be said, not papered over.
+            job = self.config.serve.job
+            self.state = ServerState.FAILED
+            self.exit_code = GIVE_UP_EXIT
+            log.error("job %r: its arena %s was lost or damaged (truncated, removed or overwritten) and there is "
+                      "no valid checkpoint in %s to restore it from: the trained weights are gone. Stopping "
+                      "instead of starting an empty job. Remove what is left with `psd clean`, then start the job "
+                      "again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
+                      shm_path(job), self.config.ckpt_dir, job)
+            self.events.emit("watchdog_gave_up", restarts=len(self._counted), reason="arena lost, no checkpoint",
+                             fail_msg="")
+            return
+        self.restarts += 1
         # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint.
         self._spawn(resume=a is None)
 
@@ -357,6 +372,11 @@ class Watchdog:
                 self._restart("has no arena")
             return
         h = a.header()
+        if h["state"] == _native.ARENA_READY and not self._had_model:
+            self._had_model = True  # from now on, losing the arena loses trained weights
+            log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
+                     "checkpoint in %s, or the job stops", self.config.serve.job, h["n_params"],
+                     self.config.ckpt_dir)
         if h["server_pid"] != self.server_pid:
             return  # not yet attached to its arena
         age = h["heartbeat_age_s"]
