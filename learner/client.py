@@ -332,6 +332,11 @@ class Learner:
                 time.sleep(0.05)
             except StateError:
                 raise Error(f"job {self.job!r} is not accepting learners (state {self._arena.state})") from None
+            except OSError as e:  # refused: the server found no such live process, or a rank out of range
+                raise Error(f"job {self.job!r}: the server refused this process (pid {me}, rank {self.rank}) a "
+                            f"learner slot: {e.strerror or e}. If this process runs in another PID namespace than "
+                            f"the server, start the server with --liveness lease; see `psd doctor --job "
+                            f"{self.job}`") from None
 
     def _rank_progress(self) -> int:
         """Gradients this rank had applied before this attach (0 without a rank).

@@ -46,6 +46,39 @@ static inline void psd_bf16_widen(float *restrict dst, const uint16_t *restrict 
         dst[i] = psd_bf16_to_f32(g[i]);
 }
 
+/* Floats a kernel takes out of a learner's ring at a time (psd_take_finite): a block that stays in
+ * L1 between its copy and its use. */
+#define PSD_TAKE_BLOCK 1024
+
+/* dst = src, each value loaded once; a NaN or an infinity becomes 0 in dst. Returns how many there
+ * were. The update loop reads a gradient only this way: src is a learner's ring, which the learner
+ * can still write while the loop reads, so the value checked is the value used (rule VALUES). */
+static inline uint64_t psd_take_finite(float *restrict dst, const float *restrict src, uint64_t n) {
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, &src[i], sizeof b);
+        uint32_t nonfinite = (b & 0x7f800000u) == 0x7f800000u;
+        bad += nonfinite;
+        b &= nonfinite - 1u; /* all ones when finite, 0 when not */
+        memcpy(&dst[i], &b, sizeof b);
+    }
+    return bad;
+}
+
+/* The same for a bfloat16 source, widened to float32 as it is taken. */
+static inline uint64_t psd_take_finite_bf16(float *restrict dst, const uint16_t *restrict src, uint64_t n) {
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t b = (uint32_t)src[i] << 16;
+        uint32_t nonfinite = (b & 0x7f800000u) == 0x7f800000u;
+        bad += nonfinite;
+        b &= nonfinite - 1u;
+        memcpy(&dst[i], &b, sizeof b);
+    }
+    return bad;
+}
+
 #define PSD_SGD_V4(off) psd_store4(w + i + (off), psd_load4(w + i + (off)) - k * psd_load4(g + i + (off)))
 #define PSD_SGD_V16(off) (PSD_SGD_V4(off), PSD_SGD_V4((off) + 4), PSD_SGD_V4((off) + 8), PSD_SGD_V4((off) + 12))
 

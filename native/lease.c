@@ -106,29 +106,38 @@ static void *lease_main(void *arg) {
     return NULL;
 }
 
+/* m->lease is made once, though several threads of this process may claim through one mapping at
+ * once: a lock of this process's own, never one in the arena. */
+static pthread_mutex_t lease_lock = PTHREAD_MUTEX_INITIALIZER;
+
 int psd_lease_start(struct psd_map *m) {
-    if (m->lease)
-        return 0;
-    struct psd_lease *L = calloc(1, sizeof *L);
-    if (!L)
-        return ENOMEM;
-    L->m = m;
-    L->owner = getpid();
-    psd_cond_init(&L->wake);
-    int rc = pthread_create(&L->thread, NULL, lease_main, L);
-    if (rc) {
-        free(L);
-        return rc;
+    int rc = 0;
+    pthread_mutex_lock(&lease_lock);
+    if (!m->lease) {
+        struct psd_lease *L = calloc(1, sizeof *L);
+        if (!L) {
+            rc = ENOMEM;
+        } else {
+            L->m = m;
+            L->owner = getpid();
+            psd_cond_init(&L->wake);
+            if ((rc = pthread_create(&L->thread, NULL, lease_main, L)) != 0)
+                free(L);
+            else
+                m->lease = L;
+        }
     }
-    m->lease = L;
-    return 0;
+    pthread_mutex_unlock(&lease_lock);
+    return rc;
 }
 
 void psd_lease_stop(struct psd_map *m) {
+    pthread_mutex_lock(&lease_lock);
     struct psd_lease *L = m->lease;
+    m->lease = NULL;
+    pthread_mutex_unlock(&lease_lock);
     if (!L)
         return;
-    m->lease = NULL;
     if (L->owner == getpid()) { /* in a forked child the thread does not exist */
         atomic_store(&L->stop, 1); /* pairs with the load in lease_main */
         psd_cond_broadcast(&L->wake);

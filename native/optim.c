@@ -169,21 +169,26 @@ static void step_range(const struct psd_header *h, const struct step_scalars *k,
     }
 }
 
-/* step_range over [lo, hi) with a float32 or a bfloat16 gradient: a bfloat16 chunk is widened
- * into a buffer of the calling thread's first (at most PSD_CHUNK floats: it stays in cache). */
-static void step_chunk(const struct psd_header *h, const struct step_scalars *k, float *w, const void *g,
-                       uint32_t gdtype, float *s0, float *s1, uint64_t lo, uint64_t hi) {
-    if (gdtype != PSD_DTYPE_BF16) {
-        step_range(h, k, w, g, s0, s1, lo, hi);
-        return;
+/* step_range over [lo, hi) with a float32 or a bfloat16 gradient, taken out of g (a learner's ring)
+ * a block at a time into the calling thread's own buffer (psd_take_finite: it stays in L1, and the
+ * value checked finite is the value used; a bfloat16 block is widened as it is taken). Returns how
+ * many values were not finite (each then moved nothing, as a zero gradient would). */
+static uint64_t step_chunk(const struct psd_header *h, const struct step_scalars *k, float *w, const void *g,
+                           uint32_t gdtype, float *s0, float *s1, uint64_t lo, uint64_t hi) {
+    float taken[PSD_TAKE_BLOCK];
+    uint64_t bad = 0;
+    for (uint64_t b = lo; b < hi; b += PSD_TAKE_BLOCK) {
+        uint64_t len = hi - b < PSD_TAKE_BLOCK ? hi - b : PSD_TAKE_BLOCK;
+        bad += gdtype == PSD_DTYPE_BF16 ? psd_take_finite_bf16(taken, (const uint16_t *)g + b, len)
+                                        : psd_take_finite(taken, (const float *)g + b, len);
+        step_range(h, k, w + b, taken, s0 ? s0 + b : NULL, s1 ? s1 + b : NULL, 0, len);
     }
-    float wide[PSD_CHUNK];
-    psd_bf16_widen(wide, (const uint16_t *)g + lo, hi - lo);
-    step_range(h, k, w + lo, wide, s0 + lo, s1 + lo, 0, hi - lo);
+    return bad;
 }
 
 void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
-                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat) {
+                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat,
+                        _Atomic uint64_t *nonfinite) {
     struct step_scalars k = {0};
     k.gscale = gscale;
     k.lr = (float)lr;
@@ -202,25 +207,28 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uin
     k.decay_mul = (float)(1.0 - lr * h->weight_decay);
     k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay));
     if (h->optimizer == PSD_OPT_SGD && h->weight_decay == 0.0 && gscale == 1.0f) {
-        psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat); /* the plain, fastest path */
+        psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat, nonfinite); /* the plain, fastest path */
         return;
     }
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
+    uint64_t bad = 0;
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
+            bad += step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
             psd_beat(beat);
         }
-        return;
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+        for (int64_t c = 0; c < chunks; c++) {
+            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
+            bad += step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
+            if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
+                psd_beat(beat);
+        }
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-        step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
-        if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
-            psd_beat(beat);
-    }
+    if (bad && nonfinite)
+        PSD_ADD_RLX(nonfinite, bad);
 }
 
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness) {
@@ -306,9 +314,21 @@ static uint64_t sparse_count_within(const void *span, uint64_t len, uint64_t row
     return nnz <= len / row_len && 8 + 8 * nnz + 4 * nnz * row_len <= 4 * len ? nnz : 0;
 }
 
+/* A sparse row's value j, loaded once: a NaN or an infinity counts in *bad and reads as 0. */
+static inline float sparse_value(const float *v, uint64_t at, uint64_t *bad) {
+    float d = v[at];
+    uint32_t b;
+    memcpy(&b, &d, sizeof b);
+    if ((b & 0x7f800000u) == 0x7f800000u) {
+        ++*bad;
+        return 0.0f;
+    }
+    return d;
+}
+
 void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
-                     float gscale, float *s0, double lr, uint64_t t) {
-    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
+                     float gscale, float *s0, double lr, uint64_t t, _Atomic uint64_t *nonfinite) {
+    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len, bad = 0;
     const float *v = sparse_values(span, nnz);
     if (h->optimizer == PSD_OPT_ADAGRAD) {
         /* torch's sparse Adagrad: sum[rows] += g^2; w[rows] -= clr * g / (sqrt(sum[rows]) + eps). */
@@ -316,28 +336,32 @@ void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uin
         for (uint64_t k = 0; k < nnz; k++) {
             uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
             for (uint64_t j = 0; r < rows && j < row_len; j++) {
-                float d = v[k * row_len + j] * gscale, s = s0[base + j] + d * d;
+                float d = sparse_value(v, k * row_len + j, &bad) * gscale, s = s0[base + j] + d * d;
                 s0[base + j] = s;
                 w[base + j] = w[base + j] + neg_clr * (d / (sqrtf(s) + eps));
             }
         }
-        return;
+    } else {
+        float neg_lr = (float)-lr; /* torch's SGD: w[rows] += -lr * g */
+        for (uint64_t k = 0; k < nnz; k++) {
+            uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
+            for (uint64_t j = 0; r < rows && j < row_len; j++)
+                w[base + j] = w[base + j] + neg_lr * (sparse_value(v, k * row_len + j, &bad) * gscale);
+        }
     }
-    float neg_lr = (float)-lr; /* torch's SGD: w[rows] += -lr * g */
-    for (uint64_t k = 0; k < nnz; k++) {
-        uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
-        for (uint64_t j = 0; r < rows && j < row_len; j++)
-            w[base + j] = w[base + j] + neg_lr * (v[k * row_len + j] * gscale);
-    }
+    if (bad && nonfinite)
+        PSD_ADD_RLX(nonfinite, bad);
 }
 
-void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len) {
-    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
+void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite) {
+    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len, bad = 0;
     const float *v = sparse_values(span, nnz);
     for (uint64_t k = 0; k < nnz; k++) {
         uint64_t r = (uint64_t)sparse_row(span, k);
         float *row = acc + r * row_len;
         for (uint64_t j = 0; r < rows && j < row_len; j++)
-            row[j] += v[k * row_len + j];
+            row[j] += sparse_value(v, k * row_len + j, &bad);
     }
+    if (bad && nonfinite)
+        PSD_ADD_RLX(nonfinite, bad);
 }

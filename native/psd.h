@@ -175,6 +175,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(ignored, ignored, ATOMIC) X(reap_reason, reap_reason, ATOMIC) X(liveness, liveness, ATOMIC)               \
     X(evicted_pid, evicted_pid, PID) X(evicted_rule, evicted_rule, ATOMIC)                                      \
     X(evicted_start_time, evicted_start_time, ATOMIC) X(evicted_entries, evicted_entries, ATOMIC)              \
+    X(evicted_pid_ns, evicted_pid_ns, ATOMIC)                                                                   \
     X(evicted_unix_ns, evicted_unix_ns, ATOMIC)
 #define PSD_LSLOT_FIELDS(X)                                                                                      \
     X(tail, tail, ATOMIC) X(learner_clock, learner_clock, ATOMIC) X(pulls, pulls, ATOMIC)                        \
@@ -208,7 +209,7 @@ static inline enum psd_live psd_slot_liveness(const struct psd_header *h, struct
     return psd_liveness(h, PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time), PSD_LOAD_RLX(&s->pid_ns));
 }
 /* A peer learner that may hold others back: alive unless /proc says it is gone (the reaper
- * decides by the lease when /proc cannot tell; it then moves the slot out of ACTIVE). */
+ * decides by the lease when /proc cannot tell; the update loop then moves the slot out of ACTIVE). */
 static inline bool psd_slot_owner_alive(const struct psd_header *h, struct psd_slot *s) {
     return psd_slot_liveness(h, s) != PSD_LIVE_NO;
 }
@@ -303,7 +304,8 @@ int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout
  * (mapped writable in m for that), wait up to timeout_ns for the update loop's answer; on
  * admission record the claim token that m's pushes carry and start m's lease thread.
  * PSD_ENOSLOT: no free slot; PSD_EEVICTED: refused, this process was evicted; PSD_ETIMEOUT: no
- * answer (the request is withdrawn). */
+ * answer (the request is withdrawn; a slot admitted as it was withdrawn is given back). A request
+ * something else wrote over, or a line taken from a claimer stalled mid-write, is asked again. */
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint64_t timeout_ns,
                    uint32_t *slot, uint64_t *claim);
 /* Server, or a tool with the whole arena mapped (PSD_ROLE_FULL): take a free slot for pid at once,
@@ -313,7 +315,7 @@ int psd_slot_assign(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t r
 /* Give the slot back: the owner writes its token into its page's `release` and rings the loop. */
 int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
 /* Server (update loop): answer every new claim request of a FREE slot, and take every release an
- * owner asked for. Returns how many slots changed hands. */
+ * owner asked for and every claim the reaper judged gone. Returns how many slots changed hands. */
 uint32_t psd_admit(struct psd_map *m);
 /* Publish the entry at the tail, whose gradient was written in place (every
  * piece dense). The gradient is first multiplied by `scale` (unless 1) and
@@ -352,8 +354,9 @@ void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *min
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
-/* Server: move ACTIVE slots whose owner is dead (/proc) or whose lease ran out (where /proc
- * cannot tell) to DRAINING; their pids in pids[0..*n). EVICTED slots whose process is gone
+/* Server: judge ACTIVE slots' owners, and post each claim whose owner is dead (/proc), whose lease
+ * ran out (where /proc cannot tell), or who never beat for it (psd_slot.reap_claim: the update loop
+ * moves the slot to DRAINING); their pids in pids[0..*n). EVICTED slots whose process is gone
  * become FREE. */
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n);
 bool psd_server_alive(struct psd_map *m, uint64_t stale_ns);
@@ -396,9 +399,12 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
                    uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
+/* The update kernels take a gradient out of a learner's ring a block at a time, each value loaded
+ * once (psd_take_finite, kernels.h): a NaN or an infinity moves nothing and is counted into
+ * *nonfinite (unless NULL), which the update loop reads after the call (rule VALUES). */
 /* w -= lr * g, g n float32 or bfloat16 (gdtype, enum psd_dtype), on `threads` threads. */
 void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
-                   struct psd_beat *beat);
+                   struct psd_beat *beat, _Atomic uint64_t *nonfinite);
 /* bench_kernels.c: one thread, one way of writing the loop (psd bench's unrolling measure). */
 enum psd_kernel { PSD_KERNEL_SCALAR, PSD_KERNEL_VECTOR, PSD_KERNEL_UNROLL4, PSD_KERNEL_UNROLL8 };
 int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n, float lr, int kernel);
@@ -414,7 +420,8 @@ double psd_async_lr_factor(const struct psd_header *h, double staleness);
  * correction, the momentum buffer's first step). Beats `beat` every PSD_CHUNK floats (of the
  * master thread's share) at most. */
 void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
-                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat);
+                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat,
+                        _Atomic uint64_t *nonfinite);
 /* Whether the configured optimizer takes sparse gradients (as torch.optim:
  * sgd and adagrad, without weight decay). */
 bool psd_sparse_ok(const struct psd_header *h);
@@ -424,9 +431,9 @@ int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t 
 /* One update of the rows given in a sparse piece of a tensor of len elements (checked; a count or
  * row that no longer fits is skipped). */
 void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
-                     float gscale, float *s0, double lr, uint64_t t);
+                     float gscale, float *s0, double lr, uint64_t t, _Atomic uint64_t *nonfinite);
 /* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows. */
-void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len);
+void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite);
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness);
 

@@ -118,6 +118,10 @@ enum psd_refusal {
     PSD_REFUSE_GARBLED = 4, /* the request's check word does not match its fields: not a claimer's */
 };
 
+/* psd_lslot.req_nonce while a claimer writes its request (or the update loop answers it): the line is
+ * taken. Never a request's nonce. */
+#define PSD_NONCE_WRITING UINT64_MAX
+
 /* The check word of a claim request (a 64-bit mix of its fields): a stray write into a request line
  * makes a request the server refuses, never one it admits. */
 static inline uint64_t psd_request_check(uint64_t nonce, int32_t pid, int32_t rank, uint64_t start_time,
@@ -316,8 +320,8 @@ struct psd_header {
      *      write these words (a learner maps nothing else of the header
      *      writable, except its offer window). Each is on its own line. */
 
-    /* -- admission: robust, process-shared; taken to claim a slot or offer a
-     *    spec. Initialised by the server only; locked by anyone. */
+    /* -- admission: robust, process-shared; taken to offer a spec (claims are lock-free:
+     *    ring.c). Initialised by the server only; locked by anyone. */
     alignas(PSD_PAGE) pthread_mutex_t admission;
 
     /* -- signalled by the loop when a round completes, and by ssp learners when
@@ -386,12 +390,23 @@ struct psd_slot {
     _Atomic uint64_t ignored;        /* entries whose claim token was not this slot's claim */
 
     /* -- the lease as the reaper saw it, written only by the server's reaper
-     *    (psd_reap, main thread; relaxed), reset when it sees a new claim. */
+     *    (psd_reap, main thread; relaxed), reset when it sees a new claim. The reaper never moves
+     *    an ACTIVE slot itself: it posts the claim it judged gone (`reap_claim`, store-release after
+     *    `reap_why`), and the update loop moves the slot to DRAINING only while that claim is still
+     *    the slot's (so a judgement about one owner never lands on the next). */
     alignas(PSD_CACHELINE) _Atomic uint64_t lease_claim; /* the claim these describe */
     _Atomic uint64_t lease_seen;     /* the learner's lease_beat when the reaper last saw it move */
     _Atomic uint64_t lease_seen_ns;  /* the reaper's CLOCK_MONOTONIC then */
-    _Atomic uint32_t reap_reason;    /* enum psd_reap_reason: why the slot was taken back, if it was */
+    _Atomic uint64_t reap_claim;     /* the claim the reaper judged gone (0: none) */
+    _Atomic uint32_t reap_why;       /* enum psd_reap_reason, for reap_claim */
+    _Atomic uint32_t lease_moved;    /* the owner's lease beat moved since its admission */
+    _Atomic uint32_t reap_reason;    /* enum psd_reap_reason: why the slot was taken back (by the loop) */
     _Atomic uint32_t liveness;       /* enum psd_live_method the reaper used last (for psd status) */
+
+    /* -- the update loop's watch over a request line held mid-write (req_nonce == WRITING) while
+     *    the slot is FREE: its CLOCK_MONOTONIC when it first saw it so (0: not held), so a claimer
+     *    that died writing frees the line after a second. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t line_seen_ns;
 
     /* -- the last eviction from this slot, written by the update loop before the store-release of
      *    state EVICTED: who (a process with this identity is refused a slot while any slot keeps
@@ -409,11 +424,13 @@ struct psd_slot {
  * slot (mapping only that block writable); once admitted, the owner writes the rest. The server
  * reads it as a kernel reads a user-shared ring: every value copied once, checked, then used. */
 struct psd_lslot {
-    /* -- claim request: the claimer writes pid, start time, namespace and rank, then
-     *    store-releases a fresh non-zero `req_nonce` (under the header's `admission` mutex, taken by
-     *    learners only: the server never locks it). The update loop answers each new nonce once, in
-     *    the server's record (`answered`, `refused`). `release`: the owner's claim token, written to
-     *    give the slot back (the loop then drains and frees it). */
+    /* -- claim request: the claimer takes the line (compare-exchange of `req_nonce` to WRITING),
+     *    writes pid, start time, namespace, rank and their check, then publishes a fresh non-zero
+     *    `req_nonce` (compare-exchange from WRITING: a line the loop freed from under a stalled
+     *    claimer is not written over). The update loop answers each new nonce once, in the server's
+     *    record (`answered`, `refused`), holding the line at WRITING while it answers so that a
+     *    claimer withdrawing at its deadline cannot cross the answer. `release`: the owner's claim
+     *    token, written to give the slot back (the loop then drains and frees it). */
     alignas(PSD_CACHELINE) _Atomic uint64_t req_nonce;
     _Atomic int32_t req_pid;
     _Atomic int32_t req_rank;
@@ -527,6 +544,8 @@ enum psd_reap_reason {
     PSD_REAP_NONE = 0,
     PSD_REAP_EXITED = 1, /* /proc (or kill(pid, 0)) says the owner is gone */
     PSD_REAP_LEASE = 2,  /* /proc could not tell; the lease ran out */
+    PSD_REAP_UNCLAIMED = 3, /* admitted, but the owner never beat its lease (it did not take the slot:
+                             * a claim withdrawn as it was answered, or a request naming another process) */
 };
 
 /* psd_slot.liveness: how the reaper judged the owner the last time. */

@@ -156,12 +156,12 @@ static PyObject *mod_omp_info(PyObject *self, PyObject *noargs) {
 typedef int (*sgd_fn)(float *restrict w, const void *restrict g, uint64_t n, float lr, int arg);
 
 static int sgd_threads(float *restrict w, const void *restrict g, uint64_t n, float lr, int threads) {
-    psd_apply_sgd(w, g, PSD_DTYPE_F32, n, lr, threads, NULL);
+    psd_apply_sgd(w, g, PSD_DTYPE_F32, n, lr, threads, NULL, NULL);
     return 0;
 }
 
 static int sgd_threads_bf16(float *restrict w, const void *restrict g, uint64_t n, float lr, int threads) {
-    psd_apply_sgd(w, g, PSD_DTYPE_BF16, n, lr, threads, NULL);
+    psd_apply_sgd(w, g, PSD_DTYPE_BF16, n, lr, threads, NULL, NULL);
     return 0;
 }
 
@@ -345,6 +345,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "OUTCOME_IGNORED", PSD_OUTCOME_IGNORED);
     PyModule_AddIntConstant(m, "REAP_EXITED", PSD_REAP_EXITED);
     PyModule_AddIntConstant(m, "REAP_LEASE", PSD_REAP_LEASE);
+    PyModule_AddIntConstant(m, "REAP_UNCLAIMED", PSD_REAP_UNCLAIMED);
     PyModule_AddIntConstant(m, "LIVE_BY_PROC", PSD_LIVE_BY_PROC);
     PyModule_AddIntConstant(m, "LIVE_BY_LEASE", PSD_LIVE_BY_LEASE);
     PyModule_AddIntConstant(m, "SLOT_LEASE_BEAT_OFFSET", (long)offsetof(struct psd_lslot, lease_beat));

@@ -242,19 +242,59 @@ static PyObject *arena_beat(Arena *a, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* Quarantine a slot per eviction record of a checkpoint (tuples of pid, start_time, pid_ns, rule,
+ * unix_ns, entries, rank), as the update loop left them: that process is refused a slot again, and the
+ * reaper frees the slot once it is gone. Records beyond the slots are dropped. */
+static int restore_evicted(Arena *a, PyObject *records) {
+    if (!psd_has_model(&a->map)) {
+        PyErr_SetString(PyExc_RuntimeError, "restore eviction records: the arena holds no model yet");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(records, "evicted must be a sequence of tuples");
+    if (!seq)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t k = 0; k < n && (uint64_t)k < a->map.g.n_slots; k++) {
+        int pid, rank;
+        unsigned int rule;
+        unsigned long long start, ns, unix_ns, entries;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "iKKIKKi", &pid, &start, &ns, &rule, &unix_ns,
+                              &entries, &rank)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        struct psd_slot *s = psd_slot_at(&a->map, (uint32_t)k);
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE)
+            continue;
+        PSD_STORE_RLX(&s->evicted_pid, pid);
+        PSD_STORE_RLX(&s->evicted_start_time, start);
+        PSD_STORE_RLX(&s->evicted_pid_ns, ns);
+        PSD_STORE_RLX(&s->evicted_rule, rule);
+        PSD_STORE_RLX(&s->evicted_unix_ns, unix_ns);
+        PSD_STORE_RLX(&s->evicted_entries, entries);
+        PSD_STORE_RLX(&s->rank, rank);
+        PSD_STORE_RLX(&s->lease_seen_ns, 0); /* the reaper judges the evicted process afresh */
+        PSD_STORE_REL(&s->state, PSD_SLOT_EVICTED);
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
 static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"clock", "generation", "ranks", "opt_steps", "rounds", "acc_count", "acc_staleness",
-                             "lr_now", NULL};
+                             "lr_now", "evicted", NULL};
     unsigned long long clock, generation, opt_steps = 0, rounds = 0, acc_count = 0, acc_staleness = 0;
     double lr_now = 0;
-    PyObject *ranks;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKO|KKKKd", kwlist, &clock, &generation, &ranks, &opt_steps,
-                                     &rounds, &acc_count, &acc_staleness, &lr_now) ||
+    PyObject *ranks, *evicted = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKO|KKKKdO", kwlist, &clock, &generation, &ranks, &opt_steps,
+                                     &rounds, &acc_count, &acc_staleness, &lr_now, &evicted) ||
         check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY)
         return raise_code(PSD_ESTATE, "restore a checkpoint into a running arena", a->name);
+    if (evicted && evicted != Py_None && restore_evicted(a, evicted) != 0)
+        return NULL;
     PyObject *seq = PySequence_Fast(ranks, "ranks must be a sequence of ints");
     if (!seq)
         return NULL;
@@ -323,7 +363,8 @@ PyMethodDef py_server_methods[] = {
      "the holder dies; header()['held'] says it stopped"},
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"restore", (PyCFunction)(void (*)(void))arena_restore, METH_VARARGS | METH_KEYWORDS,
-     "restore(clock, generation, ranks): server, before READY: continue from a checkpoint"},
+     "restore(clock, generation, ranks, ..., evicted=[(pid, start_time, pid_ns, rule, unix_ns, entries, rank)]): "
+     "server, before READY: continue from a checkpoint"},
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
     {NULL, NULL, 0, NULL},

@@ -46,18 +46,27 @@ static int held_table(struct psd_map *m, uint32_t n_slots) {
     return rc;
 }
 
-/* Take the request line of slot i for a new request (compare-exchange from an answered or empty
- * nonce to PSD_NONCE_WRITING): lock-free, so no claimer waits on anything a learner can scribble. A
- * claimer that dies while writing leaves PSD_NONCE_WRITING, which the update loop clears after a
- * second. */
-#define PSD_NONCE_WRITING UINT64_MAX
+/* Take the request line of FREE slot i for a new request (compare-exchange from an answered or
+ * empty nonce to PSD_NONCE_WRITING): lock-free, so no claimer waits on anything a learner can
+ * scribble. A claimer that dies while writing leaves PSD_NONCE_WRITING, which the update loop clears
+ * after a second; the loop also holds the line at PSD_NONCE_WRITING while it answers. */
 static bool take_request_line(struct psd_map *m, uint32_t i) {
     struct psd_lslot *l = psd_lslot_at(m, i);
+    struct psd_slot *s = psd_slot_at(m, i);
     /* Pairs with the store-release of req_nonce below, and of answered in answer(). */
     uint64_t n = PSD_LOAD_ACQ(&l->req_nonce);
-    if (n == PSD_NONCE_WRITING || (n != 0 && n != PSD_LOAD_ACQ(&psd_slot_at(m, i)->answered)))
+    if (n == PSD_NONCE_WRITING || (n != 0 && n != PSD_LOAD_ACQ(&s->answered)))
         return false; /* another claimer's, not answered yet */
-    return atomic_compare_exchange_strong(&l->req_nonce, &n, PSD_NONCE_WRITING);
+    if (!atomic_compare_exchange_strong(&l->req_nonce, &n, PSD_NONCE_WRITING))
+        return false;
+    /* The slot may have been admitted to another claimer since it was seen FREE (the line then
+     * holds that claimer's answered nonce): give the line back as it was. */
+    if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_FREE) {
+        uint64_t w = PSD_NONCE_WRITING;
+        atomic_compare_exchange_strong(&l->req_nonce, &w, n);
+        return false;
+    }
+    return true;
 }
 
 /* A claim request's nonce: never 0, never the same twice in one process. */
@@ -103,6 +112,9 @@ static bool banned(const struct psd_map *m, int32_t pid, uint64_t start_time, ui
     return false;
 }
 
+static int claim_once(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint64_t deadline,
+                      uint32_t *slot, uint64_t *claim);
+
 int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint64_t timeout_ns,
                    uint32_t *slot, uint64_t *claim) {
     struct psd_header *h = psd_hdr(m);
@@ -127,6 +139,22 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
     /* The server refuses an evicted process; say so at once, also when no slot is free to ask in. */
     if (banned(m, pid, start_time, psd_pid_ns()))
         return PSD_EEVICTED;
+    for (;;) {
+        rc = claim_once(m, pid, start_time, rank, deadline, slot, claim);
+        if (rc != EAGAIN)
+            return rc;
+        if (psd_now_ns() >= deadline)
+            return PSD_ETIMEOUT;
+    }
+}
+
+/* One claim request in the first FREE slot whose line this process can take: EAGAIN when its line
+ * was taken from it (it stalled writing for over a second) or the server found the request garbled
+ * (another claimer's stray write crossed it): the caller asks again. */
+static int claim_once(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t rank, uint64_t deadline,
+                      uint32_t *slot, uint64_t *claim) {
+    struct psd_header *h = psd_hdr(m);
+    int rc;
     uint32_t i = 0;
     for (; i < m->g.n_slots; i++) {
         if (PSD_LOAD_ACQ(&psd_slot_at(m, i)->state) != PSD_SLOT_FREE || PSD_LOAD_RLX(&m->held[i]))
@@ -158,15 +186,26 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
     PSD_STORE_RLX(&l->req_start_time, start_time);
     PSD_STORE_RLX(&l->req_pid_ns, pid_ns);
     PSD_STORE_RLX(&l->req_check, psd_request_check(nonce, pid, req_rank, start_time, pid_ns));
-    /* Pairs with the load-acquire of req_nonce in psd_admit: the request's fields are written. */
-    PSD_STORE_REL(&l->req_nonce, nonce);
+    /* Pairs with the load-acquire of req_nonce in psd_admit: the request's fields are written. A
+     * compare-exchange: if the loop freed the line from under this claimer (stalled over a second),
+     * another claimer may be writing it now. */
+    uint64_t writing = PSD_NONCE_WRITING;
+    if (!atomic_compare_exchange_strong(&l->req_nonce, &writing, nonce)) {
+        PSD_STORE_RLX(&m->held[i], 0);
+        psd_arena_protect(m);
+        return EAGAIN;
+    }
     psd_cond_broadcast(&h->doorbell); /* the loop may be asleep */
     struct psd_slot *s = psd_slot_at(m, i);
     rc = await_answer(m, i, nonce, deadline);
     if (rc) {
-        /* Withdraw the request (unless answered meanwhile: then give an admitted slot back). */
+        /* Withdraw the request. The loop holds the line at WRITING while it answers, so the
+         * compare-exchange fails exactly when an answer is being written: wait that out (briefly;
+         * the server's death ends the wait too). After either, an admitted slot is given back; one
+         * that stays admitted for want of a server is reaped, as its owner never beats for it. */
         uint64_t mine = nonce;
-        atomic_compare_exchange_strong(&l->req_nonce, &mine, 0);
+        if (!atomic_compare_exchange_strong(&l->req_nonce, &mine, 0))
+            await_answer(m, i, nonce, psd_now_ns() + PSD_WAIT_SLICE_NS);
         if (PSD_LOAD_ACQ(&s->answered) == nonce && PSD_LOAD_RLX(&s->refused) == PSD_REFUSE_NONE) {
             PSD_STORE_REL(&l->release, PSD_LOAD_RLX(&s->claims));
             psd_cond_broadcast(&h->doorbell);
@@ -179,6 +218,8 @@ int psd_slot_claim(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t ra
     if (refused != PSD_REFUSE_NONE) {
         PSD_STORE_RLX(&m->held[i], 0);
         psd_arena_protect(m);
+        if (refused == PSD_REFUSE_GARBLED)
+            return EAGAIN; /* what this claimer wrote is checked; something else wrote over it */
         return refused == PSD_REFUSE_EVICTED ? PSD_EEVICTED : refused == PSD_REFUSE_GONE ? ESRCH : EINVAL;
     }
     *slot = i;
@@ -225,9 +266,11 @@ static bool answer(struct psd_map *m, uint32_t i, uint64_t n, const struct reque
     PSD_STORE_RLX(&s->refused, refused);
     if (refused == PSD_REFUSE_NONE) {
         struct psd_lslot *l = psd_lslot_at(m, i);
-        PSD_STORE_RLX(&s->pid, r->req_pid);
-        PSD_STORE_RLX(&s->start_time, r->req_start_time);
-        PSD_STORE_RLX(&s->pid_ns, r->req_pid_ns);
+        /* Store-releases: pair with the reaper's load-acquires of the identity. A reaper that reads
+         * any of this new owner's identity also sees the slot left its last owner's ACTIVE. */
+        PSD_STORE_REL(&s->pid, r->req_pid);
+        PSD_STORE_REL(&s->start_time, r->req_start_time);
+        PSD_STORE_REL(&s->pid_ns, r->req_pid_ns);
         PSD_STORE_RLX(&s->rank, r->req_rank);
         /* A fresh 64-bit token, not a count: a stray write into the owner's `release` (or an entry's
          * `claim`) cannot name it by chance. Never 0 or the claim placeholder. */
@@ -246,6 +289,7 @@ static bool answer(struct psd_map *m, uint32_t i, uint64_t n, const struct reque
         PSD_STORE_RLX(&s->round_joined, 0);
         PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
         PSD_STORE_RLX(&s->lease_seen_ns, 0); /* the reaper starts the lease afresh */
+        PSD_STORE_RLX(&s->lease_moved, 0);   /* the owner has yet to beat for it */
         PSD_STORE_RLX(&s->evicted_pid, 0);
         PSD_STORE_RLX(&s->evicted_rule, PSD_RULE_NONE);
         PSD_STORE_RLX(&s->evicted_start_time, 0);
@@ -259,10 +303,21 @@ static bool answer(struct psd_map *m, uint32_t i, uint64_t n, const struct reque
         PSD_STORE_RLX(&l->pulls_skipped, 0);
         PSD_STORE_RLX(&l->full_waits, 0);
         PSD_STORE_RLX(&l->waiters, 0);
+        PSD_STORE_RLX(&l->lease_beat, 0);
         PSD_STORE_RLX(&s->head, 0);
-        uint64_t mine, slowest;
-        PSD_STORE_RLX(&s->ssp_base, 0);
-        psd_ssp_clocks(m, i, true, &mine, &slowest); /* ssp: join at the slowest learner's clock */
+        /* ssp: join at the slowest live learner's clock: its base plus its tail, the tail taken only
+         * as far as the ring holds past the loop's own head (a learner's scribble moves no base far). */
+        uint64_t slowest = UINT64_MAX;
+        for (uint32_t j = 0; j < m->g.n_slots; j++) {
+            struct psd_slot *o = psd_slot_at(m, j);
+            if (j == i || PSD_LOAD_ACQ(&o->state) != PSD_SLOT_ACTIVE)
+                continue;
+            uint64_t head = PSD_LOAD_RLX(&o->head), tail = PSD_LOAD_RLX(&psd_lslot_at(m, j)->tail);
+            uint64_t c = PSD_LOAD_RLX(&o->ssp_base) + head +
+                         (tail >= head && tail - head <= m->g.ring_k ? tail - head : 0);
+            if (c < slowest && psd_slot_owner_alive(h, o))
+                slowest = c;
+        }
         PSD_STORE_RLX(&s->ssp_base, slowest == UINT64_MAX ? 0 : slowest);
         /* Pairs with the load-acquire of state in the learner's checks, the reaper and the loop. */
         PSD_STORE_REL(&s->state, PSD_SLOT_ACTIVE);
@@ -299,7 +354,7 @@ int psd_slot_assign(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t r
         *slot = i;
         *claim = PSD_LOAD_RLX(&psd_slot_at(m, i)->claims);
         PSD_STORE_RLX(&m->held[i], *claim);
-        return 0;
+        return psd_lease_start(m); /* an owner that never beats loses the slot to the reaper */
     }
     return PSD_ENOSLOT;
 }
@@ -312,10 +367,14 @@ uint32_t psd_admit(struct psd_map *m) {
         struct psd_lslot *l = psd_lslot_at(m, i);
         uint32_t st = PSD_LOAD_ACQ(&s->state);
         if (st == PSD_SLOT_ACTIVE) {
-            /* Pairs with the store-release of release in psd_slot_release. */
+            uint64_t claims = PSD_LOAD_RLX(&s->claims);
+            /* Pairs with the store-release of release in psd_slot_release, and of reap_claim in
+             * psd_reap: the owner gave the slot back, or the reaper judged this very claim gone. */
+            bool released = PSD_LOAD_ACQ(&l->release) == claims, reaped = PSD_LOAD_ACQ(&s->reap_claim) == claims;
             uint32_t want = PSD_SLOT_ACTIVE;
-            if (PSD_LOAD_ACQ(&l->release) == PSD_LOAD_RLX(&s->claims) &&
-                atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_DRAINING)) {
+            if ((released || reaped) && atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_DRAINING)) {
+                if (reaped && !released)
+                    PSD_STORE_RLX(&s->reap_reason, PSD_LOAD_RLX(&s->reap_why));
                 changed++;
                 psd_cond_broadcast_if_waiters(&h->sync_cond); /* ssp: the slowest may have left */
             }
@@ -323,20 +382,22 @@ uint32_t psd_admit(struct psd_map *m) {
         }
         if (st != PSD_SLOT_FREE)
             continue;
-        /* Pairs with the store-release of req_nonce in psd_slot_claim. */
+        /* Pairs with the store-release (compare-exchange) of req_nonce in claim_once. */
         uint64_t n = PSD_LOAD_ACQ(&l->req_nonce);
         if (n == PSD_NONCE_WRITING) {
-            /* A claimer is writing its request, or died doing so: after a second the line is freed. */
-            uint64_t now = psd_now_ns(), since = PSD_LOAD_RLX(&s->lease_seen_ns);
-            if (PSD_LOAD_RLX(&s->lease_claim) != PSD_NONCE_WRITING) {
-                PSD_STORE_RLX(&s->lease_claim, PSD_NONCE_WRITING);
-                PSD_STORE_RLX(&s->lease_seen_ns, now);
+            /* A claimer is writing its request, or died doing so: after a second the line is freed
+             * (a claimer that was only slow finds it gone when it publishes, and asks again). */
+            uint64_t now = psd_now_ns(), since = PSD_LOAD_RLX(&s->line_seen_ns);
+            if (since == 0) {
+                PSD_STORE_RLX(&s->line_seen_ns, now);
             } else if (now - since > UINT64_C(1000000000)) {
                 atomic_compare_exchange_strong(&l->req_nonce, &n, 0);
-                PSD_STORE_RLX(&s->lease_claim, 0);
+                PSD_STORE_RLX(&s->line_seen_ns, 0);
             }
             continue;
         }
+        if (PSD_LOAD_RLX(&s->line_seen_ns))
+            PSD_STORE_RLX(&s->line_seen_ns, 0);
         if (n == 0 || n == PSD_LOAD_RLX(&s->answered))
             continue;
         struct request r; /* copied once; only the copy is checked and used */
@@ -346,9 +407,14 @@ uint32_t psd_admit(struct psd_map *m) {
         r.req_pid_ns = PSD_LOAD_RLX(&l->req_pid_ns);
         r.req_check = PSD_LOAD_RLX(&l->req_check);
         atomic_thread_fence(memory_order_acquire);
-        if (PSD_LOAD_RLX(&l->req_nonce) != n)
-            continue; /* rewritten while it was read: the next pass takes it */
+        /* Hold the line while answering (rewritten while it was read: the next pass takes it). A
+         * claimer that withdraws at its deadline then fails its compare-exchange and waits for the
+         * answer instead of leaving an admitted slot nobody holds. */
+        if (!atomic_compare_exchange_strong(&l->req_nonce, &n, PSD_NONCE_WRITING))
+            continue;
         changed += answer(m, i, n, &r);
+        /* Pairs with the load-acquire in take_request_line and claim_once's withdrawal. */
+        PSD_STORE_REL(&l->req_nonce, n);
     }
     return changed;
 }
@@ -534,9 +600,11 @@ static int tail_entry(struct psd_map *m, uint32_t slot, struct psd_entry **e, ui
     return 0;
 }
 
-/* Fill in the entry's metadata and move the tail past it. */
-static void publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint64_t tail, uint64_t clock,
-                    uint32_t batch, double loss, uint32_t flags) {
+/* Fill in the entry's metadata and move the tail past it, if the slot is still this learner's
+ * (checked again here, as late as it can be: a learner the reaper took the slot from while it was
+ * stopped, waking mid-push, must not move the next owner's tail; its entry is ignored by token). */
+static int publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint64_t tail, uint64_t clock,
+                   uint32_t batch, double loss, uint32_t flags) {
     struct psd_header *h = psd_hdr(m);
     struct psd_lslot *s = psd_lslot_at(m, slot);
     e->seq = tail;
@@ -547,6 +615,8 @@ static void publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint6
     e->claim = held_token(m, slot);
     e->applied_clock = 0;
     e->outcome = PSD_OUTCOME_PENDING;
+    if (!still_mine(psd_slot_at(m, slot), e->claim))
+        return PSD_ESLOT;
     /* seq_cst store (a release, pairs with the load-acquire of tail in the
      * update loop) so that the load of `sleeping` below cannot move before it:
      * with the loop's store of `sleeping` and load of tails, a Dekker pair. */
@@ -556,6 +626,7 @@ static void publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint6
         psd_cond_broadcast(&h->doorbell);
     if (h->sync_mode == PSD_SYNC_SSP)
         psd_cond_broadcast_if_waiters(&h->sync_cond); /* a learner waiting for us may go on */
+    return 0;
 }
 
 /* Copy the buffer deltas (if any) into the entry; the entry flags they add. */
@@ -575,8 +646,7 @@ int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, d
     bool finite = scale_and_check(psd_entry_grad(e), m->g.n_train, scale);
     memset(psd_entry_pieces(m, e), PSD_PIECE_DENSE, m->g.n_pieces);
     uint32_t flags = put_buffers(m, e, bufdelta) | (finite ? 0 : PSD_ENTRY_NONFINITE);
-    publish(m, slot, e, tail, clock, batch, loss, flags);
-    return 0;
+    return publish(m, slot, e, tail, clock, batch, loss, flags);
 }
 
 /* A sparse gradient's rows must name rows of its tensor. */
@@ -673,8 +743,7 @@ int psd_push_from(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t bat
         _mm_sfence(); /* streaming stores are weakly ordered: complete them before the tail moves */
 #endif
     uint32_t flags = put_buffers(m, e, bufdelta) | (bad ? PSD_ENTRY_NONFINITE : 0);
-    publish(m, slot, e, tail, clock, batch, loss, flags);
-    return 0;
+    return publish(m, slot, e, tail, clock, batch, loss, flags);
 }
 
 /* Wait until `ready(m, slot, arg)` holds, sleeping on `c` in slices of at most
@@ -822,22 +891,29 @@ int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ro
  * this (the reaper's) clock. The reaper's view of the lease is kept in the server's record, so a
  * server that takes over goes on from it. */
 static uint32_t owner_gone(const struct psd_header *h, struct psd_slot *s, struct psd_lslot *l, pid_t pid,
-                           uint64_t start_time, uint64_t pid_ns, uint64_t now, uint64_t lease_ns) {
+                           uint64_t start_time, uint64_t pid_ns, uint64_t now, uint64_t lease_ns, bool owner) {
     uint64_t claim = PSD_LOAD_RLX(&s->claims), beat = PSD_LOAD_RLX(&l->lease_beat);
-    if (PSD_LOAD_RLX(&s->lease_claim) != claim || PSD_LOAD_RLX(&s->lease_seen) != beat ||
-        PSD_LOAD_RLX(&s->lease_seen_ns) == 0) {
+    bool fresh = PSD_LOAD_RLX(&s->lease_claim) != claim || PSD_LOAD_RLX(&s->lease_seen_ns) == 0;
+    if (fresh || PSD_LOAD_RLX(&s->lease_seen) != beat) {
+        if (!fresh && owner)
+            PSD_STORE_RLX(&s->lease_moved, 1); /* the owner's lease thread runs: it took the slot */
         PSD_STORE_RLX(&s->lease_claim, claim);
         PSD_STORE_RLX(&s->lease_seen, beat);
         PSD_STORE_RLX(&s->lease_seen_ns, now);
     }
+    if (owner && beat != 0) /* answer() zeroes the beat: any beat since is the owner's */
+        PSD_STORE_RLX(&s->lease_moved, 1);
     enum psd_live live = psd_liveness(h, pid, start_time, pid_ns);
     PSD_STORE_RLX(&s->liveness, live == PSD_LIVE_UNKNOWN ? PSD_LIVE_BY_LEASE : PSD_LIVE_BY_PROC);
     if (live == PSD_LIVE_NO)
         return PSD_REAP_EXITED;
-    if (live == PSD_LIVE_YES)
-        return PSD_REAP_NONE;
     uint64_t seen = PSD_LOAD_RLX(&s->lease_seen_ns);
-    return now > seen && now - seen >= lease_ns ? PSD_REAP_LEASE : PSD_REAP_NONE;
+    bool ran_out = now > seen && now - seen >= lease_ns;
+    if (live == PSD_LIVE_YES)
+        /* A live process that never beat for the slot did not take it (a claim withdrawn as it was
+         * answered, a request that named another process): the slot is not kept for it forever. */
+        return owner && ran_out && !PSD_LOAD_RLX(&s->lease_moved) ? PSD_REAP_UNCLAIMED : PSD_REAP_NONE;
+    return ran_out ? PSD_REAP_LEASE : PSD_REAP_NONE;
 }
 
 int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
@@ -854,28 +930,37 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
         if (st == PSD_SLOT_EVICTED) {
             /* Quarantined while the evicted process lives: it may still write into the ring. */
             if (owner_gone(h, s, l, PSD_LOAD_RLX(&s->evicted_pid), PSD_LOAD_RLX(&s->evicted_start_time),
-                           PSD_LOAD_RLX(&s->evicted_pid_ns), now, lease_ns) != PSD_REAP_NONE) {
+                           PSD_LOAD_RLX(&s->evicted_pid_ns), now, lease_ns, false) != PSD_REAP_NONE) {
+                /* Nothing it left in its request line is a request (no claimer takes the line of a
+                 * slot that is not FREE, so nobody is writing it now). Only the reaper moves an
+                 * EVICTED slot. */
+                uint64_t left = PSD_LOAD_RLX(&l->req_nonce);
+                if (left != PSD_LOAD_RLX(&s->answered))
+                    atomic_compare_exchange_strong(&l->req_nonce, &left, 0);
                 uint32_t want = PSD_SLOT_EVICTED;
-                PSD_STORE_RLX(&l->req_nonce, 0); /* nothing it left in its request line is a request */
                 freed |= atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_FREE);
             }
             continue;
         }
         uint32_t why;
-        if (st != PSD_SLOT_ACTIVE ||
-            (why = owner_gone(h, s, l, PSD_LOAD_RLX(&s->pid), PSD_LOAD_RLX(&s->start_time), PSD_LOAD_RLX(&s->pid_ns),
-                              now, lease_ns)) == PSD_REAP_NONE)
+        uint64_t claim = PSD_LOAD_RLX(&s->claims);
+        if (st != PSD_SLOT_ACTIVE || PSD_LOAD_RLX(&s->reap_claim) == claim ||
+            (why = owner_gone(h, s, l, PSD_LOAD_ACQ(&s->pid), PSD_LOAD_ACQ(&s->start_time), PSD_LOAD_ACQ(&s->pid_ns),
+                              now, lease_ns, true)) == PSD_REAP_NONE)
             continue;
-        /* Everything it fully pushed is still applied; then the loop frees it. The reason is
-         * stored first: the loop reads it when it frees the slot (a lost race leaves it on a
-         * slot that the next admission clears). */
-        PSD_STORE_RLX(&s->reap_reason, why);
-        uint32_t want = PSD_SLOT_ACTIVE;
-        /* Pairs with the load-acquire of state in the loop and the learner's checks. */
-        if (atomic_compare_exchange_strong(&s->state, &want, PSD_SLOT_DRAINING)) {
-            if (*n < max)
-                pids[(*n)++] = PSD_LOAD_RLX(&s->pid);
-        }
+        /* The identity judged must be `claim`'s: the slot may have been released, freed (identity
+         * cleared) or handed on while it was read. The identity's load-acquires pair with its
+         * store-releases in answer() and free_slot: having read a later identity, this sees the
+         * state move that came before it. */
+        if (PSD_LOAD_ACQ(&s->state) != PSD_SLOT_ACTIVE || PSD_LOAD_RLX(&s->claims) != claim)
+            continue;
+        /* Everything it fully pushed is still applied; the loop moves the slot to DRAINING (if
+         * `claim` is still the slot's: its owner may have released it and another been admitted
+         * since the pid was read), then frees it. Pairs with the load-acquire in psd_admit. */
+        PSD_STORE_RLX(&s->reap_why, why);
+        PSD_STORE_REL(&s->reap_claim, claim);
+        if (*n < max)
+            pids[(*n)++] = PSD_LOAD_RLX(&s->pid);
     }
     if (*n || freed) {
         psd_cond_broadcast(&h->doorbell);

@@ -117,18 +117,12 @@ int psd_mutex_lock(struct psd_header *h, pthread_mutex_t *m) {
     if (rc == ETIMEDOUT)
         return PSD_ETIMEOUT;
     if (rc == EOWNERDEAD) {
-        /* Nothing is repaired here. Most fields these mutexes protect are
-         * written before one store-release that publishes them (see
-         * psd_layout.h), so a dead owner left the old or the new state. Two
-         * multi-store updates are not: free_slot stores tail = 0, head = 0,
-         * then state = FREE (a server killed in between leaves head > tail,
-         * which the next update loop's slot rule takes for a runaway tail
-         * and frees the slot: nothing is replayed), and finish_round zeroes
-         * the accumulator count before it bumps `rounds` (a kill in between
-         * leaves the pieces' round marks and the slots' round_joined on a
-         * round already applied: the restarted bsp round waits for them
-         * again). Make the mutex usable again and report it, never a quiet
-         * success. */
+        /* Nothing is repaired here. The one arena mutex is `admission`, held while a spec is
+         * offered; the offer is published by one store-release of the arena state (psd_layout.h),
+         * so a dead owner left the old state or the new one. (The update loop's own multi-store
+         * steps hold no lock: free_slot and evict leave `head` alone, so a server killed between
+         * their stores leaves nothing to take twice.) Make the mutex usable again and report it,
+         * never a quiet success. */
         pthread_mutex_consistent(m);
         PSD_ADD_RLX(&h->lock_recoveries, 1);
         return PSD_EOWNERDEAD;

@@ -52,15 +52,25 @@ struct psd_loop {
     /* The heartbeat, stored after each pass and, inside a long update, every PSD_BEAT_NS
      * (psd_beat), so that one long apply does not look like a hung server. */
     struct psd_beat beat;
+    /* Non-finite values the kernels met in the entry being taken (each moved nothing): a learner
+     * that marked its gradient finite wrote into it after its check (rule VALUES). Counted by the
+     * kernels' threads, read by this loop's thread after each apply. */
+    _Atomic uint64_t nonfinite;
 };
 
-/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype). */
-static inline void sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo, uint64_t hi,
-                             float lr) {
-    if (gdtype == PSD_DTYPE_BF16)
-        psd_sgd_bf16(w + lo, (const uint16_t *)g + lo, hi - lo, lr);
-    else
-        psd_sgd_unroll4(w + lo, (const float *)g + lo, hi - lo, lr);
+/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), taken out of g a block at a
+ * time (psd_take_finite: a non-finite value counts and moves nothing); how many were non-finite. */
+static inline uint64_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo,
+                                 uint64_t hi, float lr) {
+    float taken[PSD_TAKE_BLOCK];
+    uint64_t bad = 0;
+    for (uint64_t b = lo; b < hi; b += PSD_TAKE_BLOCK) {
+        uint64_t len = hi - b < PSD_TAKE_BLOCK ? hi - b : PSD_TAKE_BLOCK;
+        bad += gdtype == PSD_DTYPE_BF16 ? psd_take_finite_bf16(taken, (const uint16_t *)g + b, len)
+                                        : psd_take_finite(taken, (const float *)g + b, len);
+        psd_sgd_unroll4(w + b, taken, len, lr);
+    }
+    return bad;
 }
 
 /* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
@@ -68,24 +78,27 @@ static inline void sgd_chunk(float *restrict w, const void *restrict g, uint32_t
  * limit: `psd bench`, whose other variants are in bench_kernels.c); a
  * bfloat16 gradient is widened as it is read. */
 void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
-                   struct psd_beat *beat) {
+                   struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
+    uint64_t bad = 0;
     /* Small vectors are not worth waking a team. */
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            sgd_chunk(w, g, gdtype, lo, hi, lr);
+            bad += sgd_chunk(w, g, gdtype, lo, hi, lr);
             psd_beat(beat);
         }
-        return;
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+        for (int64_t c = 0; c < chunks; c++) {
+            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
+            bad += sgd_chunk(w, g, gdtype, lo, hi, lr);
+            if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
+                psd_beat(beat);
+        }
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-        sgd_chunk(w, g, gdtype, lo, hi, lr);
-        if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
-            psd_beat(beat);
-    }
+    if (bad && nonfinite)
+        PSD_ADD_RLX(nonfinite, bad); /* only the loop's thread reads it, after the call */
 }
 
 static void atomic_max(_Atomic uint64_t *p, uint64_t v) {
@@ -141,12 +154,13 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
         if (map[k] == PSD_PIECE_ABSENT) {
             k++;
         } else if (map[k] == PSD_PIECE_SPARSE) {
-            psd_sparse_step(cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off, lr, t);
+            psd_sparse_step(cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off, lr, t,
+                            &L->nonfinite);
             psd_piece_at(m, k++)->steps = t;
         } else if (map[k] == PSD_PIECE_DENSE_BF16) {
             /* Its own call: the bfloat16 halves of two spans are not contiguous. */
             psd_optimizer_step(cfg, w + pg->off, g + pg->off, PSD_DTYPE_BF16, gscale, s0 + pg->off, s1 + pg->off,
-                               pg->len, lr, t, (int)L->threads, &L->beat);
+                               pg->len, lr, t, (int)L->threads, &L->beat, &L->nonfinite);
             psd_piece_at(m, k++)->steps = t;
         } else {
             uint64_t j = k + 1;
@@ -154,7 +168,7 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
                 j++;
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
             psd_optimizer_step(cfg, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
-                               (int)L->threads, &L->beat);
+                               (int)L->threads, &L->beat, &L->nonfinite);
             for (; k < j; k++)
                 psd_piece_at(m, k)->steps = t;
         }
@@ -187,16 +201,20 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
         psd_loop_hold(m, &L->stop);
 }
 
-/* dst = src, n float32 or bfloat16 (widened), beating as it goes. */
+/* dst = src, n float32 or bfloat16 (widened) taken out of a ring (psd_take_finite: a non-finite
+ * value becomes 0 and is counted), beating as it goes. */
 static void copy_beating(struct psd_loop *L, float *dst, const void *src, uint32_t dtype, uint64_t n) {
+    uint64_t bad = 0;
     for (uint64_t lo = 0; lo < n; lo += PSD_CHUNK) {
         uint64_t len = n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK;
         if (dtype == PSD_DTYPE_BF16)
-            psd_bf16_widen(dst + lo, (const uint16_t *)src + lo, len);
+            bad += psd_take_finite_bf16(dst + lo, (const uint16_t *)src + lo, len);
         else
-            memcpy(dst + lo, (const float *)src + lo, len * sizeof(float));
+            bad += psd_take_finite(dst + lo, (const float *)src + lo, len);
         psd_beat(&L->beat);
     }
+    if (bad)
+        PSD_ADD_RLX(&L->nonfinite, bad);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
@@ -215,11 +233,12 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         if (dense && first)
             copy_beating(L, acc + pg->off, g + pg->off, dtype, pg->len);
         else if (dense) /* acc += g */
-            psd_apply_sgd(acc + pg->off, g + pg->off, dtype, pg->len, -1.0f, (int)L->threads, &L->beat);
+            psd_apply_sgd(acc + pg->off, g + pg->off, dtype, pg->len, -1.0f, (int)L->threads, &L->beat,
+                          &L->nonfinite);
         if (map[k] == PSD_PIECE_SPARSE) {
             if (first)
                 memset(acc + pg->off, 0, pg->len * sizeof(float));
-            psd_sparse_add(acc + pg->off, g + pg->off, pg->len, pg->row_len);
+            psd_sparse_add(acc + pg->off, g + pg->off, pg->len, pg->row_len, &L->nonfinite);
         }
         if (map[k] != PSD_PIECE_ABSENT)
             ps->round = mark;
@@ -289,6 +308,8 @@ static void hand_back(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64
         psd_cond_broadcast(&s->not_full);
 }
 
+static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t rule);
+
 static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head,
                        const struct psd_entry *eh) {
     struct psd_map *m = L->m;
@@ -310,6 +331,7 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
         hand_back(L, i, s, head);
         return;
     }
+    PSD_STORE_RLX(&L->nonfinite, 0);
     if ((eh->flags & PSD_ENTRY_NONFINITE) || !sparse_taken(L, map)) {
         outcome = PSD_OUTCOME_REJECTED;
         PSD_ADD_RLX(&s->rejected, 1);
@@ -333,13 +355,24 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
              * learner's increments add up, so they count every learner's batches. */
             double *b = psd_buffers(m);
             const double *d = psd_entry_bufdelta(m, e);
-            uint64_t set = L->buffers_set < m->g.n_buffers ? L->buffers_set : m->g.n_buffers;
-            memcpy(b, d, set * sizeof *b);
-            for (uint64_t i = set; i < m->g.n_buffers; i++)
-                b[i] += d[i];
+            uint64_t set = L->buffers_set < m->g.n_buffers ? L->buffers_set : m->g.n_buffers, bad = 0;
+            for (uint64_t j = 0; j < m->g.n_buffers; j++) {
+                double x = d[j]; /* loaded once: a non-finite value leaves the job's as it was */
+                uint64_t bits;
+                memcpy(&bits, &x, sizeof bits);
+                if ((bits & UINT64_C(0x7ff0000000000000)) == UINT64_C(0x7ff0000000000000))
+                    bad++;
+                else
+                    b[j] = j < set ? x : b[j] + x;
+            }
+            if (bad)
+                PSD_ADD_RLX(&L->nonfinite, bad);
         }
         count_applied(m, s, eh, staleness);
     }
+    /* Values the learner marked finite that were not where the loop read them: applied as zeros,
+     * and the learner is evicted below (its memory changed after its own check). */
+    uint64_t nonfinite = PSD_LOAD_RLX(&L->nonfinite);
     if (L->cfg.sync_mode == PSD_SYNC_BSP) {
         PSD_STORE_RLX(&s->round_joined, PSD_LOAD_RLX(&h->rounds) + 1);
         PSD_ADD_RLX(&h->acc_members, 1);
@@ -351,6 +384,8 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     e->applied_clock = clock;
     e->outcome = outcome;
     hand_back(L, i, s, head);
+    if (nonfinite)
+        evict(L, i, s, PSD_RULE_VALUES);
 }
 
 /* bsp: the round is complete once every active learner contributed. */
@@ -366,22 +401,32 @@ static bool round_complete(struct psd_map *m) {
     return true;
 }
 
-/* A draining slot whose ring is empty: account for it and hand it back. */
+/* A draining slot whose ring is empty: account for it and hand it back. `head` stays where it is
+ * (answer() zeroes head and tail at the next admission): a server killed before the state store
+ * leaves a DRAINING slot whose ring the next loop finds empty, never entries to take again. */
 static void free_slot(struct psd_loop *L, uint32_t i, struct psd_slot *s) {
     struct psd_header *h = psd_hdr(L->m);
-    PSD_ADD_RLX(&h->retired_pushed, L->heads[i]); /* what the loop took from this ring */
-    if (PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE) /* taken back by the reaper */
+    struct psd_lslot *l = psd_lslot_at(L->m, i);
+    bool reaped = PSD_LOAD_RLX(&s->reap_reason) != PSD_REAP_NONE; /* taken back by the reaper */
+    uint64_t took = L->heads[i];
+    /* Store-releases: pair with the reaper's load-acquires (psd_reap); a reaper that reads the
+     * cleared identity also sees the slot DRAINING. */
+    PSD_STORE_REL(&s->pid, 0);
+    PSD_STORE_RLX(&s->rank, -1);
+    PSD_STORE_REL(&s->start_time, 0);
+    /* Its request line holds no request: the owner's answered nonce, or whatever it wrote since
+     * (no claimer takes the line of a slot that is not FREE). */
+    uint64_t left = PSD_LOAD_RLX(&l->req_nonce);
+    if (left != PSD_LOAD_RLX(&s->answered) && left != PSD_NONCE_WRITING)
+        atomic_compare_exchange_strong(&l->req_nonce, &left, 0);
+    /* Pairs with the load-acquire of state in psd_slot_claim and the waits; only this thread
+     * moves ACTIVE and DRAINING slots (the reaper only posts its judgement, and frees EVICTED ones). */
+    PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
+    L->heads[i] = 0;
+    PSD_ADD_RLX(&h->retired_pushed, took); /* what the loop took from this ring */
+    if (reaped)
         PSD_ADD_RLX(&h->reclaimed, 1);
     PSD_STORE_RLX(&s->reap_reason, PSD_REAP_NONE);
-    L->heads[i] = 0;
-    atomic_store(&s->head, 0);
-    PSD_STORE_RLX(&s->pid, 0);
-    PSD_STORE_RLX(&s->rank, -1);
-    PSD_STORE_RLX(&s->start_time, 0);
-    PSD_STORE_RLX(&psd_lslot_at(L->m, i)->req_nonce, 0); /* its old request line holds no request */
-    /* Pairs with the load-acquire of state in psd_slot_claim and the waits; only this thread
-     * moves a DRAINING slot (the reaper takes ACTIVE and EVICTED ones). */
-    PSD_STORE_REL(&s->state, PSD_SLOT_FREE);
     psd_cond_broadcast(&s->not_full); /* a detaching learner waits for this */
 }
 
@@ -433,13 +478,11 @@ static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t r
     PSD_STORE_RLX(&h->evicted_pid, PSD_LOAD_RLX(&s->pid));
     PSD_STORE_RLX(&h->evicted_rank, PSD_LOAD_RLX(&s->rank));
     PSD_STORE_RLX(&h->evicted_rule, rule);
-    L->heads[i] = 0;
-    atomic_store(&s->head, 0);
+    L->heads[i] = 0; /* s->head stays: nothing is taken from an evicted ring, by this loop or the next */
     PSD_STORE_RLX(&s->lease_seen_ns, 0); /* the reaper judges the evicted process afresh */
-    /* The reaper may move an ACTIVE slot to DRAINING meanwhile: either way it is evicted now.
-     * Pairs with the load-acquire of state everywhere. */
-    while (!atomic_compare_exchange_weak(&s->state, &st, PSD_SLOT_EVICTED)) {
-    }
+    /* Only this thread moves ACTIVE and DRAINING slots. Pairs with the load-acquire of state
+     * everywhere. */
+    PSD_STORE_REL(&s->state, PSD_SLOT_EVICTED);
     /* Pairs with the load-acquire of evicted in the server's watch (evicted_pid, _rank and _rule). */
     PSD_STORE_REL(&h->evicted, PSD_LOAD_RLX(&h->evicted) + 1);
     psd_cond_broadcast(&s->not_full);

@@ -240,10 +240,10 @@ class Server:
         self.arena: _native.Arena | None = None
         self.generation = 0
         self._loop_running = False
-        self._owners: dict[int, int] = {}  # slot -> pid last seen
+        self._owners: dict[int, int] = {}  # slot -> claim token last seen (a reattaching pid gets a new one)
         self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
         self._dropped: dict[int, int] = {}  # slot -> dropped count last seen
-        self._evicted = 0  # evictions logged so far
+        self._evictions_seen: set[tuple[int, int]] = set()  # (slot, evicted_unix_ns) of evictions logged
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
         self._stopped = False
@@ -356,7 +356,7 @@ class Server:
             a.close()
             self.arena = None
             raise
-        self._evicted = h["evicted"]  # the last server logged those; only new evictions are news
+        self._evictions_seen = self._evictions_kept()  # the last server logged them; only new ones are news
         if h["state"] == _native.ARENA_STOPPED:  # the dead server was stopping: go on where it stopped
             a.set_state(_native.ARENA_READY if h["n_params"] and h["weights_off"] else _native.ARENA_WAITING_SPEC)
         log.warning("job %r: taking over the arena of dead server pid %d (clock %d, %d gradients pending)",
@@ -373,21 +373,25 @@ class Server:
         h = self.arena.header()
         write_state(spec, tensors, weights_view(self.arena, h), buffers_view(self.arena, h))
         if ckpt is not None:
-            from psd.watchdog.checkpoint import restore_optimizer_state
+            from psd.watchdog.checkpoint import EVICTED_FIELDS, restore_optimizer_state
 
             self.generation = max(ckpt.generation + 1, self.generation)
+            # The learners it had evicted stay refused (the records come back as they were; the reaper
+            # frees each slot once its process is gone).
+            evicted = [tuple(r[k] for k in EVICTED_FIELDS) for r in ckpt.evicted]
             if restore_optimizer_state(self.arena, ckpt):
                 o = ckpt.optim
                 self.arena.restore(ckpt.clock, self.generation, ckpt.ranks, opt_steps=o["opt_steps"],
                                    rounds=o["rounds"], acc_count=o["acc_count"], acc_staleness=o["acc_staleness"],
-                                   lr_now=o["lr_now"])
+                                   lr_now=o["lr_now"], evicted=evicted)
             else:
-                self.arena.restore(ckpt.clock, self.generation, ckpt.ranks)
+                self.arena.restore(ckpt.clock, self.generation, ckpt.ranks, evicted=evicted)
                 if self.config.state_vectors() or ckpt.optim.get("opt_steps"):
                     log.warning("job %r: %s was written with --optimizer %s --sync %s; the optimizer state "
                                 "starts afresh", self.config.job, ckpt.path, ckpt.optim.get("optimizer", "sgd"),
                                 ckpt.optim.get("sync", "asp"))
         self.arena.set_state(_native.ARENA_READY)
+        self._evictions_seen |= self._evictions_kept()  # restored from the checkpoint: logged by the last server
         log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, sizes[0], len(spec),
                  ckpt.path if ckpt is not None else self.config.init)
 
@@ -473,28 +477,38 @@ class Server:
         self.events.emit("model_refused", learner_pid=h["offer_pid"], reason=msg)
         a.set_state(_native.ARENA_WAITING_SPEC, msg)
 
+    def _evictions_kept(self) -> set[tuple[int, int]]:
+        """The eviction records the arena's slots hold now, as (slot, evicted_unix_ns)."""
+        a = self.arena
+        h = a.header()
+        if h["state"] < _native.ARENA_INIT_WEIGHTS or not h["weights_off"]:
+            return set()  # no model: the learner blocks (and so no eviction) exist yet
+        return {(i, info["evicted_unix_ns"]) for i in range(h["n_slots"])
+                if (info := a.slot_info(i))["state"] == _native.SLOT_EVICTED}
+
     def _watch_slots(self) -> None:
         """Log admissions, evictions and rejected gradients, which the native side only counts."""
         a = self.arena
         h = a.header()
-        if h["evicted"] != self._evicted:
-            self._evicted = h["evicted"]
-            rule = EVICTION_RULES.get(h["evicted_rule"], f"rule {h['evicted_rule']}")
-            log.error("job %r: evicted learner pid %d (rank %d): %s (a stray write into its slot?); nothing more "
-                      "of its ring is applied, that process gets no slot again, and the job goes on",
-                      self.config.job, h["evicted_pid"], h["evicted_rank"], rule)
-            self.events.emit("learner_evicted", learner_pid=h["evicted_pid"], rank=h["evicted_rank"], rule=rule,
-                             evicted=h["evicted"])
-        for i in range(a.header()["n_slots"]):
+        for i in range(h["n_slots"]):
             info = a.slot_info(i)
+            if info["state"] == _native.SLOT_EVICTED and (i, info["evicted_unix_ns"]) not in self._evictions_seen:
+                self._evictions_seen.add((i, info["evicted_unix_ns"]))
+                rule = EVICTION_RULES.get(info["evicted_rule"], f"rule {info['evicted_rule']}")
+                log.error("job %r: evicted learner pid %d (rank %d): %s (a stray write into its slot?); nothing "
+                          "more of its ring is applied, that process gets no slot again, and the job goes on",
+                          self.config.job, info["evicted_pid"], info["rank"], rule)
+                self.events.emit("learner_evicted", learner_pid=info["evicted_pid"], rank=info["rank"], rule=rule,
+                                 slot=i, evicted=h["evicted"])
             pid = info["pid"] if info["state"] == _native.SLOT_ACTIVE else 0
-            if pid and self._owners.get(i) != pid:
+            owner = info["claims"] if pid else 0
+            if owner and self._owners.get(i) != owner:
                 log.info("job %r: learner pid %d attached (slot %d)", self.config.job, pid, i)
                 self.events.emit("learner_attached", learner_pid=pid, slot=i, rank=info["rank"])
                 self._rejected[i] = 0
                 self._dropped[i] = 0
                 self._ignored[i] = 0
-            self._owners[i] = pid
+            self._owners[i] = owner
             new = info["rejected"] - self._rejected.get(i, 0)
             if pid and new > 0:
                 log.warning("job %r: rejected %d non-finite gradient(s) (NaN or Inf) from learner pid %d",

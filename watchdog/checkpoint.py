@@ -60,6 +60,21 @@ def default_dir(job: str) -> Path:
     return Path(base) / "psd" / "checkpoints" / job
 
 
+# What a checkpoint keeps of each eviction record (the slot record's fields, as Arena.slot_info names them).
+EVICTED_FIELDS = ("evicted_pid", "evicted_start_time", "evicted_pid_ns", "evicted_rule", "evicted_unix_ns",
+                  "evicted_entries", "rank")
+
+
+def evicted_records(arena: _native.Arena) -> list[dict]:
+    """The arena's eviction records still in force (slots in state EVICTED)."""
+    out = []
+    for i in range(arena.header()["n_slots"]):
+        info = arena.slot_info(i)
+        if info["state"] == _native.SLOT_EVICTED:
+            out.append({k: int(info[k]) for k in EVICTED_FIELDS})
+    return out
+
+
 @dataclass
 class Checkpoint:
     """A snapshot of a job: its state by tensor name (float32 parameters, float64 buffers), and where
@@ -80,6 +95,9 @@ class Checkpoint:
     optim: dict = field(default_factory=dict)
     optstate: torch.Tensor | None = None
     pieces: torch.Tensor | None = None  # int64 (n_pieces, 2): per trainable tensor, steps and round mark
+    # Learners the server evicted whose records it still kept (their process may still run): a server that
+    # restores this checkpoint keeps refusing them (EVICTED_FIELDS each).
+    evicted: list[dict] = field(default_factory=list)
 
     @property
     def spec_hash(self) -> int:
@@ -142,6 +160,7 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
         ranks = arena.ranks()
         counters = arena.counters()
         optim, optstate = _optimizer_state(arena)
+        evicted = evicted_records(arena)
     finally:
         arena.resume()
     tensors = [p for p in spec if p.kind != "buffer"]
@@ -149,7 +168,8 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
     weights = dict(zip((p.name for p in tensors), split(flat, tensors), strict=True))
     weights.update(zip((p.name for p in buffers), split(bufs, buffers), strict=True))
     return Checkpoint(weights, spec, clock, h["generation"], ranks, dict(config or {}, lr=h["lr"]),
-                      counters, job, time.time_ns(), optim=optim, optstate=optstate, pieces=pieces)
+                      counters, job, time.time_ns(), optim=optim, optstate=optstate, pieces=pieces,
+                      evicted=evicted)
 
 
 def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
@@ -216,6 +236,7 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
         "created_unix_ns": str(ckpt.created_unix_ns),
         "sha256": _digest(ckpt.weights, ckpt.spec),
         "optim": json.dumps(ckpt.optim, sort_keys=True),
+        "evicted": json.dumps(ckpt.evicted, sort_keys=True),
     }
     tensors = {k: v.contiguous() for k, v in ckpt.weights.items()}
     if ckpt.optstate is not None:
@@ -274,7 +295,19 @@ def load(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(weights, spec, int(meta["clock"]), int(meta["generation"]), json.loads(meta["ranks"]),
                       json.loads(meta["config"]), json.loads(meta["counters"]), meta.get("job", ""),
                       int(meta["created_unix_ns"]), path, optim=json.loads(meta.get("optim", "{}")),
-                      optstate=optstate, pieces=pieces)
+                      optstate=optstate, pieces=pieces, evicted=_evicted_meta(meta.get("evicted", "[]"), path))
+
+
+def _evicted_meta(text: str, path: Path) -> list[dict]:
+    """A checkpoint's eviction records, checked (the file's checksum covers the weights, not the metadata)."""
+    try:
+        records = json.loads(text)
+        if not isinstance(records, list) or not all(
+                isinstance(r, dict) and all(isinstance(r.get(k), int) for k in EVICTED_FIELDS) for r in records):
+            raise ValueError("not a list of eviction records")
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{path}: its eviction records are malformed ({e})") from None
+    return records
 
 
 def latest(directory: str | os.PathLike) -> Checkpoint | None:

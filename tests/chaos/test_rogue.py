@@ -25,6 +25,7 @@ from psd import _native, learner
 from psd.arena import open_job, shm_name, shm_path
 from psd.errors import ArenaCorrupt
 from psd.status import job_status
+from psd.watchdog.checkpoint import _state_views
 
 
 def poke(job: str, offset: int, value: int, dtype) -> None:
@@ -112,15 +113,17 @@ def entry_base(h: dict, slot: int, k: int) -> int:
 
 
 def publish_crafted(raw: RawArena, h: dict, slot: int, tail: int, **fields) -> None:
-    """Write an entry at `tail` of `slot` as a learner would (seq, clock 0, batch 1, a dense gradient of
-    1000s), with `fields` changed, then move the tail past it."""
+    """Write an entry at `tail` of `slot` as a learner would (seq, clock 0, batch 1, the slot's claim token,
+    a dense gradient of 1000s, or of `grad`), with `fields` changed, then move the tail past it."""
     e, offs = entry_base(h, slot, tail % h["ring_k"]), _native.OFFSETS["entry"]
-    header = {"seq": tail, "clock": 0, "batch_size": 1, "flags": 0}
-    types = {"seq": np.uint64, "clock": np.uint64, "batch_size": np.uint32, "flags": np.uint32}
+    claim = raw.read(h["slotrec_off"] + slot * _native.SLOT_RECORD_SIZE + _native.OFFSETS["slot"]["claims"],
+                     np.uint64)
+    header = {"seq": tail, "clock": 0, "batch_size": 1, "flags": 0, "claim": claim}
+    types = {"seq": np.uint64, "clock": np.uint64, "batch_size": np.uint32, "flags": np.uint32, "claim": np.uint64}
     for f, v in {**header, **{k: v for k, v in fields.items() if k in header}}.items():
         raw.write(e + offs[f], v, types[f])
     grad = e + 64
-    raw.view[grad:grad + 4 * h["n_train"]].view(np.float32)[:] = 1000.0
+    raw.view[grad:grad + 4 * h["n_train"]].view(np.float32)[:] = fields.get("grad", 1000.0)
     for i, b in enumerate(fields.get("payload", b"")):  # a sparse piece: count, rows, values
         raw.view[grad + i] = b
     raw.view[grad + (4 * h["n_train"] + 7) // 8 * 8 + 8 * h["n_buffers"]] = fields.get("kind", _native.PIECE_DENSE)
@@ -154,6 +157,12 @@ ROGUE_FAULTS = {  # what lands in the rogue's block, and the rule (EVICTION_RULE
     "sparse row": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot), kind=_native.PIECE_SPARSE,
                                                         payload=sparse_piece(1, [5])),
                    "piece map or sparse rows"),
+    # A gradient marked finite (flags 0) that is not: what a learner's write after its own check leaves.
+    # Taken as zeros (it is applied and moves nothing), then the learner is evicted.
+    "values": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot), grad=np.nan),
+               "NaN or an infinity"),
+    "values inf": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot), grad=-np.inf),
+                   "NaN or an infinity"),
 }
 
 
@@ -199,9 +208,12 @@ def test_a_rogue_write_evicts_that_process_for_good_and_the_job_goes_on(job, ser
     honest.flush()
     c = honest._arena.counters()
     assert c["pushed"] == c["applied"] + c["rejected"] + c["dropped"] + c["ignored"] and c["pending"] == 0
-    assert c["applied"] == 8  # the honest learner's 5 and the rogue's 3 valid gradients, each once
+    # The honest learner's 5 and the rogue's 3 valid gradients, each once (and a non-finite entry, which
+    # was taken as zeros: it counts and moves nothing).
+    crafted = 1 if fault.startswith("values") else 0
+    assert c["applied"] == 8 + crafted
     assert torch.equal(learner.pull_state_dict(job)["weight"], torch.full((2, 8), -8.0))
-    assert honest._arena.ranks()[:2] == [5, 3]
+    assert honest._arena.ranks()[:2] == [5, 3 + crafted]
     assert arena_header(job)["server_restarts"] == 0
     # Once the rogue is gone its slot is free again, for anyone.
     kill(rogue)
@@ -259,3 +271,91 @@ def test_the_shared_page_and_a_scribbled_request_line_harm_nobody(job, serve):
     t0 = time.monotonic()
     served.stop()
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("setup", [("--optimizer", "momentum", "--momentum", "0.9"), ("--optimizer", "adam"),
+                                   ("--optimizer", "adagrad"), ("--sync", "kasync:2"),
+                                   ("--grad-dtype", "bf16", "--optimizer", "adamw")])
+def test_a_nonfinite_gradient_marked_finite_never_reaches_the_weights(job, serve, tmp_path, setup):
+    """Every optimizer's kernel (and the kasync sum) reads a ring's gradient once per value and takes a NaN or
+    an infinity as zero: the weights and the optimizer state stay finite whatever a learner wrote after its
+    own check, and that learner is evicted (rule VALUES)."""
+    events = tmp_path / "events.jsonl"
+    served = serve(job, "--learners", "2", "--lr", "0.01", "--ring-depth", "4", "--event-log", str(events), *setup)
+    honest_model = torch.nn.Linear(8, 2, bias=False)
+    honest = learner.attach(honest_model, job=job, timeout=10, rank=0)
+    rogue = spawn_rogue(job, "--rank", "1", "--pushes", "3")
+    slot = int(read_line(rogue).split()[1])
+    h = arena_header(job)
+    raw = RawArena(job)
+    kind = _native.PIECE_DENSE_BF16 if "bf16" in setup else _native.PIECE_DENSE
+    try:
+        publish_crafted(raw, h, slot, _tail(raw, h, slot), grad=np.nan, kind=kind)
+        wait_until(lambda: len(evictions(events)) == 1, timeout=10, what="the rogue's eviction")
+    finally:
+        raw.close()
+    assert "NaN or an infinity" in evictions(events)[0]["rule"]
+    for _ in range(4):  # kasync:2: two more rounds of the honest learner's
+        honest_model.weight.grad = torch.ones(2, 8)
+        honest.step()
+    honest.flush()
+    state = learner.pull_state_dict(job)
+    assert all(torch.isfinite(v).all() for v in state.values()), state
+    a = open_job(job, role="reader")
+    try:  # the optimizer state (momentum buffer; Adam's m, v; Adagrad's sum), and the kasync sum
+        h = a.header()
+        views = _state_views(a, h)
+        assert views or "momentum" not in setup
+        assert all(bool(torch.isfinite(v).all()) for v in views)
+        del views
+    finally:
+        a.close()
+    kill(rogue)
+    honest.close()
+    served.stop()
+
+
+def test_an_eviction_outlives_the_arena_through_the_checkpoint(job, serve, tmp_path):
+    """A server restored from a checkpoint (its arena was lost) still refuses the learner its predecessor
+    evicted, and does not announce that old eviction again; the slot comes free once that process exits."""
+    import os
+    import signal
+
+    from psd.watchdog import checkpoint
+
+    events, ck = tmp_path / "events.jsonl", tmp_path / "ck"
+    served = serve(job, "--learners", "2", "--lr", "1", "--ring-depth", "4", "--event-log", str(events),
+                   "--checkpoint-dir", str(ck), "--checkpoint-every", "0")
+    rogue = spawn_rogue(job, "--pushes", "3")
+    slot = int(read_line(rogue).split()[1])
+    h = arena_header(job)
+    raw = RawArena(job)
+    try:
+        ROGUE_FAULTS["seq"][0](raw, h, slot)
+        wait_until(lambda: len(evictions(events)) == 1, timeout=10, what="the rogue's eviction")
+    finally:
+        raw.close()
+    os.kill(h["watchdog_pid"], signal.SIGUSR1)  # a checkpoint now
+    ckpt = checkpoint.load(wait_until(lambda: checkpoint.list_checkpoints(ck), timeout=30, what="a checkpoint")[0])
+    assert [r["evicted_pid"] for r in ckpt.evicted] == [rogue.pid]
+    generation = h["generation"]
+    assert tell(rogue, "close") == "closed"  # its process lives on, without a mapping the truncation would fault
+    os.truncate(shm_path(job), 4096)  # the arena is lost: the watchdog restores the checkpoint
+
+    def restored() -> bool:
+        try:  # the lost arena is removed and a new one made: it may be missing for a moment
+            h = arena_header(job)
+        except (OSError, ArenaCorrupt):
+            return False
+        return h["generation"] > generation and h["state"] == _native.ARENA_READY
+
+    wait_until(restored, timeout=60, what="the restored server")
+    assert tell(rogue, "attach") == "refused Evicted"  # from the restored server too
+    (rec,) = job_status(job)["evicted_learners"]
+    assert rec["pid"] == rogue.pid and "sequence number" in rec["rule"]
+    assert len(evictions(events)) == 1  # announced once, not again by the restored server
+    kill(rogue)
+    wait_until(lambda: not job_status(job)["evicted_learners"], what="the quarantined slot to be freed")
+    with learner.attach(torch.nn.Linear(8, 2, bias=False), job=job, timeout=10):
+        pass
+    served.stop()

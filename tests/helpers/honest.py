@@ -1,13 +1,14 @@
-"""An honest learner for the fuzz test: pushes known gradients and says how many were applied.
+"""An honest learner for the fuzz test: pushes known gradients while the fuzz runs, and says how many were applied.
 
-    honest.py JOB RANK PUSHES
+    honest.py JOB RANK MAX_PUSHES
 
-Attaches a Linear(8, 2) model with PSD_RANK-like `rank`, prints "ready", pushes PUSHES gradients of ones,
-waits until every one is applied, and prints "done PUSHED APPLIED" (APPLIED: its rank's count as the
-server keeps it).
+Attaches a Linear(8, 2) model with PSD_RANK-like `rank` and prints "ready". On a "go" line on stdin it pushes
+gradients of ones, one after another, until a "stop" line (or MAX_PUSHES), then waits until every one is applied
+and prints "done PUSHED APPLIED" (APPLIED: its rank's count as the server keeps it).
 """
 
 import sys
+import threading
 
 import torch
 
@@ -15,15 +16,26 @@ from psd import learner
 
 
 def main() -> int:
-    job, rank, pushes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    job, rank, most = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
     model = torch.nn.Linear(8, 2, bias=False)
+    stop = threading.Event()
     with learner.attach(model, job=job, timeout=60, rank=rank) as ps:
         print("ready", flush=True)
-        for _ in range(pushes):
+        if sys.stdin.readline().strip() != "go":
+            return 2
+
+        def wait_stop() -> None:
+            for line in sys.stdin:
+                if line.strip() == "stop":
+                    break
+            stop.set()
+
+        threading.Thread(target=wait_stop, daemon=True).start()
+        while not stop.is_set() and ps.pushed < most:
             model.weight.grad = torch.ones(2, 8)
             ps.step()
-        ps.flush(timeout=60)
+        ps.flush(timeout=120)
         print(f"done {ps.pushed} {ps._arena.ranks()[rank]}", flush=True)
     return 0
 

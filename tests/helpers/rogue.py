@@ -10,6 +10,7 @@ Attaches a Linear(8, 2) model, pushes N honest gradients of ones, waits until th
                        its slot (psd inspect's contract), a push between every few; answers "fuzzed K E" (K
                        pushes made, E pushes refused because the server took the slot away)
     attach             attach a second time; answers "attached SLOT" or "refused CLASS"
+    close              closes its learner (unmapping the arena); answers "closed"
     exit               exits 0
 
 Every write goes through the learner's own mapping (its protections are the real ones: a write outside
@@ -89,6 +90,12 @@ def main() -> int:
             else:
                 print(f"attached {again.slot}", flush=True)
                 again.close(flush=False)
+        elif cmd[0] == "close":
+            try:
+                ps.close(flush=False)
+            except Error:
+                pass  # an evicted learner has no slot to give back
+            print("closed", flush=True)
         elif cmd[0] == "exit":
             return 0
     return 0

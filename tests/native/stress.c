@@ -366,6 +366,105 @@ static void test_sync_mode(uint32_t mode) {
     shm_unlink(nm);
 }
 
+/* -- claims racing their own deadlines, the reaper and each other ------------ */
+
+enum { CHURN_CLAIMS = 3000 };
+
+struct churner {
+    pthread_t thread;
+    struct psd_map *m;
+    uint32_t seed;
+    int admitted, timed_out, rc;
+};
+
+/* Claim with deadlines from 0 to a few answers long, so that many run out while the loop answers; give
+ * back every slot admitted. */
+static void *churn(void *arg) {
+    struct churner *c = arg;
+    pid_t me = getpid();
+    uint64_t start = psd_proc_start_time(me);
+    for (int i = 0; i < CHURN_CLAIMS && !c->rc; i++) {
+        c->seed = c->seed * 1103515245u + 12345u;
+        uint64_t timeout = (uint64_t)((c->seed >> 8) % 400) * 1000; /* 0 .. 400 us */
+        uint32_t slot;
+        uint64_t claim;
+        int rc = psd_slot_claim(c->m, me, start, -1, timeout, &slot, &claim);
+        if (rc == 0) {
+            c->admitted++;
+            if ((rc = psd_slot_release(c->m, slot, claim)) == 0)
+                rc = psd_wait_freed(c->m, slot, claim, 5ull * 1000 * 1000 * 1000);
+            if (rc)
+                c->rc = rc;
+        } else if (rc == PSD_ETIMEOUT || rc == PSD_ENOSLOT) {
+            c->timed_out++;
+        } else {
+            c->rc = rc;
+        }
+    }
+    return NULL;
+}
+
+struct reaper {
+    pthread_t thread;
+    struct psd_map *m;
+    _Atomic int stop;
+    int passes;
+    int32_t reaped; /* the first pid it judged gone, 0 if none */
+};
+
+static void *reap_loop(void *arg) {
+    struct reaper *r = arg;
+    while (!atomic_load(&r->stop)) {
+        int32_t pids[SLOTS];
+        uint32_t n;
+        psd_reap(r->m, pids, SLOTS, &n);
+        if (n && !r->reaped)
+            r->reaped = pids[0];
+        r->passes++;
+    }
+    return NULL;
+}
+
+/* Two claimers whose deadlines run out while the loop answers, beside the reaper: no slot is left
+ * ACTIVE for nobody (an answer crossing a withdrawal is given back), no live owner is reaped, and once
+ * the churn stops every slot comes FREE again. */
+static void test_claim_churn(void) {
+    struct psd_map m = {.fd = -1};
+    char nm[96];
+    setup_sync(&m, nm, sizeof nm, PSD_SYNC_ASP, 0);
+    struct psd_loop *loop;
+    int rc = psd_loop_start(&m, 1, 20, pieces, 3, 0, &loop);
+    CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
+    struct reaper r = {.m = &m};
+    pthread_create(&r.thread, NULL, reap_loop, &r);
+    struct churner cs[2] = {{.m = &m, .seed = 1}, {.m = &m, .seed = 2}};
+    for (int i = 0; i < 2; i++)
+        pthread_create(&cs[i].thread, NULL, churn, &cs[i]);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(cs[i].thread, NULL);
+        CHECK(cs[i].rc == 0, "churner %d: %s", i, psd_strerror(cs[i].rc));
+    }
+    atomic_store(&r.stop, 1);
+    pthread_join(r.thread, NULL);
+    CHECK(r.passes > 0 && r.reaped == 0, "the reaper judged a live claimer gone (pid %d)", r.reaped);
+    CHECK(cs[0].admitted + cs[1].admitted > 0 && cs[0].timed_out + cs[1].timed_out > 0,
+          "the churn never raced a deadline (admitted %d, timed out %d)", cs[0].admitted + cs[1].admitted,
+          cs[0].timed_out + cs[1].timed_out);
+    uint64_t deadline = psd_now_ns() + 2ull * 1000 * 1000 * 1000;
+    uint32_t busy;
+    do {
+        busy = 0;
+        for (uint32_t i = 0; i < SLOTS; i++)
+            busy += atomic_load(&psd_slot_at(&m, i)->state) != PSD_SLOT_FREE;
+        if (busy)
+            usleep(1000);
+    } while (busy && psd_now_ns() < deadline);
+    CHECK(busy == 0, "%u slots stayed in use after every claimer gave its slot back or withdrew", busy);
+    psd_loop_stop(loop);
+    psd_arena_close(&m);
+    shm_unlink(nm);
+}
+
 int main(void) {
     setup();
     test_dead_mutex_owner(); /* fork-based checks first, before any thread exists */
@@ -373,6 +472,7 @@ int main(void) {
     test_rings();
     test_sync_mode(PSD_SYNC_BSP);
     test_sync_mode(PSD_SYNC_SSP);
+    test_claim_churn();
     psd_arena_close(&map);
     shm_unlink(name);
     printf("%d passed, %d failed\n", passed, failed);
