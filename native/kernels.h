@@ -46,35 +46,51 @@ static inline void psd_bf16_widen(float *restrict dst, const uint16_t *restrict 
         dst[i] = psd_bf16_to_f32(g[i]);
 }
 
-/* Floats a kernel takes out of a learner's ring at a time (psd_take_finite): a block that stays in
- * L1 between its copy and its use. */
-#define PSD_TAKE_BLOCK 1024
+/* The update loop reads a gradient out of a learner's ring, which the learner can still write while
+ * the loop reads: every value is loaded once into a register, checked, and only that register is used,
+ * so the value checked is the value used (rule VALUES). A NaN or an infinity is taken as 0 and raises
+ * the caller's `bad` flag. */
+#define PSD_EXP32 0x7f800000u
 
-/* dst = src, each value loaded once; a NaN or an infinity becomes 0 in dst. Returns how many there
- * were. The update loop reads a gradient only this way: src is a learner's ring, which the learner
- * can still write while the loop reads, so the value checked is the value used (rule VALUES). */
-static inline uint64_t psd_take_finite(float *restrict dst, const float *restrict src, uint64_t n) {
-    uint64_t bad = 0;
+/* x, or 0 if x is a NaN or an infinity (then *bad |= 1). */
+static inline float psd_take1(float x, uint32_t *bad) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    uint32_t nonfinite = (b & PSD_EXP32) == PSD_EXP32;
+    *bad |= nonfinite;
+    b &= nonfinite - 1u; /* all ones when finite, 0 when not */
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+/* dst = src, each value taken with psd_take1; nonzero if any was not finite. */
+static inline uint32_t psd_take_finite(float *restrict dst, const float *restrict src, uint64_t n) {
+    uint32_t bad = 0;
+    for (uint64_t i = 0; i < n; i++)
+        dst[i] = psd_take1(src[i], &bad);
+    return bad;
+}
+
+/* The same from a bfloat16 source, widened to float32 as it is taken. */
+static inline uint32_t psd_take_finite_bf16(float *restrict dst, const uint16_t *restrict src, uint64_t n) {
+    uint32_t bad = 0;
     for (uint64_t i = 0; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, &src[i], sizeof b);
-        uint32_t nonfinite = (b & 0x7f800000u) == 0x7f800000u;
-        bad += nonfinite;
-        b &= nonfinite - 1u; /* all ones when finite, 0 when not */
-        memcpy(&dst[i], &b, sizeof b);
+        uint32_t b = (uint32_t)src[i] << 16;
+        float x;
+        memcpy(&x, &b, sizeof x);
+        dst[i] = psd_take1(x, &bad);
     }
     return bad;
 }
 
-/* The same for a bfloat16 source, widened to float32 as it is taken. */
-static inline uint64_t psd_take_finite_bf16(float *restrict dst, const uint16_t *restrict src, uint64_t n) {
-    uint64_t bad = 0;
+/* w -= lr * g, g bfloat16, widened and taken as psd_take1 does; nonzero if any value was not finite. */
+static inline uint32_t psd_sgd_take_bf16(float *restrict w, const uint16_t *restrict g, uint64_t n, float lr) {
+    uint32_t bad = 0;
     for (uint64_t i = 0; i < n; i++) {
-        uint32_t b = (uint32_t)src[i] << 16;
-        uint32_t nonfinite = (b & 0x7f800000u) == 0x7f800000u;
-        bad += nonfinite;
-        b &= nonfinite - 1u;
-        memcpy(&dst[i], &b, sizeof b);
+        uint32_t b = (uint32_t)g[i] << 16;
+        float x;
+        memcpy(&x, &b, sizeof x);
+        w[i] -= lr * psd_take1(x, &bad);
     }
     return bad;
 }

@@ -94,20 +94,25 @@ static inline float lerp(float a, float b, float w) {
     return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
-static void sgd_range(const struct step_scalars *k, float *restrict w, const float *restrict g, uint64_t lo,
-                      uint64_t hi) {
+/* The range kernels below read each value of g once (psd_take1: a NaN or an infinity is taken as 0 and
+ * raises the returned flag): g may be a learner's ring, still writable by it. */
+static uint32_t sgd_range(const struct step_scalars *k, float *restrict w, const float *restrict g, uint64_t lo,
+                          uint64_t hi) {
+    uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = g[i] * k->gscale;
+        float d = psd_take1(g[i], &bad) * k->gscale;
         if (k->wd != 0.0f)
             d = d + k->wd * w[i];
         w[i] = w[i] + k->neg_lr * d;
     }
+    return bad;
 }
 
-static void momentum_range(const struct step_scalars *k, int nesterov, float *restrict w, const float *restrict g,
-                           float *restrict buf, uint64_t lo, uint64_t hi) {
+static uint32_t momentum_range(const struct step_scalars *k, int nesterov, float *restrict w,
+                               const float *restrict g, float *restrict buf, uint64_t lo, uint64_t hi) {
+    uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = g[i] * k->gscale;
+        float d = psd_take1(g[i], &bad) * k->gscale;
         if (k->wd != 0.0f)
             d = d + k->wd * w[i];
         float b = k->first ? d : buf[i] * k->mom + k->one_minus_damp * d;
@@ -115,12 +120,14 @@ static void momentum_range(const struct step_scalars *k, int nesterov, float *re
         float u = nesterov ? d + k->mom * b : b;
         w[i] = w[i] + k->neg_lr * u;
     }
+    return bad;
 }
 
-static void adam_range(const struct step_scalars *k, int decoupled, float *restrict w, const float *restrict g,
-                       float *restrict m, float *restrict v, uint64_t lo, uint64_t hi) {
+static uint32_t adam_range(const struct step_scalars *k, int decoupled, float *restrict w, const float *restrict g,
+                           float *restrict m, float *restrict v, uint64_t lo, uint64_t hi) {
+    uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = g[i] * k->gscale;
+        float d = psd_take1(g[i], &bad) * k->gscale;
         float p = w[i];
         if (k->wd != 0.0f) {
             if (decoupled)
@@ -135,55 +142,49 @@ static void adam_range(const struct step_scalars *k, int decoupled, float *restr
         float denom = sqrtf(vi) / k->bc2_sqrt + k->eps;
         w[i] = p + k->neg_step_size * (mi / denom);
     }
+    return bad;
 }
 
-static void adagrad_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
-                          float *restrict sum, uint64_t lo, uint64_t hi) {
+static uint32_t adagrad_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
+                              float *restrict sum, uint64_t lo, uint64_t hi) {
+    uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = g[i] * k->gscale;
+        float d = psd_take1(g[i], &bad) * k->gscale;
         if (k->wd != 0.0f)
             d = d + k->wd * w[i];
         float s = sum[i] + d * d;
         sum[i] = s;
         w[i] = w[i] + k->neg_clr * (d / (sqrtf(s) + k->eps));
     }
+    return bad;
 }
 
-static void step_range(const struct psd_header *h, const struct step_scalars *k, float *w, const float *g,
-                       float *s0, float *s1, uint64_t lo, uint64_t hi) {
+static uint32_t step_range(const struct psd_header *h, const struct step_scalars *k, float *w, const float *g,
+                           float *s0, float *s1, uint64_t lo, uint64_t hi) {
     switch (h->optimizer) {
     case PSD_OPT_MOMENTUM:
     case PSD_OPT_NESTEROV:
-        momentum_range(k, h->optimizer == PSD_OPT_NESTEROV, w, g, s0, lo, hi);
-        break;
+        return momentum_range(k, h->optimizer == PSD_OPT_NESTEROV, w, g, s0, lo, hi);
     case PSD_OPT_ADAM:
     case PSD_OPT_ADAMW:
-        adam_range(k, h->optimizer == PSD_OPT_ADAMW, w, g, s0, s1, lo, hi);
-        break;
+        return adam_range(k, h->optimizer == PSD_OPT_ADAMW, w, g, s0, s1, lo, hi);
     case PSD_OPT_ADAGRAD:
-        adagrad_range(k, w, g, s0, lo, hi);
-        break;
+        return adagrad_range(k, w, g, s0, lo, hi);
     default:
-        sgd_range(k, w, g, lo, hi);
-        break;
+        return sgd_range(k, w, g, lo, hi);
     }
 }
 
-/* step_range over [lo, hi) with a float32 or a bfloat16 gradient, taken out of g (a learner's ring)
- * a block at a time into the calling thread's own buffer (psd_take_finite: it stays in L1, and the
- * value checked finite is the value used; a bfloat16 block is widened as it is taken). Returns how
- * many values were not finite (each then moved nothing, as a zero gradient would). */
-static uint64_t step_chunk(const struct psd_header *h, const struct step_scalars *k, float *w, const void *g,
+/* step_range over [lo, hi) with a float32 or a bfloat16 gradient: a bfloat16 chunk is widened (each
+ * value loaded once) into a buffer of the calling thread's first (at most PSD_CHUNK floats: it stays in
+ * cache). Nonzero if any value was not finite (each moved nothing, as a zero gradient would). */
+static uint32_t step_chunk(const struct psd_header *h, const struct step_scalars *k, float *w, const void *g,
                            uint32_t gdtype, float *s0, float *s1, uint64_t lo, uint64_t hi) {
-    float taken[PSD_TAKE_BLOCK];
-    uint64_t bad = 0;
-    for (uint64_t b = lo; b < hi; b += PSD_TAKE_BLOCK) {
-        uint64_t len = hi - b < PSD_TAKE_BLOCK ? hi - b : PSD_TAKE_BLOCK;
-        bad += gdtype == PSD_DTYPE_BF16 ? psd_take_finite_bf16(taken, (const uint16_t *)g + b, len)
-                                        : psd_take_finite(taken, (const float *)g + b, len);
-        step_range(h, k, w + b, taken, s0 ? s0 + b : NULL, s1 ? s1 + b : NULL, 0, len);
-    }
-    return bad;
+    if (gdtype != PSD_DTYPE_BF16)
+        return step_range(h, k, w, g, s0, s1, lo, hi);
+    float wide[PSD_CHUNK];
+    psd_bf16_widen(wide, (const uint16_t *)g + lo, hi - lo);
+    return step_range(h, k, w + lo, wide, s0 + lo, s1 + lo, 0, hi - lo);
 }
 
 void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
@@ -211,18 +212,18 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uin
         return;
     }
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
-    uint64_t bad = 0;
+    uint32_t bad = 0;
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad += step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
+            bad |= step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
             psd_beat(beat);
         }
     } else {
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad += step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
+            bad |= step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
             if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
                 psd_beat(beat);
         }
@@ -314,21 +315,13 @@ static uint64_t sparse_count_within(const void *span, uint64_t len, uint64_t row
     return nnz <= len / row_len && 8 + 8 * nnz + 4 * nnz * row_len <= 4 * len ? nnz : 0;
 }
 
-/* A sparse row's value j, loaded once: a NaN or an infinity counts in *bad and reads as 0. */
-static inline float sparse_value(const float *v, uint64_t at, uint64_t *bad) {
-    float d = v[at];
-    uint32_t b;
-    memcpy(&b, &d, sizeof b);
-    if ((b & 0x7f800000u) == 0x7f800000u) {
-        ++*bad;
-        return 0.0f;
-    }
-    return d;
-}
+/* A sparse row's value, loaded once: a NaN or an infinity raises *bad and reads as 0. */
+static inline float sparse_value(const float *v, uint64_t at, uint32_t *bad) { return psd_take1(v[at], bad); }
 
 void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
                      float gscale, float *s0, double lr, uint64_t t, _Atomic uint64_t *nonfinite) {
-    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len, bad = 0;
+    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
+    uint32_t bad = 0;
     const float *v = sparse_values(span, nnz);
     if (h->optimizer == PSD_OPT_ADAGRAD) {
         /* torch's sparse Adagrad: sum[rows] += g^2; w[rows] -= clr * g / (sqrt(sum[rows]) + eps). */
@@ -354,7 +347,8 @@ void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uin
 }
 
 void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite) {
-    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len, bad = 0;
+    uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
+    uint32_t bad = 0;
     const float *v = sparse_values(span, nnz);
     for (uint64_t k = 0; k < nnz; k++) {
         uint64_t r = (uint64_t)sparse_row(span, k);

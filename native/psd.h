@@ -399,9 +399,9 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
                    uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
 #define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
-/* The update kernels take a gradient out of a learner's ring a block at a time, each value loaded
- * once (psd_take_finite, kernels.h): a NaN or an infinity moves nothing and is counted into
- * *nonfinite (unless NULL), which the update loop reads after the call (rule VALUES). */
+/* The update kernels read a gradient in a learner's ring one value at a time, each loaded once into
+ * a register, checked and used (psd_take1, kernels.h): a NaN or an infinity moves nothing and is
+ * counted into *nonfinite (unless NULL), which the update loop reads after the call (rule VALUES). */
 /* w -= lr * g, g n float32 or bfloat16 (gdtype, enum psd_dtype), on `threads` threads. */
 void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
                    struct psd_beat *beat, _Atomic uint64_t *nonfinite);

@@ -58,18 +58,21 @@ struct psd_loop {
     _Atomic uint64_t nonfinite;
 };
 
-/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), taken out of g a block at a
- * time (psd_take_finite: a non-finite value counts and moves nothing); how many were non-finite. */
-static inline uint64_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo,
-                                 uint64_t hi, float lr) {
-    float taken[PSD_TAKE_BLOCK];
-    uint64_t bad = 0;
-    for (uint64_t b = lo; b < hi; b += PSD_TAKE_BLOCK) {
-        uint64_t len = hi - b < PSD_TAKE_BLOCK ? hi - b : PSD_TAKE_BLOCK;
-        bad += gdtype == PSD_DTYPE_BF16 ? psd_take_finite_bf16(taken, (const uint16_t *)g + b, len)
-                                        : psd_take_finite(taken, (const float *)g + b, len);
-        psd_sgd_unroll4(w + b, taken, len, lr);
-    }
+/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), each value of g loaded once and
+ * checked (kernels.h psd_sgd_take: a non-finite one moves nothing); nonzero if any was not finite. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__) && \
+    !defined(__SANITIZE_ADDRESS__)
+/* The check costs four integer operations a vector: eight lanes where the CPU has them (chosen at load). */
+__attribute__((target_clones("avx2", "default")))
+#endif
+static uint32_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo, uint64_t hi,
+                          float lr) {
+    if (gdtype == PSD_DTYPE_BF16)
+        return psd_sgd_take_bf16(w + lo, (const uint16_t *)g + lo, hi - lo, lr);
+    const float *restrict gf = (const float *)g;
+    uint32_t bad = 0;
+    for (uint64_t i = lo; i < hi; i++) /* the compiler's vectors, at the clone's width */
+        w[i] -= lr * psd_take1(gf[i], &bad);
     return bad;
 }
 
@@ -80,19 +83,19 @@ static inline uint64_t sgd_chunk(float *restrict w, const void *restrict g, uint
 void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
                    struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
-    uint64_t bad = 0;
+    uint32_t bad = 0;
     /* Small vectors are not worth waking a team. */
     if (threads <= 1 || n < (UINT64_C(1) << 16)) {
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad += sgd_chunk(w, g, gdtype, lo, hi, lr);
+            bad |= sgd_chunk(w, g, gdtype, lo, hi, lr);
             psd_beat(beat);
         }
     } else {
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : bad)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
         for (int64_t c = 0; c < chunks; c++) {
             uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad += sgd_chunk(w, g, gdtype, lo, hi, lr);
+            bad |= sgd_chunk(w, g, gdtype, lo, hi, lr);
             if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
                 psd_beat(beat);
         }
@@ -204,13 +207,13 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
 /* dst = src, n float32 or bfloat16 (widened) taken out of a ring (psd_take_finite: a non-finite
  * value becomes 0 and is counted), beating as it goes. */
 static void copy_beating(struct psd_loop *L, float *dst, const void *src, uint32_t dtype, uint64_t n) {
-    uint64_t bad = 0;
+    uint32_t bad = 0;
     for (uint64_t lo = 0; lo < n; lo += PSD_CHUNK) {
         uint64_t len = n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK;
         if (dtype == PSD_DTYPE_BF16)
-            bad += psd_take_finite_bf16(dst + lo, (const uint16_t *)src + lo, len);
+            bad |= psd_take_finite_bf16(dst + lo, (const uint16_t *)src + lo, len);
         else
-            bad += psd_take_finite(dst + lo, (const float *)src + lo, len);
+            bad |= psd_take_finite(dst + lo, (const float *)src + lo, len);
         psd_beat(&L->beat);
     }
     if (bad)
