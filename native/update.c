@@ -59,7 +59,7 @@ struct psd_loop {
 };
 
 /* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), each value of g loaded once and
- * checked (kernels.h psd_sgd_take: a non-finite one moves nothing); nonzero if any was not finite. */
+ * checked (kernels.h psd_take1: a non-finite one moves nothing); nonzero if any was not finite. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__) && \
     !defined(__SANITIZE_ADDRESS__)
 /* The check costs four integer operations a vector: eight lanes where the CPU has them (chosen at load). */
