@@ -313,6 +313,14 @@ static void hand_back(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64
 
 static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t rule);
 
+/* Whether an entry's piece map (the loop's copy) gives no tensor a gradient. */
+static bool no_gradient(const struct psd_loop *L, const uint8_t *map) {
+    for (uint64_t k = 0; k < L->n_pieces; k++)
+        if (map[k] != PSD_PIECE_ABSENT)
+            return false;
+    return true;
+}
+
 static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head,
                        const struct psd_entry *eh) {
     struct psd_map *m = L->m;
@@ -343,6 +351,10 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
         outcome = PSD_OUTCOME_DROPPED;
         PSD_ADD_RLX(&s->dropped, 1);
         PSD_ADD_RLX(&h->dropped, 1);
+    } else if (no_gradient(L, map)) {
+        /* A step that carried no gradient (every tensor absent: a framework's step after a skipped
+         * backward, say) is taken, and counts as the learner's step, but is no update: the clock does
+         * not move, and it is no kasync gradient (bsp: the learner has joined the round, with nothing). */
     } else if (!summed) {
         update_weights(L, g, map, 1.0f, (double)staleness);
     } else {

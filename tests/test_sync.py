@@ -176,6 +176,36 @@ def test_averaged_updates_match_the_reference(job, serve, flags, groups, clock):
     served.stop()
 
 
+@pytest.mark.parametrize("flags", [["--sync", "kasync:3"], ["--sync", "asp"], ["--sync", "bsp"]])
+def test_a_step_without_gradients_is_no_update(job, serve, flags):
+    """A step that carries no gradient (every p.grad None: a framework's step after a skipped backward) is
+    taken as the learner's step but is no update: the clock does not move, and under kasync it is not one of
+    the K gradients of a round (else kasync:3 would average two real gradients with an empty one)."""
+    served = serve(job, "--learners", "1", "--lr", "0.1", *flags)
+    model, x, y = linear_problem()
+    with learner.attach(model, job=job) as ps:
+        for _ in range(2):  # empty steps first, and between the real ones
+            ps.step()
+            ps.flush()
+        assert ps.clock == 0
+        for i in range(6):
+            torch.nn.functional.mse_loss(model(x[i:i + 2]), y[i:i + 2]).backward()
+            ps.step()
+            ps.flush()
+            ps.pull()
+            if i == 2:
+                ps.step()  # and one in the middle of a round
+                ps.flush()
+        c = ps._arena.counters()
+        assert c["applied"] == c["pushed"] == 9  # every step taken, exactly once
+        ours = learner.pull_state_dict(job)
+        assert ps.clock == (2 if "kasync:3" in flags else 6)
+    ref = reference([3, 3] if "kasync:3" in flags else [1] * 6, 0.1)
+    for k, v in ref.items():
+        assert torch.allclose(ours[k], v, rtol=1e-6, atol=1e-7), k
+    served.stop()
+
+
 # -- staleness control, non-finite gradients -----------------------------------
 
 
