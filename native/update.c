@@ -60,18 +60,52 @@ struct psd_loop {
 
 /* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), each value of g loaded once and
  * checked (kernels.h psd_take1: a non-finite one moves nothing); nonzero if any was not finite. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__) && \
-    !defined(__SANITIZE_ADDRESS__)
-/* The check costs four integer operations a vector: eight lanes where the CPU has them (chosen at load). */
-__attribute__((target_clones("avx2", "default")))
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PSD_HAVE_AVX2_TAKE 1
+/* sgd_chunk's float32 body in AVX2 (chosen at run time): the check is an and, a compare, an and-not and an
+ * or a vector, 16 floats an iteration. */
+__attribute__((target("avx2"))) static uint32_t sgd_take_avx2(float *restrict w, const float *restrict g, uint64_t n,
+                                                              float lr) {
+    const __m256 k = _mm256_set1_ps(lr);
+    const __m256i e = _mm256_set1_epi32((int)PSD_EXP32);
+    __m256i any = _mm256_setzero_si256();
+    uint64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)(const void *)(g + i)); /* the one load of each */
+        __m256i b1 = _mm256_loadu_si256((const __m256i *)(const void *)(g + i + 8));
+        __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b0, e), e); /* all ones: a NaN or an infinity */
+        __m256i m1 = _mm256_cmpeq_epi32(_mm256_and_si256(b1, e), e);
+        any = _mm256_or_si256(any, _mm256_or_si256(m0, m1));
+        __m256 g0 = _mm256_castsi256_ps(_mm256_andnot_si256(m0, b0));
+        __m256 g1 = _mm256_castsi256_ps(_mm256_andnot_si256(m1, b1));
+        _mm256_storeu_ps(w + i, _mm256_sub_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(k, g0)));
+        _mm256_storeu_ps(w + i + 8, _mm256_sub_ps(_mm256_loadu_ps(w + i + 8), _mm256_mul_ps(k, g1)));
+    }
+    uint32_t bad = !_mm256_testz_si256(any, any);
+    for (; i < n; i++)
+        w[i] -= lr * psd_take1(g[i], &bad);
+    return bad;
+}
 #endif
+
 static uint32_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo, uint64_t hi,
                           float lr) {
     if (gdtype == PSD_DTYPE_BF16)
         return psd_sgd_take_bf16(w + lo, (const uint16_t *)g + lo, hi - lo, lr);
     const float *restrict gf = (const float *)g;
+#ifdef PSD_HAVE_AVX2_TAKE
+    static _Atomic int avx2 = -1; /* the kernel threads may all ask first: each stores the same answer */
+    int have = PSD_LOAD_RLX(&avx2);
+    if (have < 0) {
+        have = __builtin_cpu_supports("avx2") ? 1 : 0;
+        PSD_STORE_RLX(&avx2, have);
+    }
+    if (have)
+        return sgd_take_avx2(w + lo, gf + lo, hi - lo, lr);
+#endif
     uint32_t bad = 0;
-    for (uint64_t i = lo; i < hi; i++) /* the compiler's vectors, at the clone's width */
+    for (uint64_t i = lo; i < hi; i++) /* the compiler's vectors */
         w[i] -= lr * psd_take1(gf[i], &bad);
     return bad;
 }
