@@ -1,8 +1,8 @@
 /*
- * kernels.h -- the update kernel w -= lr * g as the update loop runs it
- * (4-float vectors unrolled 4 times, the compiler's loop for the tail), shared
- * with the benchmark-only variants in bench_kernels.c, and its bfloat16-gradient
- * twin. Internal to native/.
+ * kernels.h -- w -= lr * g: the unchecked variants bench_kernels.c measures
+ * (4-float vectors unrolled 4 times, the compiler's loop for the tail), and
+ * the checked reads the update loop's kernels make of a learner's ring
+ * (psd_take1 and its users). Internal to native/.
  */
 #ifndef PSD_KERNELS_H
 #define PSD_KERNELS_H
@@ -32,12 +32,6 @@ static inline float psd_bf16_to_f32(uint16_t v) {
     float f;
     memcpy(&f, &b, sizeof f);
     return f;
-}
-
-/* w -= lr * g with g bfloat16 (--grad-dtype bf16): widened as it is read, half the bytes of g. */
-static inline void psd_sgd_bf16(float *restrict w, const uint16_t *restrict g, uint64_t n, float lr) {
-    for (uint64_t i = 0; i < n; i++)
-        w[i] -= lr * psd_bf16_to_f32(g[i]);
 }
 
 /* dst = g widened to float32. */

@@ -110,10 +110,9 @@ static uint32_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gd
     return bad;
 }
 
-/* The update loop's kernel: hand-unrolled (1.6x the compiler's loop on
- * vectors in cache in some runs, never slower; the same once memory is the
- * limit: `psd bench`, whose other variants are in bench_kernels.c); a
- * bfloat16 gradient is widened as it is read. */
+/* The update loop's sgd kernel: sgd_chunk over PSD_CHUNK-float work items, each value of g checked as it
+ * is read (the unchecked variants it is measured against are in bench_kernels.c: `psd bench`,
+ * benchmarks/values_check.py); a bfloat16 gradient is widened as it is read. */
 void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
                    struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
     int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
