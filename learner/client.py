@@ -602,7 +602,7 @@ class Learner:
         if self.clock != before:
             if self.predict:
                 self._predict()
-            self._sync_model()
+            self._sync_model(frozen=False)
 
     def _end_of_wave(self, loss, batch_size: int):
         """Count one mini-batch of the wave (``--push-every``): None while the wave goes on, else
@@ -664,7 +664,10 @@ class Learner:
         self._front = index
         self._front_array = self._bufs[index].numpy()
         if self._lowp is None:
-            self._set_params(self._buf_views[index])
+            # The trainable parameters follow the front buffer; the frozen ones stay views of buffer 0's
+            # copy (pulls move only the trainable weights), so a local write to one survives every swap.
+            t = len(self._train)
+            self._set_params(self._buf_views[index][:t] + self._buf_views[0][t:])
 
     def _set_params(self, views: list[torch.Tensor]) -> None:
         """Make the parameters (trainable, then frozen) these views, without copying."""
@@ -672,10 +675,14 @@ class Learner:
             for p, v in zip(self._params, views, strict=True):
                 p.data = v
 
-    def _sync_model(self) -> None:
-        """New weights are in the front buffer: bring them to a low-precision model, with the job's buffers."""
+    def _sync_model(self, frozen: bool = True) -> None:
+        """New weights are in the front buffer: bring them to a low-precision model, with the job's buffers.
+
+        ``frozen=False`` (a step's pull, which moved only the trainable weights) leaves the model's frozen
+        weights as they are."""
         if self._lowp is not None:
-            self._lowp.copy_(self._bufs[self._front])
+            n = self.n_params if frozen else self.n_train
+            self._lowp[:n].copy_(self._bufs[self._front][:n])
         self._pull_buffers()
 
     def pull(self) -> int:
@@ -693,6 +700,8 @@ class Learner:
                 self._point(taken[0])
         clock = self._arena.clock()
         self._bufs[self._front].copy_(self._weights)
+        if self._front != 0:  # the frozen parameters are views of buffer 0 (_point)
+            self._bufs[0][self.n_train:].copy_(self._weights[self.n_train:])
         self.clock = clock
         self._sync_model()
         if self._puller is not None:

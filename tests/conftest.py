@@ -93,19 +93,32 @@ def spawn(script: str, *args: str) -> subprocess.Popen:
 
 
 def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
-    """The child's next stdout line, waiting at most ``timeout`` seconds."""
+    """The child's next stdout line, waiting at most ``timeout`` seconds.
+
+    Reads the pipe's descriptor a byte at a time, never through the text wrapper: a buffered
+    readline could take the child's later lines too, and ``communicate()`` (``finish``) reads the
+    descriptor directly, so lines left in the wrapper's buffer would be lost.
+    """
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    line = bytearray()
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     try:
-        if not sel.select(timeout):
-            raise AssertionError(f"no line from pid {proc.pid} within {timeout} s")
-        line = proc.stdout.readline()
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise AssertionError(f"no line from pid {proc.pid} within {timeout} s (got {bytes(line)!r})")
+            b = os.read(fd, 1)
+            if not b:
+                break
+            line += b
     finally:
         sel.close()
     if not line:
         err = proc.stderr.read() if proc.stderr else ""
         raise AssertionError(f"pid {proc.pid} closed stdout (exit {proc.wait()}):\n{err}")
-    return line.strip()
+    return line.decode().strip()
 
 
 def arena_header(job: str) -> dict:

@@ -24,7 +24,7 @@ from psd.arena import shm_path
 from psd.watchdog import checkpoint
 from psd.workloads import evaluate, make_classification, make_mlp
 
-LEARNERS, EPOCHS, BATCH = 4, 4, 4
+LEARNERS, EPOCHS, BATCH = 4, 3, 4
 STEPS_PER_RANK = EPOCHS * -(-(6000 // LEARNERS) // BATCH)
 
 
@@ -81,7 +81,7 @@ def reference(tmp_path_factory) -> float:
 
 
 SCENARIOS = {
-    "a learner killed every second": ["--target", "learner", "--every", "1", "--signal", "KILL,SEGV"],
+    "a learner killed every 2 seconds": ["--target", "learner", "--every", "2", "--signal", "KILL,SEGV"],
     "the server killed mid-run": ["--target", "server", "--count", "1", "--after-clock", "1500"],
     "all learners killed at once": ["--target", "all-learners", "--count", "1", "--after-clock", "1500"],
     "the watchdog killed mid-run": ["--target", "watchdog", "--count", "1", "--after-clock", "1500"],

@@ -35,7 +35,7 @@ from psd.arena import open_job
 from psd.status import job_status
 
 SEEDS = int(os.environ.get("PSD_FUZZ_SEEDS", "3"))
-WRITES = int(os.environ.get("PSD_FUZZ_WRITES", "1500"))  # per rogue
+WRITES = int(os.environ.get("PSD_FUZZ_WRITES", "1000"))  # per rogue
 ROGUES = int(os.environ.get("PSD_FUZZ_ROGUES", "3"))  # rogue processes, one after another, per seed
 HONEST_MAX = 10**9  # the honest learners push until the fuzz ends
 HUNG_S = 1.0  # PSD_HUNG_NS: the watchdog replaces a server whose heartbeat is older
