@@ -1,14 +1,23 @@
-"""A learner (and the one-process baseline) for benchmarks/convergence.py's optimizer table.
+"""A learner (and the one-process baseline) for benchmarks/convergence.py and benchmarks/matrix.py.
 
     python benchmarks/convergence_learner.py --job J --rank R --world N --workload mlp --batch-size 2 --epochs 3
     python benchmarks/convergence_learner.py --single --optimizer momentum --lr 0.005 --workload cnn ...
 
-Two workloads: ``mlp``, the generated problem that ships with psd (psd.workloads), and ``cnn``, a small
-convolutional network with BatchNorm on scikit-learn's 8x8 digits (``sklearn.datasets.load_digits``: 1797
-images, no download; needs ``pip install scikit-learn``). A learner evaluates its model after its last pull
-(the job's weights and BatchNorm statistics at that moment, while other learners may still train), in eval
-mode; the last line it prints is JSON: {"rank": R, "accuracy": A}. convergence.py scores the job's final
-model, exported as `psd export` does, separately.
+Workloads, each with its metric (``METRIC``: test accuracy, higher is better, or test loss, lower is better):
+
+- ``mlp``: the generated classification problem that ships with psd (psd.workloads), a 2-layer MLP;
+- ``cnn``: a small convolutional network with BatchNorm on scikit-learn's 8x8 digits
+  (``sklearn.datasets.load_digits``: 1797 images, no download; needs ``pip install scikit-learn``);
+- ``logistic``: a linear (multinomial logistic) model on the generated problem;
+- ``lm``: a character-level LSTM language model on real English text, the Python reference manual as the
+  standard library ships it (``pydoc_data.topics``): test loss in nats a character;
+- ``embed``: a bag of embeddings with sparse gradients (``nn.Embedding(sparse=True)``) and a linear head,
+  classifying generated utterances (psd.workloads.make_utterances).
+
+A learner evaluates its model after its last pull (the job's weights and BatchNorm statistics at that
+moment, while other learners may still train), in eval mode; the last line it prints is JSON:
+{"rank": R, "accuracy": A} (the workload's metric, whatever its kind, under "metric" too).
+The matrix scores the job's final model, exported as `psd export` does, separately.
 """
 
 from __future__ import annotations
@@ -20,7 +29,10 @@ import sys
 
 import torch
 
-from psd.workloads import Dataset, epoch_batches, make_classification, make_mlp, shard
+from psd.workloads import Dataset, epoch_batches, make_classification, make_mlp, make_utterances, shard
+
+# Each workload's metric: "accuracy" (higher is better) or "loss" (lower is better).
+METRIC = {"mlp": "accuracy", "cnn": "accuracy", "logistic": "accuracy", "lm": "loss", "embed": "accuracy"}
 
 
 def make_digits(seed: int = 0) -> Dataset:
@@ -46,13 +58,84 @@ def make_cnn(classes: int = 10, seed: int = 0) -> torch.nn.Module:
     )
 
 
+class CharLM(torch.nn.Module):
+    """Embedding, one LSTM layer, a linear head over the characters."""
+
+    def __init__(self, vocab: int, dim: int = 24, hidden: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.rnn = torch.nn.LSTM(dim, hidden, batch_first=True)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(x))[0])
+
+
+def make_text(seed: int = 0, seq: int = 32, n_train: int = 3000, n_test: int = 400) -> Dataset:
+    """Character windows of the Python reference manual (``pydoc_data.topics``, in the standard library):
+    x a window of ``seq`` characters, y the same shifted by one. Train and test windows come from disjoint
+    stretches of the text; ``seed`` shuffles which windows train."""
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in sorted(topics))
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text[: (n_train + n_test) * (seq + 1)]], dtype=torch.long)
+    windows = ids.view(-1, seq + 1)
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed))
+    tr, te = windows[:n_train][order], windows[n_train:]
+    return Dataset(tr[:, :-1], tr[:, 1:], te[:, :-1], te[:, 1:], len(chars))
+
+
+class Bag(torch.nn.Module):
+    """Mean of the words' embeddings (sparse gradients: only the rows a batch uses), a linear head."""
+
+    def __init__(self, vocab: int = 500, dim: int = 16, classes: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, sparse=True)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x).mean(1))
+
+
 def workload(name: str, seed: int = 0) -> tuple[Dataset, torch.nn.Module]:
     if name == "mlp":
         data = make_classification(seed)
         return data, make_mlp(data.dim, data.classes, seed=seed)
     if name == "cnn":
         return make_digits(seed), make_cnn(seed=seed)
-    raise SystemExit(f"unknown workload {name!r}: mlp or cnn")
+    if name == "logistic":
+        data = make_classification(seed)
+        torch.manual_seed(seed)
+        return data, torch.nn.Linear(data.dim, data.classes)
+    if name == "lm":
+        data = make_text(seed)
+        torch.manual_seed(seed)
+        return data, CharLM(data.classes)
+    if name == "embed":
+        x, y = make_utterances(seed, 2500)
+        torch.manual_seed(seed)
+        return Dataset(x[:2000], y[:2000], x[2000:], y[2000:], 8), Bag()
+    raise SystemExit(f"unknown workload {name!r}: {', '.join(METRIC)}")
+
+
+def loss_of(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if name == "lm":
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+@torch.no_grad()
+def score(name: str, model: torch.nn.Module, data: Dataset) -> float:
+    """The workload's metric on its test set, in eval mode."""
+    if METRIC[name] == "accuracy":
+        return accuracy(model, data)
+    was = model.training
+    model.eval()
+    value = loss_of(name, model, data.x_test, data.y_test).item()
+    model.train(was)
+    return value
 
 
 @torch.no_grad()
@@ -74,18 +157,30 @@ def torch_optimizer(name: str, params, lr: float, momentum: float = 0.9) -> torc
         return torch.optim.Adam(params, lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
     raise SystemExit(f"no baseline for optimizer {name!r}")
+
+
+def train_single_curve(name: str, optimizer: str, lr: float, batch: int, epochs: int, seed: int = 0) -> list[float]:
+    """One process with torch.optim on all the data: the workload's metric after each epoch."""
+    data, model = workload(name, seed)
+    opt = torch_optimizer(optimizer, model.parameters(), lr)
+    x, y = data.x_train, data.y_train
+    g = torch.Generator().manual_seed(1000 + seed)
+    curve = []
+    for _ in range(epochs):
+        for idx in epoch_batches(len(x), batch, 1, g):
+            opt.zero_grad()
+            loss_of(name, model, x[idx], y[idx]).backward()
+            opt.step()
+        curve.append(score(name, model, data))
+    return curve
 
 
 def train_single(name: str, optimizer: str, lr: float, batch: int, epochs: int, seed: int = 0) -> float:
     """One process with torch.optim on all the data: the baseline's test accuracy."""
-    data, model = workload(name, seed)
-    opt = torch_optimizer(optimizer, model.parameters(), lr)
-    for idx in epoch_batches(len(data.x_train), batch, epochs, torch.Generator().manual_seed(1000 + seed)):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
-        opt.step()
-    return accuracy(model, data)
+    return train_single_curve(name, optimizer, lr, batch, epochs, seed)[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", default=os.environ.get("PSD_JOB", "default"))
     p.add_argument("--rank", type=int, default=int(os.environ.get("PSD_RANK", 0)))
     p.add_argument("--world", type=int, default=int(os.environ.get("PSD_WORLD", 1)))
-    p.add_argument("--workload", default="mlp", choices=("mlp", "cnn"))
+    p.add_argument("--workload", default="mlp", choices=tuple(METRIC))
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="data and initial weights (same for every learner)")
@@ -103,24 +198,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.single:
-        acc = train_single(args.workload, args.optimizer, args.lr, args.batch_size, args.epochs, args.seed)
-        print(json.dumps({"rank": -1, "accuracy": acc}), flush=True)
+        curve = train_single_curve(args.workload, args.optimizer, args.lr, args.batch_size, args.epochs, args.seed)
+        print(json.dumps({"rank": -1, "accuracy": curve[-1], "metric": curve[-1], "curve": curve}), flush=True)
         return 0
 
     from psd import learner
 
+    # Several nodes (psd run --nnodes): the data is sharded over every node's learners.
+    node, nnodes = int(os.environ.get("PSD_NODE_RANK", 0)), int(os.environ.get("PSD_NNODES", 1))
     data, model = workload(args.workload, args.seed)
-    x, y = shard(data, args.rank, args.world)
-    g = torch.Generator().manual_seed(1000 + args.seed + 7919 * args.rank)
+    x, y = shard(data, node * args.world + args.rank, nnodes * args.world)
+    g = torch.Generator().manual_seed(1000 + args.seed + 7919 * (node * args.world + args.rank))
     with learner.attach(model, job=args.job, rank=args.rank) as ps:
         for idx in epoch_batches(len(x), args.batch_size, args.epochs, g):
-            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss = loss_of(args.workload, model, x[idx], y[idx])
             loss.backward()
             ps.step(loss, batch_size=len(idx))
         ps.flush()
         ps.pull()
-        acc = accuracy(model, data)
-    print(json.dumps({"rank": args.rank, "accuracy": acc}), flush=True)
+        value = score(args.workload, model, data)
+    print(json.dumps({"rank": args.rank, "node": node, "accuracy": value, "metric": value}), flush=True)
     return 0
 
 

@@ -1,0 +1,333 @@
+"""The convergence matrix: psd at one process's hyper-parameters and default flags, against one process.
+
+    python benchmarks/matrix.py                       # the whole matrix (hours on 2 cores; resumable)
+    python benchmarks/matrix.py --workloads mlp --seeds 2 --plan learners   # one slice
+    python benchmarks/matrix.py --report              # tables and plot from what has been run
+
+Axes: five workloads of different kinds (benchmarks/convergence_learner.py: an MLP, a BatchNorm CNN on
+real digits, a logistic model, a character-level LSTM language model on real text, a bag of sparse
+embeddings), every server optimizer torch.optim has a counterpart for (sgd, momentum, nesterov, adam, adamw,
+adagrad; the sparse workload: those torch.optim takes sparse gradients in), and these set-ups (``--plan``):
+
+- ``learners``: 1, 2, 4 and 8 learners, asp (the default);
+- ``sync``: 4 learners with --sync ssp:2 and kasync:2;
+- ``nodes``: 2 nodes x 2 learners (psd run --nnodes 2, the node link's defaults).
+
+Each set-up runs at ``--seeds`` seeds (data split, initial weights and shuffles). The baseline is one
+process with torch.optim at the same lr, mini-batch and passes over the data, at the same seeds; its
+metric after every epoch is kept, to show the workload does not saturate (the baseline still improves in
+its last epoch). A cell's gap is per seed, psd's final model (as `psd export` gives it; the nodes set-up:
+the mean of its learners' models after their last pull) against the baseline at that seed: points of
+accuracy, or relative test loss for the language model. The band: -1 point, +2% loss; a run whose
+metric is not finite, or no better than the untrained model, has diverged. The worst seed is the cell's
+figure.
+
+Every run is appended to ``<out>/matrix.jsonl`` as it ends, and a run already there is not run again:
+an interrupted matrix goes on where it stopped (``--fresh`` starts over). ``--flags`` adds server flags to
+every psd run (a mechanism under trial), recorded under ``--label``. Results: ``<out>/matrix.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import convergence_learner as cl  # noqa: E402
+
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
+# Per workload: epochs, mini-batch, and one process's learning rate per optimizer. Sized so that the
+# baseline still improves in its last epoch (the matrix checks it) and a run takes seconds.
+WORKLOADS: dict[str, dict] = {
+    "mlp": {"epochs": 3, "batch": 4, "lr": {"sgd": 0.008, "momentum": 0.001, "nesterov": 0.001, "adam": 0.0004,
+                                             "adamw": 0.0004, "adagrad": 0.008}},
+    "cnn": {"epochs": 3, "batch": 8, "lr": {"sgd": 0.02, "momentum": 0.004, "nesterov": 0.004, "adam": 0.0005,
+                                             "adamw": 0.0005, "adagrad": 0.003}},
+    "logistic": {"epochs": 3, "batch": 4, "lr": {"sgd": 0.0015, "momentum": 0.00015, "nesterov": 0.00015,
+                                                  "adam": 0.0003, "adamw": 0.0003, "adagrad": 0.006}},
+    "lm": {"epochs": 3, "batch": 8, "lr": {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 0.003,
+                                            "adamw": 0.003, "adagrad": 0.05}},
+    # torch.optim takes sparse gradients in SGD (with or without momentum) and Adagrad, not in Adam(W)
+    "embed": {"epochs": 2, "batch": 4, "lr": {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adagrad": 0.05}},
+}
+PLANS = {"learners": [(1, "asp", 1), (2, "asp", 1), (4, "asp", 1), (8, "asp", 1)],
+         "sync": [(4, "ssp:2", 1), (4, "kasync:2", 1)],
+         "nodes": [(2, "asp", 2)]}  # (learners a node, --sync, nodes)
+BAND = {"accuracy": -0.01, "loss": 0.02}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _learner_cmd(workload: str, seed: int, w: dict) -> list[str]:
+    return [sys.executable, str(ROOT / "benchmarks" / "convergence_learner.py"), "--workload", workload,
+            "--epochs", str(w["epochs"]), "--batch-size", str(w["batch"]), "--seed", str(seed)]
+
+
+def _server_flags(opt: str, lr: float, sync: str, flags: list[str]) -> list[str]:
+    return ["--lr", repr(lr), "--optimizer", opt, *(["--sync", sync] if sync != "asp" else []), *flags]
+
+
+def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed: int, flags: list[str]) -> dict:
+    """One psd run of a cell; its final metric and what the server measured."""
+    from psd import learner
+    from psd.arena import wait_for_job
+    from psd.status import job_status
+
+    w = WORKLOADS[workload]
+    lr = w["lr"][opt]
+    job = f"matrix-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as state:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", XDG_STATE_HOME=state)
+        if nodes > 1:
+            port = _port()
+            procs = [subprocess.Popen(
+                [sys.executable, "-m", "psd.cli", "run", "--job", f"{job}-{r}", "--learners", str(learners),
+                 "--nnodes", str(nodes), "--node-rank", str(r), "--master-port", str(port), "--checkpoint-every",
+                 "0", "-q", *_server_flags(opt, lr, sync, flags), "--", *_learner_cmd(workload, seed, w)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(nodes)]
+            outs = []
+            for p in procs:
+                out, err = p.communicate(timeout=3600)
+                if p.returncode != 0:
+                    raise RuntimeError(f"psd run exited {p.returncode}:\n{err[-3000:]}")
+                outs += [json.loads(line[line.index("{"):]) for line in out.splitlines() if '"metric"' in line]
+            if len(outs) != nodes * learners:
+                raise RuntimeError(f"{len(outs)} of {nodes * learners} learners reported")
+            return {"metric": statistics.mean(o["metric"] for o in outs), "seconds": round(time.monotonic() - t0, 1),
+                    "scored": "learners' mean"}
+        server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--quiet", "--job", job, "--learners",
+                                   str(learners), *_server_flags(opt, lr, sync, flags)], env=env,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_job(job, timeout=60, server_pid=server.pid)
+            procs = [subprocess.Popen([*_learner_cmd(workload, seed, w), "--job", job, "--rank", str(r), "--world",
+                                       str(learners)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env) for r in range(learners)]
+            for p in procs:
+                out, err = p.communicate(timeout=3600)
+                if p.returncode != 0:
+                    raise RuntimeError(f"a learner exited {p.returncode}:\n{err[-3000:]}")
+            st = job_status(job)
+            data, model = cl.workload(workload, seed)
+            model.load_state_dict(learner.pull_state_dict(job))  # the job's model, as `psd export` gives it
+            return {"metric": cl.score(workload, model, data), "seconds": round(time.monotonic() - t0, 1),
+                    "scored": "job's model", "staleness_mean": round(st["staleness_mean"], 2),
+                    "updates": st["clock"]}
+        finally:
+            server.terminate()
+            server.wait(timeout=120)
+
+
+def cells(workloads: list[str], optimizers: list[str], plans: list[str]) -> list[tuple]:
+    out = []
+    for wl in workloads:
+        for opt in optimizers:
+            if opt not in WORKLOADS[wl]["lr"]:
+                continue
+            for plan in plans:
+                for learners, sync, nodes in PLANS[plan]:
+                    out.append((wl, opt, learners, sync, nodes))
+    return out
+
+
+def _key(r: dict) -> tuple:
+    return (r["label"], r["kind"], r["workload"], r["optimizer"], r.get("learners"), r.get("sync"), r.get("nodes"),
+            r["seed"])
+
+
+def load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def diverged(metric_kind: str, value: float, untrained: float) -> bool:
+    if not math.isfinite(value):
+        return True
+    return value <= untrained + 0.02 if metric_kind == "accuracy" else value >= untrained
+
+
+def summarize(runs: list[dict], label: str) -> list[dict]:
+    """One row per cell: the psd metric's median and worst over seeds, the gap per seed, the band."""
+    base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["kind"] == "psd" and r["label"] == label:
+            groups.setdefault((r["workload"], r["optimizer"], r["learners"], r["sync"], r["nodes"]), []).append(r)
+    rows = []
+    for (wl, opt, n, sync, nodes), rs in groups.items():
+        kind = cl.METRIC[wl]
+        gaps, b_vals, worst_div = [], [], False
+        for r in rs:
+            b = base.get((wl, opt, r["seed"]))
+            if b is None:
+                continue
+            b_vals.append(b["curve"][-1])
+            worst_div |= diverged(kind, r["metric"], b["untrained"])
+            gaps.append(r["metric"] - b["curve"][-1] if kind == "accuracy"
+                        else (r["metric"] / b["curve"][-1] - 1 if math.isfinite(r["metric"]) else math.inf))
+        if not gaps:
+            continue
+        worst = min(gaps) if kind == "accuracy" else max(gaps)
+        vals = [r["metric"] for r in rs]
+        improving = [b["curve"][-1] > b["curve"][-2] if kind == "accuracy" else b["curve"][-1] < b["curve"][-2]
+                     for b in (base[(wl, opt, r["seed"])] for r in rs if (wl, opt, r["seed"]) in base)
+                     if len(b["curve"]) > 1]
+        rows.append({"workload": wl, "metric": kind, "optimizer": opt, "learners": n, "sync": sync, "nodes": nodes,
+                     "seeds": len(gaps), "baseline_median": statistics.median(b_vals),
+                     "psd_median": statistics.median(vals),
+                     "psd_worst": min(vals) if kind == "accuracy" else max(vals), "gap_median": statistics.median(gaps),
+                     "gap_worst": worst, "diverged": worst_div,
+                     "in_band": not worst_div and (worst >= BAND[kind] if kind == "accuracy" else worst <= BAND[kind]),
+                     "baseline_still_improving": f"{sum(improving)}/{len(improving)}",
+                     "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in rs)})
+    order = {k: i for i, k in enumerate(WORKLOADS)}
+    rows.sort(key=lambda x: (order[x["workload"]], OPTIMIZERS.index(x["optimizer"]), x["nodes"], x["sync"],
+                             x["learners"]))
+    return rows
+
+
+def _fmt_gap(x: dict, g: float) -> str:
+    return f"{g * 100:+.2f} pt" if x["metric"] == "accuracy" else f"{g * 100:+.1f}%"
+
+
+def table(rows: list[dict], label: str, flags: str) -> str:
+    out = [f"# Convergence matrix: `{label}`" + (f" (server flags `{flags}`)" if flags else " (default flags)"), "",
+           "Command: `python benchmarks/matrix.py" + (f" --label {label} --flags '{flags}'" if flags else "") + "`. "
+           "Gap per seed against one process with torch.optim at the same lr, mini-batch and passes over the "
+           "data: accuracy points, or relative test loss (lm). Band: -1 pt, +2% loss; the worst seed counts.", ""]
+    bad = [x for x in rows if not x["in_band"]]
+    if rows:
+        worst_acc = min((x for x in rows if x["metric"] == "accuracy"), key=lambda x: x["gap_worst"], default=None)
+        worst_lm = max((x for x in rows if x["metric"] == "loss"), key=lambda x: x["gap_worst"], default=None)
+        out.append(f"{len(rows)} cells, {len(rows) - len(bad)} in band, "
+                   f"{sum(x['diverged'] for x in rows)} with a diverged seed.")
+        for w in (worst_acc, worst_lm):
+            if w:
+                out.append(f"Worst {w['metric']} cell: {w['workload']} {w['optimizer']} {w['nodes']}x{w['learners']} "
+                           f"{w['sync']}: {_fmt_gap(w, w['gap_worst'])}.")
+        out.append("")
+    out += ["| workload | optimizer | nodes x learners | sync | seeds | one process | psd median | psd worst | "
+            "gap median | gap worst | in band | baseline improving in last epoch | staleness |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in rows:
+        out.append(f"| {x['workload']} ({x['metric']}) | {x['optimizer']} | {x['nodes']}x{x['learners']} | "
+                   f"{x['sync']} | {x['seeds']} | {x['baseline_median']:.4f} | {x['psd_median']:.4f} | "
+                   f"{x['psd_worst']:.4f} | {_fmt_gap(x, x['gap_median'])} | {_fmt_gap(x, x['gap_worst'])} | "
+                   f"{'yes' if x['in_band'] else '**no**' + (' (diverged)' if x['diverged'] else '')} | "
+                   f"{x['baseline_still_improving']} | {x['staleness_mean']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path, label: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.22), 4.5))
+    ys = [(x["gap_worst"] * 100) if x["metric"] == "accuracy" else -x["gap_worst"] * 100 for x in rows]
+    ax.bar(range(len(rows)), [max(-20, y) for y in ys],
+           color=["tab:blue" if x["in_band"] else "tab:red" for x in rows])
+    ax.axhline(-1, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(rows)), [f"{x['workload']} {x['optimizer']} {x['nodes']}x{x['learners']} {x['sync']}"
+                                     for x in rows], rotation=90, fontsize=6)
+    ax.set_ylabel("worst seed vs one process\n(accuracy points; lm: -% loss)")
+    ax.set_title(f"convergence matrix ({label}); red: out of band; floor -20")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _finite(x):
+    """Strict JSON: a non-finite figure (a diverged run) becomes null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--plan", default=",".join(PLANS), help=f"set-ups: {', '.join(PLANS)}")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--flags", default="", help="server flags added to every psd run (a mechanism under trial)")
+    p.add_argument("--label", default="default", help="the name the runs are recorded under")
+    p.add_argument("--out", type=Path, default=OUT / "matrix")
+    p.add_argument("--report", action="store_true", help="only write the tables and plot from the runs recorded")
+    p.add_argument("--fresh", action="store_true", help="forget the runs recorded under --out")
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "matrix.jsonl"
+    if args.fresh and log.exists():
+        log.unlink()
+    runs = load(log)
+    done = {_key(r) for r in runs}
+    flags = args.flags.split()
+
+    def record(r: dict) -> None:
+        runs.append(r)
+        done.add(_key(r))
+        with log.open("a") as f:
+            f.write(json.dumps(r) + "\n")  # NaN, for a diverged run, is read back by load()
+        print(json.dumps(r), flush=True)
+
+    if not args.report:
+        todo = cells(args.workloads.split(","), args.optimizers.split(","), args.plan.split(","))
+        for wl, opt in dict.fromkeys((c[0], c[1]) for c in todo):
+            w = WORKLOADS[wl]
+            for seed in range(args.seeds):
+                b = {"label": "baseline", "kind": "baseline", "workload": wl, "optimizer": opt, "seed": seed}
+                if _key(b) not in done:
+                    data, model = cl.workload(wl, seed)
+                    untrained = cl.score(wl, model, data)
+                    curve = cl.train_single_curve(wl, opt, w["lr"][opt], w["batch"], w["epochs"], seed)
+                    record({**b, "lr": w["lr"][opt], "untrained": untrained, "curve": curve})
+        for wl, opt, n, sync, nodes in todo:
+            for seed in range(args.seeds):
+                r = {"label": args.label, "kind": "psd", "workload": wl, "optimizer": opt, "learners": n,
+                     "sync": sync, "nodes": nodes, "seed": seed}
+                if _key(r) in done:
+                    continue
+                try:
+                    out = run_psd(wl, opt, n, sync, nodes, seed, flags)
+                except RuntimeError as e:
+                    out = {"metric": math.nan, "error": str(e)[-2000:]}
+                record({**r, "flags": args.flags, **out})
+    rows = summarize(runs, args.label)
+    result = {"label": args.label, "flags": args.flags, "cpus": os.cpu_count(), "rows": rows}
+    (args.out / f"matrix-{args.label}.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+    (args.out / f"matrix-{args.label}.md").write_text(table(rows, args.label, args.flags))
+    plot(rows, args.out / f"matrix-{args.label}.png", args.label)
+    print(table(rows, args.label, args.flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
