@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -136,6 +137,10 @@ class _Deadline:
         return self.left() <= 0
 
 
+def _by_name(p: ParamSpec) -> str:
+    return p.name
+
+
 class Learner:
     """A model attached to a psd job. Use ``attach()``; call ``step()`` after each backward pass."""
 
@@ -154,28 +159,7 @@ class Learner:
         threads = os.environ.get("PSD_LEARNER_THREADS")  # set by `psd run` so N learners share the cores
         if threads and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        spec, params, owners = model_spec(model)
-        self._spec, self._params = spec, params  # params: the trainable ones, then the frozen ones
-        self.n_params, self.n_train, self.n_buffers, self.n_pieces = model_sizes(spec)
-        n = self.n_params
-        self._train = params[:self.n_pieces]
-        self._numels = tuple(p.numel() for p in self._train)
-        self._row_lens = tuple(r for _, r in piece_geometry(spec))
-        self.dtype = params[0].dtype
-        self._dtype_code = PARAM_DTYPES[self.dtype]
-        self._sparse = _sparse_tensors(model, self._train)
-        self._wspec = wspec = [p for p in spec if p.kind != "buffer"]
-        # Two private float32 weight buffers: the model trains on the front one; the pull thread fills
-        # the other. A bfloat16 / float16 model trains on its own copy of the front, in its dtype.
-        self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
-        self._buf_views = [split(b, wspec) for b in self._bufs]
-        self._lowp = None if self.dtype == torch.float32 else torch.empty(n, dtype=self.dtype)
-        if self.pull_mode == "view" and (self._lowp is not None or self.device.type != "cpu"):
-            raise SpecError(f"{self._pull_source} makes the parameters views of the job's float32 weights in "
-                            f"shared memory, so it needs a float32 model on the CPU (this one is {self.dtype} on "
-                            f"{self.device}): pull a copy instead (pull='copy', PSD_PULL=copy, psd run --pull copy)")
-        self._front = 0
-        self._adopt_buffers(spec, owners)
+        self._layout(model_spec(model))
         self.pushed = 0
         self._push_ns = 0
         self.reconnects = 0
@@ -198,6 +182,37 @@ class Learner:
         self._push_ns = ns
 
     # -- connecting ---------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copying or pickling is refused with what to do instead: a learner holds a slot of a live job."""
+        raise TypeError(f"a psd Learner cannot be copied or pickled: it holds a learner slot of job {self.job!r} "
+                        f"and views of its shared memory. Attach the copy of the model itself "
+                        f"(psd.learner.attach(model_copy, job=...)), or save the model's state_dict")
+
+    def _layout(self, state: tuple) -> None:
+        """Lay out the private buffers for the model's state in spec order (``model_spec``'s result)."""
+        spec, params, owners = state
+        self._spec, self._params = spec, params  # params: the trainable ones, then the frozen ones
+        self.n_params, self.n_train, self.n_buffers, self.n_pieces = model_sizes(spec)
+        n = self.n_params
+        self._train = params[:self.n_pieces]
+        self._numels = tuple(p.numel() for p in self._train)
+        self._row_lens = tuple(r for _, r in piece_geometry(spec))
+        self.dtype = params[0].dtype
+        self._dtype_code = PARAM_DTYPES[self.dtype]
+        self._sparse = _sparse_tensors(self.model, self._train)
+        self._wspec = wspec = [p for p in spec if p.kind != "buffer"]
+        # Two private float32 weight buffers: the model trains on the front one; the pull thread fills
+        # the other. A bfloat16 / float16 model trains on its own copy of the front, in its dtype.
+        self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
+        self._buf_views = [split(b, wspec) for b in self._bufs]
+        self._lowp = None if self.dtype == torch.float32 else torch.empty(n, dtype=self.dtype)
+        if self.pull_mode == "view" and (self._lowp is not None or self.device.type != "cpu"):
+            raise SpecError(f"{self._pull_source} makes the parameters views of the job's float32 weights in "
+                            f"shared memory, so it needs a float32 model on the CPU (this one is {self.dtype} on "
+                            f"{self.device}): pull a copy instead (pull='copy', PSD_PULL=copy, psd run --pull copy)")
+        self._front = 0
+        self._adopt_buffers(spec, owners)
 
     def _adopt_buffers(self, spec: list[ParamSpec], owners: list[tuple[torch.nn.Module, str]]) -> None:
         """Make the model's buffers views of one private tensor per dtype, so that pushing how far they
@@ -271,7 +286,12 @@ class Learner:
                 buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
                 _wait_ready(arena, self.job, self._spec, self._params, buffers, self.timeout)
             arena.remap()
-            mismatch = first_difference(self.job, self._spec, arena_spec(arena))
+            theirs = arena_spec(arena)
+            if self._spec != theirs and sorted(self._spec, key=_by_name) == sorted(theirs, key=_by_name):
+                # The same tensors in another order (a job started from a file that lists them by name,
+                # as safetensors does): tensors are matched by name, so lay this learner out in the job's.
+                self._layout(model_spec(self.model, order=[p.name for p in theirs]))
+            mismatch = first_difference(self.job, self._spec, theirs)
             if mismatch:
                 raise mismatch
             self._check_sparse(arena)

@@ -277,6 +277,14 @@ class Optimizer(torch.optim.Optimizer):
     def __exit__(self, exc_type, exc, tb) -> None:
         self.learner.__exit__(exc_type, exc, tb)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copying or pickling (copy.copy, copy.deepcopy, pickle) is refused with what to do instead: the
+        optimizer holds a slot of a live job and views of its shared memory, which a copy cannot share."""
+        raise TypeError(f"psd.learner.Optimizer cannot be copied or pickled: it holds a learner slot of job "
+                        f"{self.learner.job!r}. For a copy of the model, create a new psd.learner.Optimizer("
+                        f"model_copy, job=...) (it attaches in its own process); to save progress, save the model "
+                        f"(its state_dict) or let `psd checkpoint --job {self.learner.job}` save the job")
+
     def __repr__(self) -> str:
         lr = self.param_groups[0]["lr"] if self.param_groups else None
         return f"<psd.learner.Optimizer job={self.learner.job!r} lr={lr} learner={self.learner!r}>"

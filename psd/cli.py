@@ -65,9 +65,12 @@ def get_args_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write a job's or a checkpoint's weights as a plain PyTorch state_dict")
     src = ex.add_mutually_exclusive_group(required=True)
-    src.add_argument("--job", help="take the live weights of this job")
+    src.add_argument("--job", help="take the live weights of this job; once it has ended, those of its newest "
+                     "checkpoint (in --checkpoint-dir)")
     src.add_argument("--checkpoint", help="take the weights of this checkpoint file (verified first)")
     ex.add_argument("--out", required=True, help="output file, loaded with torch.load + model.load_state_dict")
+    ex.add_argument("--checkpoint-dir", help="--job: where its checkpoints are, for a job that has ended "
+                    "(default: the job's default checkpoint directory, where psd run and the watchdog write)")
 
     ins = sub.add_parser("inspect", help="a job's arena header, field by field, and its learner slots")
     add_flags(ins, "inspect")
@@ -281,9 +284,24 @@ def _export(args: argparse.Namespace) -> int:
         ckpt = checkpoint.load(args.checkpoint)
         state, src = in_model_dtypes(ckpt.spec, ckpt.weights), args.checkpoint
     else:
+        from psd.errors import JobNotFound
         from psd.learner import pull_state_dict
 
-        state, src = pull_state_dict(args.job), f"job {args.job!r}"
+        try:
+            state, src = pull_state_dict(args.job), f"job {args.job!r}"
+        except JobNotFound:
+            # The job has ended (its arena is gone): its newest checkpoint that verifies.
+            from psd.state import in_model_dtypes
+            from psd.watchdog import checkpoint
+
+            where = args.checkpoint_dir or checkpoint.default_dir(args.job)
+            ckpt = checkpoint.latest(where)
+            if ckpt is None:
+                raise JobNotFound(f"job {args.job!r} is not running and {where} holds no checkpoint of it that "
+                                  f"verifies; give the directory its checkpoints went to (--checkpoint-dir), or "
+                                  f"a checkpoint file (--checkpoint)") from None
+            state = in_model_dtypes(ckpt.spec, ckpt.weights)
+            src = f"job {args.job!r}, which has ended: its newest checkpoint {ckpt.path}"
     torch.save({k: v.clone() for k, v in state.items()}, args.out)
     print(f"wrote {args.out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} values from "
           f"{src}; load it with model.load_state_dict(torch.load({args.out!r}))")

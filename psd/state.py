@@ -12,7 +12,7 @@ The learner client, the server, the checkpoints and ``psd export`` all go from s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -53,9 +53,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def model_spec(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.Tensor], list[tuple[torch.nn.Module, str]]]:
+def model_spec(model: torch.nn.Module, order: Sequence[str] | None = None,
+               ) -> tuple[list[ParamSpec], list[torch.Tensor], list[tuple[torch.nn.Module, str]]]:
     """The spec of ``model``'s state, its parameters in spec order, and where each spec buffer lives
     (module, attribute name), in spec order.
+
+    The spec lists trainable parameters, then frozen ones, then buffers (grouped by dtype), each in the
+    model's order, or in ``order``'s (tensor names, e.g. a job's, whose file listed them by name).
 
     Raises SpecError, saying what to do, for a model psd cannot hold: no trainable parameter, parameters
     on several devices or of several dtypes, or a dtype other than float32, bfloat16 and float16.
@@ -70,6 +74,10 @@ def model_spec(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.Tens
         (train if p.requires_grad else frozen).append((name, p))
     if not train:
         raise SpecError("the model has no parameters to train (all are frozen or there are none)")
+    rank = {n: i for i, n in enumerate(order or ())}
+    if order is not None:
+        train.sort(key=lambda x: rank.get(x[0], len(rank)))
+        frozen.sort(key=lambda x: rank.get(x[0], len(rank)))
     first_name, first = train[0]
     for name, p in train + frozen:
         if p.device != first.device:
@@ -90,11 +98,13 @@ def model_spec(model: torch.nn.Module) -> tuple[list[ParamSpec], list[torch.Tens
             raise SpecError(f"buffer {name!r} is {b.dtype}; psd holds real and integer buffers only")
         owner, _, attr = name.rpartition(".")
         bufs.append((name, b, model.get_submodule(owner) if owner else model, attr))
-    order = {}
+    if order is not None:
+        bufs.sort(key=lambda x: rank.get(x[0], len(rank)))
+    dtype_order: dict[torch.dtype, int] = {}
     for _, b, _, _ in bufs:
-        order.setdefault(b.dtype, len(order))
+        dtype_order.setdefault(b.dtype, len(dtype_order))
     # Grouped by dtype (model order within a group), the buffers entries set before the counters they add to.
-    bufs.sort(key=lambda x: (_dtype_name(x[1].dtype) not in SET_BUFFER_DTYPES, order[x[1].dtype]))
+    bufs.sort(key=lambda x: (_dtype_name(x[1].dtype) not in SET_BUFFER_DTYPES, dtype_order[x[1].dtype]))
     spec += [ParamSpec(n, tuple(b.shape), _dtype_name(b.dtype), "buffer") for n, b, _, _ in bufs]
     return spec, params, [(mod, attr) for _, _, mod, attr in bufs]
 

@@ -246,3 +246,23 @@ def test_zero_grad_keeps_a_device_learners_staging_buffer(job, serve):
             opt.step()
     assert torch.allclose(learner.pull_state_dict(job)["w"], -3 * c)
     assert_all_applied(job, 3)
+
+
+def test_copying_or_pickling_it_is_a_clear_error_and_the_job_goes_on(job, serve):
+    """copy.copy, copy.deepcopy and pickle of an attached optimizer (or its learner) raise a TypeError that
+    says what to do; the original goes on training, and the job saw no extra learner."""
+    import copy
+    import pickle
+
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    model = Flat()
+    with learner.Optimizer(model, job=job) as opt:
+        for how in (copy.copy, copy.deepcopy, pickle.dumps):
+            for obj in (opt, opt.learner):
+                with pytest.raises(TypeError, match=f"cannot be copied or pickled.*{job}"):
+                    how(obj)
+        model.w.grad = torch.ones(16)
+        opt.step()
+        opt.learner.flush()
+        assert_all_applied(job, 1)
+        assert len(job_status(job)["learners"]) == 1

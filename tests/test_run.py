@@ -124,3 +124,34 @@ def test_pull_view_with_predict_is_refused_before_anything_starts(job, tmp_path)
     _, err = run.communicate(timeout=60)
     assert run.returncode != 0 and "--pull view" in err and "--predict" in err, err
     assert not os.path.exists(shm_path(job))
+
+
+def test_export_after_the_job_ended_takes_its_final_checkpoint(job, tmp_path):
+    """`psd run` to a clean end writes a final checkpoint; `psd export --job J` then (the arena is gone)
+    exports it: every gradient is in it. A job that never ran is a clear error."""
+    import torch
+
+    script = tmp_path / "five.py"
+    script.write_text(
+        "import torch\nfrom psd import learner\n"
+        "m = torch.nn.Module()\nm.w = torch.nn.Parameter(torch.zeros(4))\n"
+        "with learner.attach(m) as ps:\n"
+        "    for _ in range(5):\n"
+        "        m.w.grad = torch.ones(4)\n"
+        "        ps.step()\n"
+    )
+    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--lr", "1",
+                            "--", sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=child_env())
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    assert not os.path.exists(shm_path(job))
+    out = tmp_path / "final.pt"
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "export", "--job", job, "--out", str(out)],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "which has ended: its newest checkpoint" in r.stdout
+    assert torch.equal(torch.load(out)["w"], torch.full((4,), -5.0))
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "export", "--job", job + "-never", "--out", str(out)],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode != 0 and "is not running and" in r.stderr and "--checkpoint-dir" in r.stderr

@@ -44,6 +44,33 @@ def test_initial_weights_from_a_file(job, serve, tmp_path):
         assert torch.equal(m.w.detach(), torch.arange(64.0))
 
 
+def test_initial_weights_saved_the_usual_way_are_matched_by_name(job, serve, tmp_path):
+    """``save_file(model.state_dict(), f)`` lists tensors by name ('0.bias' before '0.weight'); the job
+    takes them by name, so the very model that was saved attaches, trains, and exports by name."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    init = tmp_path / "init.safetensors"
+    save_file(saved.state_dict(), str(init))
+    serve(job, "--learners", "1", "--init", str(init), "--lr", "1")
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))  # other weights
+    with learner.attach(m, job=job) as ps:
+        for name, t in saved.state_dict().items():
+            assert torch.equal(m.state_dict()[name], t), name
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        m[2].bias.grad = torch.ones(2)  # one gradient, on one tensor: it must land on that tensor
+        ps.step()
+        ps.flush()
+        ps.pull()
+        assert torch.equal(m[2].bias.detach(), saved[2].bias.detach() - 1)
+        assert torch.equal(m[0].weight.detach(), saved[0].weight.detach())
+    exported = learner.pull_state_dict(job)
+    assert torch.equal(exported["2.bias"], saved[2].bias.detach() - 1)
+    assert torch.equal(exported["0.bias"], saved[0].bias.detach())
+
+
 def test_idle_server_sleeps(job, serve):
     """An idle server must not spin: measure its CPU time over a 2 s window (the bar is 5% of a core)."""
     s = serve(job, "--learners", "2", "--spin-us", "50")
