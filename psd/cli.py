@@ -193,7 +193,7 @@ def serve_bare(cfg: ServeConfig) -> int:
 def _status(args: argparse.Namespace) -> int:
     jobs = [job_status(args.job, args.sample)] if args.job else all_jobs(args.sample)
     if args.json:
-        print(json.dumps(jobs[0] if args.job else jobs, indent=2))
+        print(json.dumps(_finite(jobs[0] if args.job else jobs), indent=2, allow_nan=False))
     elif not jobs:
         print("no psd jobs on this machine (start one with `psd serve --job NAME --learners N`)")
     else:
@@ -364,7 +364,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     checks = run_checks(args.learners, args.threads, args.params, args.ring_depth)
     if args.json:
-        print(json.dumps(as_dicts(checks), indent=2))
+        print(json.dumps(_finite(as_dicts(checks)), indent=2, allow_nan=False))
     else:
         for c in checks:
             print(f"[{c.status.upper() if c.status == 'fail' else c.status:>4}] {c.name}: {c.detail}")

@@ -121,6 +121,16 @@ def read_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
     return line.decode().strip()
 
 
+def strict_json(text: str):
+    """Parse ``text`` as strict JSON: NaN, Infinity and -Infinity (which json.loads takes) are errors."""
+    import json
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def arena_header(job: str) -> dict:
     """The job's arena header, read the way `psd inspect` reads it."""
     a = open_job(job)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, strict_json
 from psd.bench.kernels import DEFAULT_LLC_BYTES, cache_params, last_level_cache, parse_cache_size
 
 
@@ -28,7 +28,7 @@ def test_bench_json_has_every_field():
                         "--learners", "2", "--batches", "4", "--duration", "0.3"],
                        capture_output=True, text=True, env=child_env(), timeout=600)
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = strict_json(r.stdout)
     assert {"psd_version", "cpus", "llc_bytes", "llc_source", "llc_fallback", "limit", "kernels", "update_loop",
             "idle_server_cpu", "pull_modes", "grad_dtypes", "round_trip", "training"} <= set(out)
     assert out["llc_bytes"] > 0 and out["llc_source"]

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import Served, arena_header, child_env, finish, read_line, spawn, wait_until
+from conftest import Served, arena_header, child_env, finish, read_line, spawn, strict_json, wait_until
 from psd import _native
 from psd.arena import shm_path
 from psd.watchdog import checkpoint
@@ -49,12 +49,13 @@ def busy_job(job, serve, tmp_path):
 
 
 def test_status_of_a_live_job(busy_job, job):
-    st = json.loads(psd("status", "--job", job, "--json").stdout)
+    st = strict_json(psd("status", "--job", job, "--json").stdout)
     assert st["server_alive"] and st["watchdog_alive"] and st["state"] == "ready"
+    assert st["learners"][0]["last_loss"] is None  # the pusher reports no loss: null, never NaN
     assert st["applied_per_s"] > 0 and st["model_traffic_gbs"] > 0
     assert st["learners"][0]["alive"] and st["learners"][0]["pushed"] >= 100
     assert sum(st["staleness_hist"].values()) <= st["applied"]
-    everything = json.loads(psd("status", "--json").stdout)
+    everything = strict_json(psd("status", "--json").stdout)
     assert job in [j["job"] for j in everything]
     text = psd("status", "--job", job).stdout
     assert f"job {job}: ready" in text and "grad/s" in text and "staleness" in text
@@ -118,7 +119,7 @@ def test_checkpoint_export_inspect(busy_job, job, tmp_path):
     for f in ("live.pt", "ck.pt"):
         state = torch.load(tmp_path / f)
         assert set(state) == {"w", "b"} and state["w"][3] < 0
-    info = json.loads(psd("inspect", "--job", job, "--json").stdout)
+    info = strict_json(psd("inspect", "--job", job, "--json").stdout)
     assert info["header"]["layout_version"] == _native.LAYOUT_VERSION and len(info["slots"]) == 2
     assert "layout_version" in psd("inspect", "--job", job).stdout
     broken = tmp_path / "broken.safetensors"
@@ -145,7 +146,7 @@ def test_doctor(tmp_path):
     assert "[  ok] learner liveness: /proc (pid + start time)" in r.stdout  # and the lease for the rest
     r = psd("doctor", "--learners", "64", "--params", str(1 << 34), "--json", check=False)
     assert r.returncode == 1
-    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    checks = {c["name"]: c for c in strict_json(r.stdout)}
     shm = checks["shared memory"]
     assert shm["status"] == "fail" and "shm-size" in shm["fix"]
     huge = checks["huge pages for the arena"]
