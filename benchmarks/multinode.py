@@ -120,7 +120,8 @@ def network_table(params: float = 1e8) -> list[dict]:
 
 def markdown(rows: list[dict], single: float, net: list[dict], epochs: int, lr: float, batch: int) -> str:
     lines = [f"MLP of examples/train_mlp.py, {epochs} epochs, batch {batch} per learner, lr {lr}, SGD; psd: asp "
-             f"inside each node, --outer-optimizer avg, --max-node-lag 1; one machine, both nodes on its cores. "
+             f"inside each node, --outer-optimizer sum (the default), --max-node-lag 1; one machine, both nodes on "
+             f"its cores. "
              f"One process: accuracy {single:.4f}.", "",
              "| system | samples/s | bytes sent per local update (per node) | exchanges | accuracy |",
              "| --- | ---: | ---: | ---: | ---: |"]

@@ -102,7 +102,7 @@ def _training(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
 
 
 NODES = "several nodes (see the README's \"Several machines\")"
-OUTER_OPTIMIZERS = ("avg", "nesterov")
+OUTER_OPTIMIZERS = ("avg", "sum", "nesterov")
 
 
 def _nodes(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
@@ -185,9 +185,10 @@ def _build() -> tuple[Flag, ...]:
         _nodes("--master-port", "port of the rendezvous on node 0", 29500, type=int, metavar="PORT"),
         _nodes("--sync-every", "local updates (this node's clock) between two exchanges of weights across nodes",
                100, type=int, metavar="K"),
-        _nodes("--outer-optimizer", "how the mean of the nodes' deltas moves the agreed weights: avg (add it) or "
-               "nesterov (DiLoCo's outer SGD with Nesterov momentum on minus the mean delta)", "avg",
-               choices=OUTER_OPTIMIZERS, metavar="O", readme_default="`avg`"),
+        _nodes("--outer-optimizer", "how the nodes' deltas move the agreed weights: avg (add their mean), sum (add "
+               "their sum: every node's progress, as one node with all the learners would make) or nesterov "
+               "(DiLoCo's outer SGD with Nesterov momentum on minus the mean delta)", "sum",
+               choices=OUTER_OPTIMIZERS, metavar="O", readme_default="`sum`"),
         _nodes("--outer-lr", "nesterov: the outer learning rate", 0.7, type=float, metavar="LR"),
         _nodes("--outer-momentum", "nesterov: the outer momentum", 0.9, type=float, metavar="M"),
         _nodes("--max-node-lag", "exchanges a node may run ahead of the last one adopted (WSP's D); 0: lockstep, "

@@ -56,6 +56,8 @@ __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_
 
 log = logging.getLogger("psd.nodelink")
 
+# --outer-optimizer, in the order of psd.flags.OUTER_OPTIMIZERS (the index travels in the join handshake)
+_OUTER = ("avg", "sum", "nesterov")
 _POLL_S = 0.001  # the clock is polled: the update loop announces nothing to other processes
 _STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
@@ -94,8 +96,8 @@ def validate_nodes(cfg: Any) -> None:
         raise ValueError(f"--master-port must be 1..65535, not {cfg.master_port}")
     if cfg.sync_every < 1:
         raise ValueError(f"--sync-every must be 1 or more local updates, not {cfg.sync_every}")
-    if cfg.outer_optimizer not in ("avg", "nesterov"):
-        raise ValueError(f"--outer-optimizer must be avg or nesterov, not {cfg.outer_optimizer!r}")
+    if cfg.outer_optimizer not in _OUTER:
+        raise ValueError(f"--outer-optimizer must be one of {', '.join(_OUTER)}, not {cfg.outer_optimizer!r}")
     if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
         raise ValueError(f"--outer-lr must be positive and --outer-momentum in [0, 1), not {cfg.outer_lr} and "
                          f"{cfg.outer_momentum}")
@@ -343,12 +345,13 @@ class NodeLink:
         c = self.cfg
         n = self._weights().numel()
         mine = self.agreed
-        nesterov = int(c.outer_optimizer == "nesterov")
-        meta = torch.tensor([mine.round if mine else -1, n, nesterov], dtype=torch.int64)
+        outer = _OUTER.index(c.outer_optimizer)
+        meta = torch.tensor([mine.round if mine else -1, n, outer], dtype=torch.int64)
         pg.broadcast(meta, root).wait()
-        if int(meta[1]) != n or int(meta[2]) != nesterov:
+        if int(meta[1]) != n or int(meta[2]) != outer:
+            theirs = _OUTER[int(meta[2])] if 0 <= int(meta[2]) < len(_OUTER) else f"#{int(meta[2])}"
             raise Error(f"node {source} trains a model of {int(meta[1])} parameters with --outer-optimizer "
-                        f"{'nesterov' if int(meta[2]) else 'avg'}, this node one of {n} with {c.outer_optimizer}: "
+                        f"{theirs}, this node one of {n} with {c.outer_optimizer}: "
                         f"run the same model and flags on every node")
         anchor = mine.anchor.clone() if mine else self._snapshot()
         momentum = torch.zeros(n) if c.outer_optimizer == "nesterov" else None
@@ -456,6 +459,8 @@ class NodeLink:
         old = self.agreed.anchor
         if c.outer_optimizer == "avg":
             new = old + mean
+        elif c.outer_optimizer == "sum":
+            new = old + payload[:-1].float()
         else:  # DiLoCo: outer SGD with Nesterov momentum on the pseudo-gradient -mean
             g = -mean
             m = self.agreed.momentum

@@ -113,7 +113,7 @@ class ServeConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     sync_every: int = 100
-    outer_optimizer: str = "avg"
+    outer_optimizer: str = "sum"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     max_node_lag: int = 1

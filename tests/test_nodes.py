@@ -60,19 +60,21 @@ def test_bad_node_flags_say_what_to_do():
     assert r.returncode != 0 and "--node-rank must be 0..1 (--nnodes 2), not 2" in r.stderr
 
 
-def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path):
-    """2 nodes x 2 learners, bsp inside each node, --sync-every 1 --outer-optimizer avg --max-node-lag 0:
-    every step is plain SGD on the 4 learners' combined batch; then the whole job, resumed with --resume on
-    both nodes, goes on from the agreed state as if it had never stopped."""
+@pytest.mark.parametrize("outer", ["sum", "avg"])
+def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path, outer):
+    """2 nodes x 2 learners, bsp inside each node, --sync-every 1 --max-node-lag 0: every step is plain SGD
+    on the 4 learners' combined batch, at 2 x lr with the default outer step (sum: each node's step counts,
+    as one node of 4 learners taking both nodes' steps) and at lr with avg; then (sum) the whole job, resumed
+    with --resume on both nodes, goes on from the agreed state as if it had never stopped."""
     sys.path.insert(0, str(HELPERS))
     from safetensors import safe_open
     from sync_learner import exact_problem
 
     steps, lr = 4, 2.0 ** -4
     model, x, y = exact_problem()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr * (2 if outer == "sum" else 1))
     refs = []
-    for _ in range(2):
+    for _ in range(2 if outer == "sum" else 1):
         for _ in range(steps):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -81,7 +83,7 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
     for phase, ref in enumerate(refs):
         port = free_port()
         procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr), "--sync-every",
-                      "1", "--max-node-lag", "0", "--outer-optimizer", "avg", "--node-timeout", "20",
+                      "1", "--max-node-lag", "0", "--outer-optimizer", outer, "--node-timeout", "20",
                       *(["--resume"] if phase else []), learner=("--steps", str(steps))) for r in range(2)]
         for r, p in enumerate(procs):
             assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
