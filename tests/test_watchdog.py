@@ -97,6 +97,8 @@ def test_checkpoints_are_consistent_atomic_and_pruned(job, serve, tmp_path):
     s = serve(job, "--learners", "2", "--lr", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
               "0.2", "--keep", "2")
     procs = [spawn("pusher.py", job, "--index", str(r), "--forever") for r in range(2)]
+    for p in procs:
+        assert read_line(p) == "ready"  # attached: both slots are taken before anything is killed
     wait_until(lambda: len(checkpoint.list_checkpoints(tmp_path)) >= 2, timeout=60, what="two checkpoints")
     s.proc.send_signal(signal.SIGUSR1)  # on demand
     for p in procs:

@@ -24,7 +24,7 @@ from psd.arena import shm_path
 from psd.watchdog import checkpoint
 from psd.workloads import evaluate, make_classification, make_mlp
 
-LEARNERS, EPOCHS, BATCH = 4, 3, 4
+LEARNERS, EPOCHS, BATCH = 4, 2, 4
 STEPS_PER_RANK = EPOCHS * -(-(6000 // LEARNERS) // BATCH)
 
 
