@@ -281,6 +281,10 @@ class Server:
                 if ckpt is not None:
                     spec, tensors = ckpt.spec, ckpt.weights
             self._create(spec)
+            if spec is not None:
+                # Claim the model at once: a learner attaching between the arena's creation and the load
+                # below would otherwise offer its own model, and the job would silently ignore --init.
+                self._offer_own(spec)
         me = os.getpid()
         self.generation = self.arena.become_server(
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
@@ -299,7 +303,8 @@ class Server:
                          resumed_from=str(ckpt.path) if ckpt is not None else None)
         if self._crash_after:
             self._crash_at = time.monotonic() + self._crash_after
-        if spec is not None and self.arena.state == _native.ARENA_WAITING_SPEC:
+        if spec is not None and self.arena.state in (_native.ARENA_WAITING_SPEC, _native.ARENA_SPEC_OFFERED) \
+                and self.arena.header()["offer_pid"] in (0, os.getpid()):
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
             log.info("job %r: waiting for the first learner to bring its model", cfg.job)
@@ -362,13 +367,22 @@ class Server:
         log.warning("job %r: taking over the arena of dead server pid %d (clock %d, %d gradients pending)",
                     cfg.job, h["server_pid"], h["clock"], a.counters()["pending"])
 
+    def _offer_own(self, spec: list[ParamSpec]) -> None:
+        """Offer the model of --init / the checkpoint as the server's own (the state a learner's offer takes)."""
+        me = os.getpid()
+        data, digest = encode_spec(spec)
+        if not self.arena.set_spec(data, digest, model_sizes(spec), me, _native.proc_start_time(me)):
+            h = self.arena.header()
+            raise Error(f"job {self.config.job!r}: learner pid {h['offer_pid']} offered its model before this "
+                        f"server could load {self.config.init or self.config.resume}; start the server first, "
+                        f"then the learners")
+
     def _load_weights(self, spec: list[ParamSpec], tensors: dict, ckpt=None) -> None:
         from psd.state import buffers_view, weights_view, write_state
 
-        data, digest = encode_spec(spec)
         sizes = model_sizes(spec)
-        me = os.getpid()
-        self.arena.set_spec(data, digest, sizes, me, _native.proc_start_time(me))
+        if self.arena.state == _native.ARENA_WAITING_SPEC:
+            self._offer_own(spec)
         self.arena.grow()
         h = self.arena.header()
         write_state(spec, tensors, weights_view(self.arena, h), buffers_view(self.arena, h))

@@ -156,6 +156,7 @@ class Watchdog:
         self._next_checkpoint = 0.0
         self._last_ckpt_clock = -1
         self.checkpoint_requested = threading.Event()
+        self._importing = False  # the import of what checkpoints need has been started
         self._resume_first = bool(config.serve.resume)
         self._had_model = False  # the job reached READY under this watchdog (its arena held weights)
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
@@ -212,6 +213,13 @@ class Watchdog:
         if announce:
             me = os.getpid()
             a.note_watchdog(me, _native.proc_start_time(me))
+            if not self._importing:
+                # Checkpoints need torch (safetensors.torch, the arena's views): importing it takes seconds
+                # of CPU, which the first checkpoint, or the last one at a stop, would otherwise wait for (a
+                # stop of an idle job took 2.5 s, 2.2 of them this import). Started once this watchdog has
+                # put its name in the arena, so that the import's seconds never delay that.
+                self._importing = True
+                threading.Thread(target=_import_checkpoint_deps, name="psd-import-torch").start()
         return a
 
     def _drop_arena(self) -> None:
@@ -248,10 +256,6 @@ class Watchdog:
         else:
             self._spawn(resume=self._resume_first)
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
-        # Checkpoints need torch (safetensors.torch, the arena's views): importing it takes seconds of
-        # CPU, which the first checkpoint, or the last one at a stop, would otherwise wait for (a stop
-        # of an idle job took 2.5 s, 2.2 of them this import). The server never waits for it.
-        threading.Thread(target=_import_checkpoint_deps, name="psd-import-torch").start()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the server is up (its arena exists and it is alive)."""
