@@ -257,17 +257,6 @@ def plot(rows: list[dict], path: Path, label: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _finite(x):
-    """Strict JSON: a non-finite figure (a diverged run) becomes null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -281,6 +270,8 @@ def main() -> int:
     p.add_argument("--fresh", action="store_true", help="forget the runs recorded under --out")
     args = p.parse_args()
     import torch
+
+    from psd.cli import finite_json
 
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -322,7 +313,8 @@ def main() -> int:
                 record({**r, "flags": args.flags, **out})
     rows = summarize(runs, args.label)
     result = {"label": args.label, "flags": args.flags, "cpus": os.cpu_count(), "rows": rows}
-    (args.out / f"matrix-{args.label}.json").write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
+    (args.out / f"matrix-{args.label}.json").write_text(json.dumps(finite_json(result), indent=1,
+                                                                    allow_nan=False) + "\n")
     (args.out / f"matrix-{args.label}.md").write_text(table(rows, args.label, args.flags))
     plot(rows, args.out / f"matrix-{args.label}.png", args.label)
     print(table(rows, args.label, args.flags))

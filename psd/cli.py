@@ -193,7 +193,7 @@ def serve_bare(cfg: ServeConfig) -> int:
 def _status(args: argparse.Namespace) -> int:
     jobs = [job_status(args.job, args.sample)] if args.job else all_jobs(args.sample)
     if args.json:
-        print(json.dumps(_finite(jobs[0] if args.job else jobs), indent=2, allow_nan=False))
+        print(json.dumps(finite_json(jobs[0] if args.job else jobs), indent=2, allow_nan=False))
     elif not jobs:
         print("no psd jobs on this machine (start one with `psd serve --job NAME --learners N`)")
     else:
@@ -308,14 +308,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finite(v):
+def finite_json(v):
     """``v`` with every NaN or infinity (whatever a damaged arena holds) as None: strict JSON."""
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
+        return {k: finite_json(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_finite(x) for x in v]
+        return [finite_json(x) for x in v]
     return v
 
 
@@ -331,7 +331,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for i, s in enumerate(slots):
         s["learner_writable"] = learner_writable(args.job, h, i)
     if args.json:
-        print(json.dumps(_finite({"header": h, "slots": slots}), indent=2, allow_nan=False))
+        print(json.dumps(finite_json({"header": h, "slots": slots}), indent=2, allow_nan=False))
         return 0
     print(f"arena {shm_path(args.job)}")
     for k in sorted(h):
@@ -364,7 +364,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     checks = run_checks(args.learners, args.threads, args.params, args.ring_depth)
     if args.json:
-        print(json.dumps(_finite(as_dicts(checks)), indent=2, allow_nan=False))
+        print(json.dumps(finite_json(as_dicts(checks)), indent=2, allow_nan=False))
     else:
         for c in checks:
             print(f"[{c.status.upper() if c.status == 'fail' else c.status:>4}] {c.name}: {c.detail}")

@@ -51,13 +51,12 @@ from typing import Any
 from psd import _native
 from psd.arena import open_job, shm_path
 from psd.errors import Error, JobNotFound, Timeout
+from psd.flags import OUTER_OPTIMIZERS  # its index travels in the join handshake
 
 __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path", "validate_nodes"]
 
 log = logging.getLogger("psd.nodelink")
 
-# --outer-optimizer, in the order of psd.flags.OUTER_OPTIMIZERS (the index travels in the join handshake)
-_OUTER = ("avg", "sum", "nesterov")
 _POLL_S = 0.001  # the clock is polled: the update loop announces nothing to other processes
 _STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
@@ -96,8 +95,9 @@ def validate_nodes(cfg: Any) -> None:
         raise ValueError(f"--master-port must be 1..65535, not {cfg.master_port}")
     if cfg.sync_every < 1:
         raise ValueError(f"--sync-every must be 1 or more local updates, not {cfg.sync_every}")
-    if cfg.outer_optimizer not in _OUTER:
-        raise ValueError(f"--outer-optimizer must be one of {', '.join(_OUTER)}, not {cfg.outer_optimizer!r}")
+    if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
+        raise ValueError(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+                         f"not {cfg.outer_optimizer!r}")
     if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
         raise ValueError(f"--outer-lr must be positive and --outer-momentum in [0, 1), not {cfg.outer_lr} and "
                          f"{cfg.outer_momentum}")
@@ -345,11 +345,12 @@ class NodeLink:
         c = self.cfg
         n = self._weights().numel()
         mine = self.agreed
-        outer = _OUTER.index(c.outer_optimizer)
+        outer = OUTER_OPTIMIZERS.index(c.outer_optimizer)
         meta = torch.tensor([mine.round if mine else -1, n, outer], dtype=torch.int64)
         pg.broadcast(meta, root).wait()
         if int(meta[1]) != n or int(meta[2]) != outer:
-            theirs = _OUTER[int(meta[2])] if 0 <= int(meta[2]) < len(_OUTER) else f"#{int(meta[2])}"
+            k = int(meta[2])
+            theirs = OUTER_OPTIMIZERS[k] if 0 <= k < len(OUTER_OPTIMIZERS) else f"#{k}"
             raise Error(f"node {source} trains a model of {int(meta[1])} parameters with --outer-optimizer "
                         f"{theirs}, this node one of {n} with {c.outer_optimizer}: "
                         f"run the same model and flags on every node")

@@ -303,8 +303,9 @@ class Server:
                          resumed_from=str(ckpt.path) if ckpt is not None else None)
         if self._crash_after:
             self._crash_at = time.monotonic() + self._crash_after
-        if spec is not None and self.arena.state in (_native.ARENA_WAITING_SPEC, _native.ARENA_SPEC_OFFERED) \
-                and self.arena.header()["offer_pid"] in (0, os.getpid()):
+        st = self.arena.state
+        if spec is not None and (st == _native.ARENA_WAITING_SPEC or (
+                st == _native.ARENA_SPEC_OFFERED and self.arena.header()["offer_pid"] == os.getpid())):
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
             log.info("job %r: waiting for the first learner to bring its model", cfg.job)
