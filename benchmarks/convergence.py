@@ -44,6 +44,7 @@ import torch
 
 from psd import learner
 from psd.arena import wait_for_job
+from psd.bench.record import command_line, machine, machine_line, require_matplotlib, staged
 from psd.workloads import evaluate, make_classification, make_mlp, train_single
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +161,7 @@ def optimizer_table(quick: bool, seeds: int = 1, only: str | None = None) -> dic
                                      for pat in wanted)
 
     job = f"convergence-opt-{os.getpid()}"
+    host = machine()  # as the runs start: the load average then
     rows = []
     for workload in ("mlp", "cnn"):
         epochs = OPT_EPOCHS[workload]
@@ -183,11 +185,13 @@ def optimizer_table(quick: bool, seeds: int = 1, only: str | None = None) -> dic
                     row.update(off=round(off, 4), off_gap=round(off - single, 4))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    return {"cpus": os.cpu_count(), "seeds": seeds, "only": only, "rows": rows}
+    return {"cpus": os.cpu_count(), "seeds": seeds, "only": only, "rows": rows, "machine": host}
 
 
 def optimizer_tables(r: dict) -> str:
+    """Part 3 as markdown: one row per cell, means over the seeds and their range."""
     lines = [f"# Convergence by optimizer: psd's default flags against one process ({r['cpus']} CPUs)", "",
+             f"Machine: {machine_line(r.get('machine'))}.", "",
              "asp with `--async-momentum auto` (the default); one process runs torch.optim at the same lr, "
              f"mini-batch and epochs. Every figure is the mean test accuracy over {r.get('seeds', 1)} seed(s) "
              "(per-seed values in the JSON); psd's is the job's final model as `psd export` gives it (weights "
@@ -195,13 +199,19 @@ def optimizer_tables(r: dict) -> str:
              "`--async-momentum off`. Command: `python benchmarks/convergence.py --optimizers --seeds "
              f"{r.get('seeds', 1)}" + (f" --only '{r['only']}'" if r.get("only") else "") + "`.", "",
              "| workload | optimizer | mini-batch | lr | learners | one process | psd default | vs one process "
-             "| off | staleness mean |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| off | staleness mean | one process, seeds | psd default, seeds |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
         off = f"{x['off']:.4f} ({x['off_gap']:+.4f})" if "off" in x else ""
         lines.append(f"| {x['workload']} ({x['epochs']} epochs) | {x['optimizer']} | {x['batch']} | {x['lr']} | "
                      f"{x['learners']} | {x['single']:.4f} | {x['default']:.4f} | {x['gap']:+.4f} | {off} | "
-                     f"{x['staleness_mean']:.1f} |")
+                     f"{x['staleness_mean']:.1f} | {_range(x.get('single_runs'))} | {_range(x.get('default_runs'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _range(runs: list[float] | None) -> str:
+    """The least and most of a cell's per-seed figures ("0.9556-0.9889"), or "" where not recorded."""
+    return f"{min(runs):.4f}-{max(runs):.4f}" if runs else ""
 
 
 def main() -> int:
@@ -210,20 +220,25 @@ def main() -> int:
     p.add_argument("--optimizers", action="store_true", help="only part 3, the optimizer table")
     p.add_argument("--seeds", type=int, default=1, help="part 3: seeds averaged per cell (psd and one process)")
     p.add_argument("--only", help="part 3: cells workload:optimizer:learners:batch, comma-separated, * for any")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=OUT, help=f"the results directory (default: {OUT})")
+    p.add_argument("--no-plots", action="store_true", help="parts 1-2: no convergence.png (no matplotlib needed)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    command = command_line()
     if args.optimizers:
-        r = optimizer_table(args.quick, args.seeds, args.only)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "convergence_optimizers.json").write_text(json.dumps(r, indent=1) + "\n")
-        (args.out / "convergence_optimizers.md").write_text(optimizer_tables(r))
+        r = {**optimizer_table(args.quick, args.seeds, args.only), "command": command}
+        with staged(args.out) as out:  # the committed files are replaced only once both are written
+            out.write_text("convergence_optimizers.json", json.dumps(r, indent=1) + "\n")
+            out.write_text("convergence_optimizers.md", optimizer_tables(r))
         print(optimizer_tables(r))
         return 0
+    if not args.no_plots:  # its plot: checked before 10 minutes of runs
+        require_matplotlib("benchmarks/convergence.py (or pass --no-plots)", args.out)
     learners_set, batches = ([1, 4], [1, 4]) if args.quick else ([1, 2, 4, 8], [1, 2, 4, 8])
     data = make_classification(0)
     job = f"convergence-{os.getpid()}"
-    result = {"epochs": EPOCHS, "cpus": os.cpu_count(), "grid": [], "stress": {"setting": STRESS, "runs": []}}
+    result = {"epochs": EPOCHS, "cpus": os.cpu_count(), "machine": machine(), "command": command, "grid": [],
+              "stress": {"setting": STRESS, "runs": []}}
 
     for b in batches:
         single = evaluate(train_single(data, EPOCHS, b, LR[b]), data)
@@ -245,16 +260,20 @@ def main() -> int:
         result["stress"]["runs"].append(row)
         print(json.dumps(row), flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "convergence.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "convergence.md").write_text(tables(result))
-    plot(result, args.out / "convergence.png")
+    with staged(args.out) as out:  # the committed files are replaced only once all three are written
+        out.write_text("convergence.json", json.dumps(result, indent=1) + "\n")
+        out.write_text("convergence.md", tables(result))
+        if not args.no_plots:
+            plot(result, out.path("convergence.png"))
     print(tables(result))
     return 0
 
 
 def tables(r: dict) -> str:
+    """Parts 1 and 2 as markdown."""
     lines = [f"# Convergence: test accuracy after {r['epochs']} epochs ({r['cpus']} CPUs)", "",
+             f"Machine: {machine_line(r.get('machine'))}.", "",
+             *([f"Command: `{r['command']}`.", ""] if r.get("command") else []),
              "## asp (plain SGD) against one process at the same mini-batch and learning rate", "",
              "| mini-batch | lr | one process | " + " | ".join(
                  f"{n} learner{'s' * (n > 1)}" for n in sorted({g['learners'] for g in r["grid"]})) + " |",
@@ -276,14 +295,12 @@ def tables(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    """Parts 1 and 2 as one figure (main() checked for matplotlib before the runs)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for batch in sorted({g["batch"] for g in r["grid"]}):
         rows = sorted((g for g in r["grid"] if g["batch"] == batch), key=lambda g: g["learners"])

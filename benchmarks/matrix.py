@@ -24,7 +24,10 @@ figure.
 
 Every run is appended to ``<out>/matrix.jsonl`` as it ends, and a run already there is not run again:
 an interrupted matrix goes on where it stopped (``--fresh`` starts over). ``--flags`` adds server flags to
-every psd run (a mechanism under trial), recorded under ``--label``. Results: ``<out>/matrix.{json,md,png}``.
+every psd run (a mechanism under trial), recorded under ``--label``. Results: ``<out>/matrix-LABEL.{json,md,png}``,
+written beside the old ones and moved over them only once all three are done; every run line records the
+machine it ran on (``machine``), and the report lists them. ``--fresh`` writes its runs into a new log that
+replaces ``matrix.jsonl`` only when the whole matrix has run: an interrupted ``--fresh`` leaves the old log.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import convergence_learner as cl  # noqa: E402
+
+from psd.bench.record import command_line, machine, machine_line, require_matplotlib, staged  # noqa: E402
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # Per workload: epochs, mini-batch, and one process's learning rate per optimizer. Sized so that the
@@ -205,9 +210,19 @@ def _fmt_gap(x: dict, g: float) -> str:
     return f"{g * 100:+.2f} pt" if x["metric"] == "accuracy" else f"{g * 100:+.1f}%"
 
 
-def table(rows: list[dict], label: str, flags: str) -> str:
+def machines(runs: list[dict], label: str) -> list[str]:
+    """The machines the runs under ``label`` (and their baselines) ran on, one line each, oldest first."""
+    seen = [machine_line(r.get("machine")) for r in runs if r.get("label") in (label, "baseline")]
+    return list(dict.fromkeys(seen))
+
+
+def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = None, command: str | None = None) -> str:
+    """The matrix under ``label`` as markdown, one row per cell, headed by the machines its runs ran on and
+    the command that wrote it (the runs may come from several commands: the log keeps each)."""
+    command = command or "python benchmarks/matrix.py" + (f" --label {label} --flags '{flags}'" if flags else "")
     out = [f"# Convergence matrix: `{label}`" + (f" (server flags `{flags}`)" if flags else " (default flags)"), "",
-           "Command: `python benchmarks/matrix.py" + (f" --label {label} --flags '{flags}'" if flags else "") + "`. "
+           *(["Machines: " + "; ".join(hosts) + ".", ""] if hosts else []),
+           f"Command: `{command}`. "
            "Gap per seed against one process with torch.optim at the same lr, mini-batch and passes over the "
            "data: accuracy points, or relative test loss (lm). Band: -1 pt, +2% loss; the worst seed counts.", ""]
     bad = [x for x in rows if not x["in_band"]]
@@ -234,14 +249,12 @@ def table(rows: list[dict], label: str, flags: str) -> str:
 
 
 def plot(rows: list[dict], path: Path, label: str) -> None:
-    try:
-        import matplotlib
+    """The worst seed of every cell as a bar (main() checked for matplotlib before the runs)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.22), 4.5))
@@ -268,27 +281,57 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=OUT / "matrix")
     p.add_argument("--report", action="store_true", help="only write the tables and plot from the runs recorded")
     p.add_argument("--fresh", action="store_true", help="forget the runs recorded under --out")
+    p.add_argument("--no-plots", action="store_true", help="write the report's JSON and table only (no matplotlib)")
     args = p.parse_args()
+    if args.fresh and args.report:
+        p.error("--fresh forgets the runs that --report would report: give one of them")
+    if not args.no_plots:  # the report's plot: checked before hours of runs
+        require_matplotlib("benchmarks/matrix.py (or pass --no-plots)", args.out)
     import torch
 
     from psd.cli import finite_json
 
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "matrix.jsonl"
-    if args.fresh and log.exists():
-        log.unlink()
-    runs = load(log)
+    committed_log = args.out / "matrix.jsonl"
+    # --fresh: the runs go into a log of their own, which replaces the committed one once the matrix is done.
+    log = args.out / f".matrix.jsonl.fresh-{os.getpid()}" if args.fresh else committed_log
+    runs = [] if args.fresh else load(log)
     done = {_key(r) for r in runs}
     flags = args.flags.split()
+    host = machine()
 
     def record(r: dict) -> None:
+        r = {**r, "machine": host}
         runs.append(r)
         done.add(_key(r))
         with log.open("a") as f:
             f.write(json.dumps(r) + "\n")  # NaN, for a diverged run, is read back by load()
         print(json.dumps(r), flush=True)
 
+    try:
+        _run_matrix(args, record, done, flags)
+    except BaseException:
+        if args.fresh:
+            log.unlink(missing_ok=True)
+        raise
+    if args.fresh and log.exists():
+        os.replace(log, committed_log)
+    rows = summarize(runs, args.label)
+    hosts = machines(runs, args.label)
+    result = {"label": args.label, "flags": args.flags, "cpus": os.cpu_count(), "machine": host,
+              "machines": hosts, "command": command_line(), "rows": rows}
+    with staged(args.out) as out:  # the report's three files replace the old ones together
+        out.write_text(f"matrix-{args.label}.json", json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n")
+        out.write_text(f"matrix-{args.label}.md", table(rows, args.label, args.flags, hosts, result["command"]))
+        if not args.no_plots:
+            plot(rows, out.path(f"matrix-{args.label}.png"), args.label)
+    print(table(rows, args.label, args.flags, hosts, result["command"]))
+    return 0
+
+
+def _run_matrix(args: argparse.Namespace, record, done: set, flags: list[str]) -> None:
+    """Every run ``args`` asks for that ``done`` does not hold, each passed to ``record`` as it ends."""
     if not args.report:
         todo = cells(args.workloads.split(","), args.optimizers.split(","), args.plan.split(","))
         for wl, opt in dict.fromkeys((c[0], c[1]) for c in todo):
@@ -311,14 +354,6 @@ def main() -> int:
                 except RuntimeError as e:
                     out = {"metric": math.nan, "error": str(e)[-2000:]}
                 record({**r, "flags": args.flags, **out})
-    rows = summarize(runs, args.label)
-    result = {"label": args.label, "flags": args.flags, "cpus": os.cpu_count(), "rows": rows}
-    (args.out / f"matrix-{args.label}.json").write_text(json.dumps(finite_json(result), indent=1,
-                                                                    allow_nan=False) + "\n")
-    (args.out / f"matrix-{args.label}.md").write_text(table(rows, args.label, args.flags))
-    plot(rows, args.out / f"matrix-{args.label}.png", args.label)
-    print(table(rows, args.label, args.flags))
-    return 0
 
 
 if __name__ == "__main__":

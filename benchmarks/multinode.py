@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from psd.bench.record import command_line, machine, machine_line, staged
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -118,8 +120,11 @@ def network_table(params: float = 1e8) -> list[dict]:
     return out
 
 
-def markdown(rows: list[dict], single: float, net: list[dict], epochs: int, lr: float, batch: int) -> str:
-    lines = [f"MLP of examples/train_mlp.py, {epochs} epochs, batch {batch} per learner, lr {lr}, SGD; psd: asp "
+def markdown(rows: list[dict], single: float, net: list[dict], epochs: int, lr: float, batch: int,
+             host: dict | None = None, command: str | None = None) -> str:
+    """The run's table and the network computation, headed by the machine and the command."""
+    lines = [f"Machine: {machine_line(host)}.", "", *([f"Command: `{command}`.", ""] if command else []),
+             f"MLP of examples/train_mlp.py, {epochs} epochs, batch {batch} per learner, lr {lr}, SGD; psd: asp "
              f"inside each node, --outer-optimizer sum (the default), --max-node-lag 1; one machine, both nodes on "
              f"its cores. "
              f"One process: accuracy {single:.4f}.", "",
@@ -162,13 +167,16 @@ def main() -> int:
     data = make_classification(0)
     single = evaluate(train_single(data, args.epochs, args.batch, args.lr), data)
     net = network_table()
-    md = markdown(rows, single, net, args.epochs, args.lr, args.batch)
+    host, command = machine(), command_line()
+    md = markdown(rows, single, net, args.epochs, args.lr, args.batch, host, command)
     print(md)
     if args.out:
-        Path(args.out + ".json").write_text(json.dumps({"rows": rows, "single_accuracy": single, "network": net,
-                                                         "epochs": args.epochs, "lr": args.lr,
-                                                         "batch": args.batch}, indent=2))
-        Path(args.out + ".md").write_text(md)
+        out = Path(args.out)
+        with staged(out.parent) as files:  # OUT.json and OUT.md replace the old ones together, once both exist
+            files.write_text(out.name + ".json", json.dumps(
+                {"rows": rows, "single_accuracy": single, "network": net, "epochs": args.epochs, "lr": args.lr,
+                 "batch": args.batch, "machine": host, "command": command}, indent=2))
+            files.write_text(out.name + ".md", md)
     return 0
 
 

@@ -1,14 +1,19 @@
 """Run `psd bench` with its peers and write the results into benchmarks/results/.
 
-    pip install matplotlib
+    pip install -e '.[bench]'      # matplotlib, for the plots
     python benchmarks/run_all.py [--quick]
 
 Writes bench.json (every figure), bench.md (the tables, psd/peer ratios) and
 two plots: round_trip.png (updates/s against model size, psd, psd with
 pull="view" and with --grad-dtype bf16 beside Hogwild, Hogwild with a weights snapshot per step, and DDP's
 all_reduce over gloo) and training.png (samples/s against learners). All
-figures come from one run on one machine: compare ratios, not absolute numbers,
-across machines (benchmarks/compare.py reruns the key ratios against bench.json).
+figures come from one run on one machine (bench.json's "machine" says which, and
+bench.md's heading): compare ratios, not absolute numbers, across machines
+(benchmarks/compare.py reruns the key ratios against bench.json).
+
+Nothing in benchmarks/results/ changes until the run and its plots are done: the
+files are written beside them first and moved over them at the end, and a
+missing matplotlib stops the script before it measures anything.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 from pathlib import Path
 
 from psd.bench import BenchConfig, run
+from psd.bench.record import command_line, machine_line, require_matplotlib, staged
 
 OUT = Path(__file__).resolve().parent / "results"
 PEERS = ("hogwild", "hogwild_snapshot", "ddp_gloo")
@@ -68,6 +74,13 @@ def _variants(rows: list[dict]) -> list[str]:
     return [v for v in VARIANTS if any(row.get(v) for row in rows)]
 
 
+def _ranged(p: dict, key: str) -> str:
+    """``p[key]`` of the median run, and the least and most over the reps where the run kept them."""
+    lo, hi = p.get(f"{key}_min"), p.get(f"{key}_max")
+    spread = f" ({lo:.1f}-{hi:.1f})" if lo is not None and hi is not None and p.get("reps", 1) > 1 else ""
+    return _f(p.get(key)) + spread
+
+
 def _round_trip_table(r: dict) -> list[str]:
     """The round trip's figures (psd, and psd_view, psd_bf16, psd_view_bf16 where measured), then its
     ratios, as two tables."""
@@ -78,7 +91,8 @@ def _round_trip_table(r: dict) -> list[str]:
         head += [f"{name} upd/s", f"{name} GB/s", f"{name} pulls/upd", f"{name} push p50 us", f"{name} step p50 us",
                  f"{name} step p99 us"]
     lines = ["", "## Round trip: null learners, push + pull per update", "",
-             "GB/s counts the pulls made (a gradient in per update, the weights out per pull)"
+             "GB/s counts the pulls made (a gradient in per update, the weights out per pull); step p50: the median "
+             "run's, with the least and most over the reps where there were several"
              + ("; psd_view's parameters are views of the shared weights (pull=\"view\"): no pull at all"
                 if "psd_view" in names else "")
              + ("; psd_bf16 pushes bfloat16 gradients (--grad-dtype bf16): 2 bytes a parameter in"
@@ -88,7 +102,7 @@ def _round_trip_table(r: dict) -> list[str]:
         for name in names:
             p = row.get(name) or {}
             cells += [_f(p.get("updates_per_s"), ",.0f"), _f(p.get("model_gbs"), ".2f"),
-                      _f(p.get("pulls_per_update"), ".2f"), _f(p.get("push_p50_us")), _f(p.get("step_p50_us")),
+                      _f(p.get("pulls_per_update"), ".2f"), _f(p.get("push_p50_us")), _ranged(p, "step_p50_us"),
                       _f(p.get("step_p99_us"))]
         lines.append("| " + " | ".join(cells) + " |")
     head = ["params", "learners"] + [_ratio_title(key) for key in ratios]
@@ -126,7 +140,11 @@ def _training_table(r: dict) -> list[str]:
 
 
 def tables(r: dict) -> str:
-    lines = [f"# psd bench: {r['cpus']} CPUs, psd {r['psd_version']}"]
+    """The run as markdown: the machine and command, the limits, the kernels, the round trip, training."""
+    lines = [f"# psd bench: {r['cpus']} CPUs, psd {r['psd_version']}", "",
+             f"Machine: {machine_line(r.get('machine'))}."]
+    if r.get("command"):
+        lines += ["", f"Command: `{r['command']}`."]
     lines += _limit_tables(r)
     lines += ["", "## The update written four ways (one thread; see native/update.c)", "",
               "| params | " + " | ".join(f"{k} GB/s" for k in dict.fromkeys(x["kernel"] for x in r["kernels"])) + " |",
@@ -140,7 +158,8 @@ def tables(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(r: dict, prefix: str = "") -> None:
+def plots(r: dict, round_trip_png: Path, training_png: Path) -> None:
+    """Draw the round trip (updates/s against model size) and training (samples/s against learners)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,7 +183,7 @@ def plots(r: dict, prefix: str = "") -> None:
         ax.legend(fontsize=8)
     fig.suptitle("round trip: push + pull per update")
     fig.tight_layout()
-    fig.savefig(OUT / f"{prefix}round_trip.png", dpi=110)
+    fig.savefig(round_trip_png, dpi=110)
     batches = sorted({row["batch"] for row in r["training"]})
     fig, ax = plt.subplots(figsize=(6, 4))
     for b in batches:
@@ -181,7 +200,7 @@ def plots(r: dict, prefix: str = "") -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / f"{prefix}training.png", dpi=110)
+    fig.savefig(training_png, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="write NAME.json and NAME.md (and the plots as NAME_round_trip.png, NAME_training.png "
                         "unless NAME is bench)")
     p.add_argument("--no-training", action="store_true")
+    p.add_argument("--no-peers", action="store_true", help="psd alone (no Hogwild, no DDP)")
+    p.add_argument("--duration", type=float, help="seconds per round-trip measurement")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write NAME.json and NAME.md only (matplotlib is then not needed)")
+    p.add_argument("--out", type=Path, default=OUT, help=f"the results directory (default: {OUT})")
     args = p.parse_args(argv)
+    if not args.no_plots:
+        require_matplotlib("benchmarks/run_all.py (or pass --no-plots)", args.out)
     cfg = BenchConfig.quick() if args.quick else BenchConfig()
     if args.sizes:
         cfg = dataclasses.replace(cfg, sizes=tuple(args.sizes))
@@ -219,13 +245,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, batches=tuple(args.batches))
     if args.no_training:
         cfg = dataclasses.replace(cfg, training=False)
+    if args.no_peers:
+        cfg = dataclasses.replace(cfg, peers=False)
+    if args.duration:
+        cfg = dataclasses.replace(cfg, duration=args.duration)
     r = run(cfg, log=lambda line: print(line, flush=True))
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{args.name}.json").write_text(json.dumps(r, indent=2, allow_nan=False))
-    (OUT / f"{args.name}.md").write_text(tables(r))
+    r["command"] = command_line(["benchmarks/run_all.py", *(sys.argv[1:] if argv is None else argv)])
     prefix = "" if args.name == "bench" else f"{args.name}_"
-    plots(r, prefix)
-    print(f"wrote {OUT}/{args.name}.json, {args.name}.md, {prefix}round_trip.png, {prefix}training.png")
+    with staged(args.out) as out:  # moved over the committed files only once all four are written
+        out.write_text(f"{args.name}.json", json.dumps(r, indent=2, allow_nan=False))
+        out.write_text(f"{args.name}.md", tables(r))
+        if not args.no_plots:
+            plots(r, out.path(f"{prefix}round_trip.png"), out.path(f"{prefix}training.png"))
+    wrote = [f"{args.name}.json", f"{args.name}.md"]
+    wrote += [] if args.no_plots else [f"{prefix}round_trip.png", f"{prefix}training.png"]
+    print(f"wrote {', '.join(str(args.out / w) for w in wrote)}")
     return 0
 
 

@@ -7,9 +7,12 @@
             ps.step()
 
 or keep the training loop and replace its optimizer: ``opt = learner.Optimizer(model, job="demo")``.
+Under ``psd run``, ``ResumableSampler`` (and ``psd.learner.hf.ResumeCallback`` for the Hugging Face
+Trainer) let a restarted learner go on without replaying the mini-batches the job already applied.
 """
 
 from psd.learner.client import Learner, attach, pull_state_dict
 from psd.learner.optim import Optimizer
+from psd.learner.resume import ResumableSampler, applied_before
 
-__all__ = ["Learner", "Optimizer", "attach", "pull_state_dict"]
+__all__ = ["Learner", "Optimizer", "ResumableSampler", "applied_before", "attach", "pull_state_dict"]

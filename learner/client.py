@@ -54,6 +54,7 @@ from psd.errors import (
     Timeout,
 )
 from psd.flags import PULL_MODES
+from psd.learner.resume import life_start, note_resumed
 from psd.state import (
     PARAM_DTYPES,
     buffer_groups,
@@ -302,18 +303,35 @@ class Learner:
             arena.close()
             raise
         self._identity = arena.identity()
-        self.resume_step = self._rank_progress()
         h = arena.header()
         self.sync = arena.training()["sync"]
         self.push_every = h["push_every"]
-        self.resume_step *= self.push_every  # in mini-batches: each applied push was a wave of them
+        # Where this life goes on (in mini-batches: each applied push was a wave of them): the rank's
+        # progress when this process first attached, not what a reconnect finds this life added.
+        if self.rank >= 0:
+            applied, every = life_start(self.job, self.rank, lambda: (self._rank_progress(), self.push_every))
+            self._resume_step = applied * every
+        else:
+            self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
         # --grad-dtype bf16: dense gradients go into the ring as bfloat16 (the server widens them).
         self._store = _native.DTYPE_BF16 if h["cfg_flags"] & _native.CFG_GRAD_BF16 else _native.DTYPE_F32
         self._wave = 0
         self._wave_loss = 0.0
         self._wave_batch = 0
+        self._acc = None  # --push-every: the wave's summed gradients (dense, then sparse ones by piece)
+        self._acc_sparse: dict[int, torch.Tensor] = {}
         self._map_buffers()
+
+    @property
+    def resume_step(self) -> int:
+        """How many of this rank's mini-batches the job had applied before this process attached: a
+        restarted learner (``psd run``) skips that many to go on without replaying any. 0 without a
+        rank. Reading it tells ``psd run`` that this life resumes (its crash-loop rule then counts
+        the rank's applied total as this life's progress)."""
+        if self._resume_step:
+            note_resumed()
+        return self._resume_step
 
     def _claim(self, slot_timeout: float) -> None:
         """Ask the server for a slot (a request its update loop answers), waiting up to ``slot_timeout``
@@ -507,21 +525,75 @@ class Learner:
 
     # -- gradients ----------------------------------------------------------
 
-    def _take_gradients(self) -> tuple[list, list[int], list | None]:
-        """This mini-batch's gradients (kept alive for the copy), their addresses (0: none) and the
-        sparse ones' rows ((tensor index, rows address, row count, row length), or None).
+    def _grads_of(self, mask: tuple[int, ...] | None) -> list[torch.Tensor | None]:
+        """This mini-batch's gradients of the trained tensors (all, or those in ``mask``: None for the
+        others), each ``p.grad`` of them reset to None, as ``zero_grad()`` does: the next backward pass
+        writes fresh gradients instead of adding into zeroed ones, which saves a pass over the model."""
+        out: list[torch.Tensor | None] = [None] * len(self._train)
+        for k in range(len(self._train)) if mask is None else mask:
+            p = self._train[k]
+            out[k] = p.grad
+            p.grad = None
+        return out
 
-        Every ``p.grad`` is reset to None, as ``zero_grad()`` does: the next backward pass writes
-        fresh gradients instead of adding into zeroed ones, which saves a pass over the model. A
-        parameter without a gradient gets no update from this push at all, as in torch.optim.
-        """
+    def _has_gradient(self, mask: tuple[int, ...] | None) -> bool:
+        train = self._train
+        return any(train[k].grad is not None for k in (range(len(train)) if mask is None else mask))
+
+    def _accumulate(self, mask: tuple[int, ...] | None) -> None:
+        """--push-every: add this mini-batch's gradients into the wave's sums, in psd's own buffer, so
+        that whatever the caller does to ``p.grad`` before the next step (``zero_grad()``, a framework's
+        ``model.zero_grad()``) the wave pushes every mini-batch of it."""
+        if self._acc is None:
+            self._acc = torch.empty(sum(self._numels), dtype=torch.float32 if self._lowp is not None else self.dtype)
+            self._acc_views = [v.view(p.shape) for v, p in zip(self._acc.split(self._numels), self._train,
+                                                                 strict=True)]
+            self._acc_has = [False] * len(self._train)
+            self._acc_count = [0] * len(self._train)
+        for k, g in enumerate(self._grads_of(mask)):
+            if g is None:
+                continue
+            self._acc_count[k] += 1
+            if g.layout == torch.sparse_coo:
+                s = self._acc_sparse.get(k)
+                self._acc_sparse[k] = g.detach().clone() if s is None else s + g.detach()
+                continue
+            if g.layout != torch.strided:
+                g = g.to_dense()
+            v = self._acc_views[k]
+            if self._acc_has[k]:
+                v.add_(g.detach())
+            else:
+                v.copy_(g.detach())
+                self._acc_has[k] = True
+
+    def _wave_grads(self) -> list[torch.Tensor | None]:
+        """The wave's mean gradients, and a new wave begins. Each tensor's sum is divided by the steps
+        that carried a gradient for it: W, unless several optimizers of some of the parameters each
+        (``Optimizer(params=...)``) stepped within the wave."""
+        out: list[torch.Tensor | None] = [None] * len(self._train)
+        for k in range(len(self._train)):
+            s = self._acc_sparse.pop(k, None)
+            n, self._acc_count[k] = self._acc_count[k], 0
+            if self._acc_has[k]:
+                g = self._acc_views[k]
+                if s is not None:
+                    g.add_(s.to_dense())
+                out[k] = g.div_(n) if n > 1 else g
+                self._acc_has[k] = False
+            elif s is not None:
+                out[k] = s / n if n > 1 else s
+        return out
+
+    def _take_gradients(self, gs: list[torch.Tensor | None]) -> tuple[list, list[int], list | None]:
+        """The gradients ``gs`` as the push takes them (kept alive for the copy), their addresses (0:
+        none) and the sparse ones' rows ((tensor index, rows address, row count, row length), or
+        None). A tensor without a gradient gets no update from this push at all, as in torch.optim."""
         keep, ptrs, sparse = [], [], None
-        for k, p in enumerate(self._train):
-            g = p.grad
+        for k, g in enumerate(gs):
             if g is None:
                 ptrs.append(0)
                 continue
-            p.grad = None
             if g.layout == torch.sparse_coo and k in self._sparse and g.sparse_dim() == 1:
                 g = g.coalesce()  # repeated rows add up first (Adagrad squares the sum)
                 rows, vals = g.indices()[0].contiguous(), g.values().to(self.dtype).contiguous()
@@ -542,27 +614,30 @@ class Learner:
             ptrs.append(g.data_ptr())
         return keep, ptrs, sparse
 
-    def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1) -> None:
+    def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1, *,
+             only: tuple[int, ...] | None = None) -> None:
         """Push this mini-batch's gradient and swap in newer weights; replaces ``optimizer.step()``.
 
         The gradients (``p.grad``) are copied into this learner's ring and reset to None, as
-        ``optimizer.zero_grad()`` does, so no ``zero_grad()`` call is needed; one before the
-        backward pass is harmless, except with ``--push-every W``: there the gradients of the
-        wave's mini-batches add up in ``p.grad``, and zeroing them in between loses all but the
-        last. ``loss`` and ``batch_size`` are recorded with the gradient.
+        ``optimizer.zero_grad()`` does, so no ``zero_grad()`` call is needed (one is harmless).
+        ``loss`` and ``batch_size`` are recorded with the gradient. A step without any gradient
+        pushes nothing: it is no update, and counts toward no wave, clock or ``kasync`` group.
+        ``only`` (the indices of trained tensors, in the job's order): push those tensors' gradients
+        and leave the others' ``p.grad`` alone (``psd.learner.Optimizer(params=...)``).
         If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
 
         The job's sync mode decides what else happens: with ``--push-every W`` only every W-th call
-        pushes (the mean of the W gradients, all computed on the same weights); under ``ssp:S`` a
-        learner S pushes ahead of the slowest live one waits here; under ``bsp`` it waits for the
-        round (one gradient from every learner) to be applied. Non-finite gradients are pushed
-        flagged, and the server rejects them (``rejected`` in ``psd status``).
+        pushes: the mean of the W mini-batches' gradients, which add up in psd's own buffer (so a
+        ``zero_grad()`` between them loses nothing); under ``ssp:S`` a learner S pushes ahead of the
+        slowest live one waits here; under ``bsp`` it waits for the round (one gradient from every
+        learner) to be applied. Non-finite gradients are pushed flagged, and the server rejects them
+        (``rejected`` in ``psd status``).
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         st = self._stepper
-        if st is not None:  # the whole step in one native call, where the job and the gradients allow
+        if st is not None and only is None:  # the whole step in one native call, where the job allows
             r = st.step(self.clock, lv, int(batch_size))
             if r is not None:
                 self._tail += 1
@@ -572,17 +647,34 @@ class Learner:
                 else:  # the ring is full: wait for space, then pull
                     self._after_push(self._arena, 0)
                 return
+        if not self._has_gradient(only):
+            self._take_newer(self._arena)  # nothing to push, no update: only newer weights
+            return
+        if self.push_every > 1:
+            self._accumulate(only)
         wave = self._end_of_wave(lv, batch_size)
         if wave is None:
-            return  # the next mini-batch's backward adds into p.grad, as in torch
-        lv, batch_size, size = wave
+            return
+        lv, batch_size, _ = wave
+        self._push(lv, batch_size, self._wave_grads() if self.push_every > 1 else self._grads_of(only))
+
+    def _push_open_wave(self) -> None:
+        """--push-every: push the mean of an unfinished wave's mini-batches (at close: nothing is lost)."""
+        if self.push_every > 1 and self._wave and self._acc is not None and type(self) is Learner:
+            lv, batch, n = self._wave_loss / self._wave, self._wave_batch, self._wave
+            self._wave, self._wave_loss, self._wave_batch = 0, 0.0, 0
+            log.info("job %r: pushing the unfinished wave of %d mini-batch(es) at close", self.job, n)
+            self._push(lv, batch, self._wave_grads())
+
+    def _push(self, lv: float, batch_size: int, gs: list[torch.Tensor | None]) -> None:
+        """Push the gradients ``gs``, then wait for ring space and the sync mode, and pull."""
         a = self._arena
         if self.predict and self._tail >= self._k:
             self._sample_staleness(self._tail - self._k)
         rounds = a.rounds() if self.sync == "bsp" else 0
-        grads, ptrs, sparse = self._take_gradients()
+        grads, ptrs, sparse = self._take_gradients(gs)
         t0 = time.perf_counter_ns()
-        a.push_from(self.slot, self.clock, int(batch_size), lv, 1.0 / size, ptrs, self._numels, self._dtype_code,
+        a.push_from(self.slot, self.clock, int(batch_size), lv, 1.0, ptrs, self._numels, self._dtype_code,
                     self._buffer_delta(), sparse, self._store)
         self.push_ns = time.perf_counter_ns() - t0
         del grads
@@ -602,6 +694,10 @@ class Learner:
             self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
         if self._arena is not a:
             return
+        self._take_newer(a)
+
+    def _take_newer(self, a: _native.Arena) -> None:
+        """Swap in newer weights, if the job has them (the pull after a push, or an empty step)."""
         before = self.clock
         if self.pull_mode == "view":
             self.clock = a.seen_clock(self.slot)  # the weights are the shared ones: nothing to copy
@@ -737,7 +833,8 @@ class Learner:
     # -- detaching ----------------------------------------------------------
 
     def close(self, flush: bool = True) -> None:
-        """Detach: wait for pushed gradients to be applied (if ``flush``), free the slot, unmap."""
+        """Detach: push an unfinished ``--push-every`` wave's mean and wait for every pushed gradient to be
+        applied (if ``flush``), free the slot, unmap."""
         if self._closing:
             return
         self._closing = True
@@ -745,6 +842,11 @@ class Learner:
             return  # lost with its arena (see _await_server), nothing left to release
         try:
             if flush:
+                self._closing = False
+                try:
+                    self._push_open_wave()
+                finally:
+                    self._closing = True
                 self.flush()
             try:
                 self._arena.release(self.slot, self._claim_token)
@@ -827,19 +929,35 @@ class DeviceLearner(Learner):
     def _arm_device(self) -> None:
         for prm, v in zip(self._train, self._grad_views(), strict=True):
             prm.grad = v
+        self.note_armed()
+
+    def note_armed(self) -> None:
+        """Remember the staging buffer's version: a step that finds it unchanged (no backward wrote
+        into it since) carries no gradient. ``Optimizer.zero_grad()`` calls it after zeroing."""
+        self._armed_version = self._pipe.grad[self._pipe.cur]._version
 
     def _grad_views(self) -> list[torch.Tensor]:
         """Where the next gradient goes: the current on-device staging buffer."""
         return self._staging_views[self._pipe.cur]
 
-    def _collect(self) -> None:
-        """Bring gradients that are not where they go (user reset p.grad) into the staging buffer."""
+    def _collect(self, add: bool) -> bool:
+        """Bring gradients that are not where they go (user reset p.grad) into the staging buffer; with
+        ``add`` (a --push-every wave goes on) add them to what it holds. Returns whether there was any."""
+        got = False
+        written = self._pipe.grad[self._pipe.cur]._version != self._armed_version  # views share the version
         for p, v in zip(self._train, self._grad_views(), strict=True):
             g = p.grad
             if g is None:
-                v.zero_()
-            elif g.data_ptr() != v.data_ptr():
-                v.copy_(g.to_dense() if g.layout != torch.strided else g)
+                if not add:
+                    v.zero_()
+                continue
+            if g.data_ptr() == v.data_ptr():
+                got = got or written
+            else:
+                got = True
+                g = g.to_dense() if g.layout != torch.strided else g
+                v.add_(g) if add else v.copy_(g)
+        return got
 
     def _unmap(self) -> None:
         if self._pipe is not None:
@@ -849,15 +967,24 @@ class DeviceLearner(Learner):
         self._staging_views = self._w_views = None
         super()._unmap()
 
-    def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1) -> None:
-        """As ``Learner.step``, without waiting for the copies (see the class docstring)."""
+    def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1, *,
+             only: tuple[int, ...] | None = None) -> None:
+        """As ``Learner.step``, without waiting for the copies (see the class docstring); ``only`` must
+        be None (every trained tensor) on a device learner."""
+        if only is not None:
+            raise Error("a learner on a device steps all of its model's parameters at once (only=None)")
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
-        self._collect()
+        if not self._collect(add=self._wave > 0):
+            return  # no gradient at all: no update
         # A loss tensor stays on the device (float() would wait for the GPU); the push thread reads it.
         lv = math.nan if loss is None else (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
         wave = self._end_of_wave(lv, batch_size)
         if wave is None:
+            # The wave's sum stays in the staging buffer: the next backward writes fresh gradients (a
+            # zero_grad() in between cannot touch the sum), and the next step adds them in.
+            for p in self._train:
+                p.grad = None
             return
         lv, batch_size, size = wave
         a, pipe = self._arena, self._pipe

@@ -18,19 +18,26 @@ server.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import math
+import threading
 import warnings
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
+from psd.arena import default_job
 from psd.errors import Error
 from psd.learner.client import DeviceLearner, Learner, attach
 
 __all__ = ["Optimizer"]
+
+log = logging.getLogger("psd.learner")
 
 # The hooks registered with torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook (see step()):
 # if this torch keeps them elsewhere, torch's own wrapper of step() runs them (and costs its 20 us).
@@ -60,25 +67,169 @@ def _loss_value(loss: Any) -> float | torch.Tensor | None:
     return None
 
 
+def _flat_params(params: Iterable[Any]) -> list[torch.nn.Parameter]:
+    """The parameters in ``params``: tensors, or torch's parameter groups (dicts with "params")."""
+    out: list[torch.nn.Parameter] = []
+    for p in params:
+        if isinstance(p, Mapping):
+            out += _flat_params(p["params"] if not isinstance(p["params"], torch.Tensor) else [p["params"]])
+        elif isinstance(p, torch.Tensor):
+            out.append(p)
+        else:
+            raise TypeError(f"params= takes the model's parameters (tensors or parameter groups), not "
+                            f"{type(p).__name__}")
+    return out
+
+
+def _mask_of(learner: Learner, wanted: list[torch.nn.Parameter]) -> tuple[tuple[int, ...] | None, list]:
+    """(indices of the trained tensors among ``wanted``, None when that is all of them; ``wanted``).
+    Every parameter must be one of the learner's model (trained or frozen)."""
+    trained = {id(p): k for k, p in enumerate(learner._train)}
+    known = trained.keys() | {id(p) for p in learner._params}
+    stray = [p for p in wanted if id(p) not in known]
+    if stray:
+        raise ValueError(f"{len(stray)} of the {len(wanted)} parameter(s) given are not parameters of the model "
+                         f"attached to job {learner.job!r} in this process (first: shape {tuple(stray[0].shape)}); "
+                         f"pass parameters of that model (e.g. params=model.head.parameters())")
+    if not wanted:
+        raise ValueError("psd.learner.Optimizer got no parameters to step")
+    mine = sorted({trained[id(p)] for p in wanted if id(p) in trained})
+    if len(mine) == len(trained):
+        return None, wanted
+    if isinstance(learner, DeviceLearner):
+        raise Error(f"job {learner.job!r}: an optimizer of some of the model's parameters (params=, or a sub-module "
+                    f"of a model attached in this process) is not supported on a {learner.device} learner yet; "
+                    f"use one psd.learner.Optimizer for the whole model there")
+    return tuple(mine), wanted
+
+
+class _Shared:
+    """The one learner slot of this process on a job, and the optimizers that step through it."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        self.users = 0
+        self.superseded = ""  # why a newer optimizer took the slot over ("": it did not)
+
+
+_SHARED: dict[str, _Shared] = {}  # job -> this process's slot on it
+_SHARED_LOCK = threading.Lock()
+
+
+def _owns(shared: _Shared, module: torch.nn.Module, params: Iterable[Any] | None) -> list | None:
+    """The parameters an optimizer of ``module`` (``params`` of it) asks for, if it is an optimizer of
+    the model ``shared``'s learner trains (that model, or some of its parameters); else None."""
+    wanted = list(module.parameters()) if params is None else _flat_params(params)
+    known = {id(p) for p in shared.learner._params}
+    ours = module is shared.learner.model or any(id(p) in known for p in module.parameters())
+    return wanted if ours else None
+
+
+def _join(module: torch.nn.Module, job: str | None, params: Iterable[Any] | None,
+          attach_kwargs: dict[str, Any]) -> tuple[_Shared, tuple[tuple[int, ...] | None, list]]:
+    """This process's slot on ``job`` for an optimizer of ``module``: the existing one when the module's
+    parameters are those of the model attached there (several optimizers, a refit), else a new attach
+    (of ``module``), which takes over from an earlier model's optimizers."""
+    job = job or default_job()
+    with _SHARED_LOCK:
+        shared = _SHARED.get(job)
+        if shared is not None and not shared.learner._closing and not shared.superseded:
+            if params is not None:
+                params = list(params)
+            wanted = _owns(shared, module, params)
+            if wanted is not None:
+                mask = _mask_of(shared.learner, wanted)
+                shared.users += 1
+                return shared, mask
+            why = (f"a psd.learner.Optimizer of another model (a {type(module).__name__}) attached to job {job!r} "
+                   f"in this process")
+            log.warning("job %r: %s; the optimizers of the earlier model (a %s) are detached", job, why,
+                        type(shared.learner.model).__name__)
+            shared.superseded = why
+            _SHARED.pop(job, None)
+            try:
+                shared.learner.close(flush=True)
+            except Error as e:
+                log.warning("job %r: detaching the earlier model: %s", job, e)
+        learner = attach(module, job, **attach_kwargs)
+        try:
+            mask = _mask_of(learner, list(module.parameters()) if params is None else _flat_params(params))
+        except BaseException:
+            learner.close(flush=False)
+            raise
+        shared = _Shared(learner)
+        shared.users = 1
+        _SHARED[job] = shared
+        return shared, mask
+
+
+_EXITING = False
+_HOOKED = False
+
+
+def _exit_hook() -> None:
+    """Note when the interpreter exits: optimizers still open then free their slot without waiting for
+    the server (it applies what was pushed). Registered after the first finalizer, so it runs before
+    the finalizers do (atexit runs last-registered first)."""
+    global _HOOKED
+    if not _HOOKED:
+        _HOOKED = True
+
+        def exiting() -> None:
+            global _EXITING
+            _EXITING = True
+
+        atexit.register(exiting)
+
+
+def _leave(shared: _Shared, flush: bool | None) -> None:
+    """One optimizer fewer on ``shared``'s slot: the last one closes the learner (frees the slot).
+    ``flush`` None (a finalizer): wait for the server to apply what was pushed, unless exiting."""
+    if flush is None:
+        flush = not _EXITING
+    with _SHARED_LOCK:
+        shared.users -= 1
+        if shared.users > 0 or shared.superseded:
+            return
+        if _SHARED.get(shared.learner.job) is shared:
+            del _SHARED[shared.learner.job]
+    try:
+        shared.learner.close(flush=flush)
+    except Error as e:  # from a finalizer too: say it, do not raise into the collector
+        log.warning("job %r: detaching: %s", shared.learner.job, e)
+
+
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose ``step()`` trains ``model`` through the psd job ``job``.
 
     ``Optimizer(model, job)`` attaches the model (``psd.learner.attach(model, job, **attach_kwargs)``:
     ``timeout``, ``slot_timeout``, ``rank``, ``reconnect_timeout``, ``device``, ``pull``); the ``Learner`` is
     ``self.learner`` (``resume_step``, ``flush()``, ``pull()``, ...). Or pass an attached one as
-    ``learner=`` (then no job or attach arguments). Give it the model, not ``model.parameters()``:
-    the job trains all of the model's parameters, in one parameter group.
+    ``learner=`` (then no job or attach arguments). Give it the model, not ``model.parameters()``.
+
+    One process holds one learner slot per job, whatever number of optimizers it makes:
+
+    - ``params=`` (some of the model's parameters, or parameter groups) makes an optimizer that steps
+      those alone: ``Optimizer(gan, job, params=gan.generator.parameters())`` and another for the
+      discriminator share the slot; each ``step()`` pushes its own parameters' gradients and leaves the
+      others' ``p.grad`` alone. An optimizer of a sub-module of a model already attached in this
+      process (``Optimizer(gan.generator, job)``) does the same.
+    - A new optimizer of the same model (Lightning's ``fit()`` again, a second HF ``train()``) shares
+      the slot too. One of another model takes the slot over: the earlier model's optimizers are
+      detached (their ``step()`` says so).
+    - The slot is freed when the last optimizer on it is closed: ``close()``, the end of a ``with``
+      block, or when it is garbage-collected (a framework dropping it after ``fit()``).
 
     - ``step(closure=None)`` pushes this mini-batch's gradients (``p.grad``) and swaps in newer
       weights. A closure is evaluated first, with gradients enabled, and its loss is recorded with
       the gradient (``psd status``) and returned. ``batch_size`` (default ``self.batch_size``, set
       by the constructor, 1 unless given) is recorded too.
     - ``zero_grad()`` works as usual; ``step()`` has already reset every ``p.grad`` to None. With
-      ``psd serve --push-every W`` it keeps the gradients of an unfinished wave (they add up in
-      ``p.grad`` until the W-th ``step()`` pushes their mean), so the usual
-      ``zero_grad(); backward(); step()`` loop pushes what it should. On a GPU learner it zeroes
-      the gradients in place, whatever ``set_to_none`` says: they are views of the on-device buffer
-      that the push copies from.
+      ``psd serve --push-every W`` each ``step()`` adds the mini-batch's gradients into psd's own
+      buffer and the W-th pushes their mean, whatever is done to ``p.grad`` in between (a
+      framework's ``model.zero_grad()`` included). A ``step()`` without gradients pushes nothing.
+      On a GPU learner ``zero_grad()`` zeroes the gradients in place, whatever ``set_to_none`` says:
+      they are views of the on-device buffer that the push copies from.
     - ``param_groups[i]["lr"]`` is the server's current learning rate (that of its last update, as
       ``psd status`` shows it), refreshed by every ``step()``. The learning rate is the server's
       (``psd serve --lr/--schedule/--warmup``): setting it here, or with a ``torch.optim.lr_scheduler``,
@@ -87,37 +238,49 @@ class Optimizer(torch.optim.Optimizer):
       returns torch's usual layout with an empty ``state``, plus ``"psd"``: the job, the weights'
       clock, the server's optimizer and a note. ``load_state_dict()`` accepts it and changes nothing;
       it warns when given another optimizer's state (which it cannot load into the server).
-    - ``close()`` detaches (waiting until the server applied every pushed gradient); the optimizer
-      is also a context manager.
+    - ``close()`` lets go of the slot (see above; the last one waits until the server applied every
+      pushed gradient); the optimizer is also a context manager.
     """
 
-    def __init__(self, model: torch.nn.Module, job: str | None = None, *, batch_size: int = 1,
-                 learner: Learner | None = None, **attach_kwargs: Any) -> None:
+    def __init__(self, model: torch.nn.Module, job: str | None = None, *, params: Iterable[Any] | None = None,
+                 batch_size: int = 1, learner: Learner | None = None, **attach_kwargs: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"psd.learner.Optimizer takes the model (a torch.nn.Module), not "
                             f"{type(model).__name__}: write Optimizer(model, job=...) instead of "
-                            f"Optimizer(model.parameters(), ...); the job trains all of the model's parameters")
+                            f"Optimizer(model.parameters(), ...); to step some of its parameters, add "
+                            f"params=those_parameters")
         module = _unwrap(model)
-        ours = learner is None
-        if ours:
-            learner = attach(module, job, **attach_kwargs)
-        elif job is not None or attach_kwargs:
-            raise TypeError("pass either learner= (an attached Learner) or job and attach arguments, not both")
-        elif learner.model is not module and learner.model is not model:
-            raise ValueError("learner= is attached with another model; pass the model it was attached with")
-        self.learner: Learner = learner
         self.batch_size = int(batch_size)
-        self._wave_open = False  # --push-every: p.grad holds an unfinished wave's gradients
         self._lr_warned = False
+        self._shared: _Shared | None = None
+        self._finalizer: weakref.finalize | None = None
+        if learner is not None:
+            if job is not None or attach_kwargs:
+                raise TypeError("pass either learner= (an attached Learner) or job and attach arguments, not both")
+            if learner.model is not module and learner.model is not model:
+                raise ValueError("learner= is attached with another model; pass the model it was attached with")
+            self.learner: Learner = learner
+            mine = self._mask(learner, module, params)
+        else:
+            self._shared, mine = _join(module, job, params, attach_kwargs)
+            self.learner = self._shared.learner
+            self._finalizer = weakref.finalize(self, _leave, self._shared, None)
+            _exit_hook()
+        self._only, stepped = mine
         self._adding = True
         try:
             self._lr_shown = self._server_lr()
-            super().__init__(list(module.parameters()), {"lr": self._lr_shown})
+            super().__init__(stepped, {"lr": self._lr_shown})
         except BaseException:
-            if ours:
-                learner.close(flush=False)
+            self.close(flush=False)
             raise
         self._adding = False
+
+    @staticmethod
+    def _mask(learner: Learner, module: torch.nn.Module,
+              params: Iterable[Any] | None) -> tuple[tuple[int, ...] | None, list[torch.nn.Parameter]]:
+        """(the indices of the trained tensors this optimizer steps, None: all of them; its parameters)."""
+        return _mask_of(learner, list(module.parameters()) if params is None else _flat_params(params))
 
     # -- the server's learning rate ------------------------------------------
 
@@ -199,24 +362,27 @@ class Optimizer(torch.optim.Optimizer):
             if loss is None:
                 loss = _loss_value(out)
         self._check_lr()
-        before = self.learner.pushed
-        self.learner.step(loss, self.batch_size if batch_size is None else batch_size)
-        self._wave_open = self.learner.pushed == before
+        shared = self._shared
+        if shared is not None and shared.superseded:
+            raise Error(f"this psd.learner.Optimizer of job {self.learner.job!r} was detached: {shared.superseded}. "
+                        f"Use the newer optimizer (each process has one learner slot per job)")
+        self.learner.step(loss, self.batch_size if batch_size is None else batch_size, only=self._only)
         self._refresh_lr()
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` does (see the class docstring
         for ``--push-every`` waves and GPU learners)."""
-        if self._wave_open:
-            return  # the wave's gradients add up in p.grad until its last step() pushes them
-        if isinstance(self.learner, DeviceLearner):
+        device = isinstance(self.learner, DeviceLearner)
+        if device:
             set_to_none = False  # keep backward writing into the staging buffer the push copies from
         if torch.autograd._profiler_enabled():
             with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
                 self._zero_grad(set_to_none)
         else:
             self._zero_grad(set_to_none)
+        if device and not self.learner._closing:
+            self.learner.note_armed()  # zeroed is not written: a step() without a backward pushes nothing
 
     def _zero_grad(self, set_to_none: bool) -> None:
         # torch's loop (without its profiler range: about 20 us, and step() has usually reset every p.grad)
@@ -268,14 +434,29 @@ class Optimizer(torch.optim.Optimizer):
     # -- detaching -------------------------------------------------------------
 
     def close(self, flush: bool = True) -> None:
-        """Detach the learner: wait until the server applied what it pushed (if ``flush``), free the slot."""
-        self.learner.close(flush=flush)
+        """Let go of the learner slot: when this was the last optimizer of this process on the job, wait
+        until the server applied what was pushed (if ``flush``) and free the slot. Also done when the
+        optimizer is garbage-collected (a framework dropping it at the end of ``fit()``), and at the
+        end of a ``with`` block."""
+        if self._finalizer is not None:
+            if self._finalizer.detach() is not None:
+                _leave(self._shared, flush)
+        elif self._shared is None:
+            self.learner.close(flush=flush)
+
+    @property
+    def closed(self) -> bool:
+        """Whether this optimizer let go of its slot (``close()``, or a newer one took it over)."""
+        if self._finalizer is not None:
+            return not self._finalizer.alive or bool(self._shared.superseded)
+        return self.learner._closing
 
     def __enter__(self) -> Optimizer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.learner.__exit__(exc_type, exc, tb)
+        # After an error, still hand back the slot, but do not wait on a server that may be gone.
+        self.close(flush=exc_type is None)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Copying or pickling (copy.copy, copy.deepcopy, pickle) is refused with what to do instead: the

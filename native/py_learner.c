@@ -651,8 +651,8 @@ static int plain_gradient(Stepper *S, PyObject *g, const void **data) {
 }
 
 /* step(clock, loss, batch) -> the clock of the weights the model now has; -1: pushed, but the ring
- * is full (the caller waits for space and pulls); None: a gradient needs the general path (nothing
- * was pushed or reset). An exception from resetting p.grad may leave some of them reset and nothing
+ * is full (the caller waits for space and pulls); None: a gradient needs the general path, or there
+ * is none at all (nothing was pushed or reset). An exception from resetting p.grad may leave some of them reset and nothing
  * pushed, as the general path would. */
 static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, double loss, unsigned long batch);
 
@@ -693,7 +693,7 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
     Arena *a = (Arena *)S->arena;
     if (check_slot(a, S->slot))
         return NULL;
-    Py_ssize_t k, got = 0;
+    Py_ssize_t k, got = 0, present = 0;
     PyObject *result = NULL;
     for (k = 0; k < S->count; k++) {
         PyObject *g = PyObject_GetAttr(PyTuple_GET_ITEM(S->params, k), str_grad);
@@ -703,6 +703,7 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
         S->src[k].data = NULL;
         if (g == Py_None)
             continue;
+        present++;
         int plain = plain_gradient(S, g, &S->src[k].data);
         if (plain < 0)
             goto out;
@@ -710,6 +711,10 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
             result = Py_NewRef(Py_None);
             goto out;
         }
+    }
+    if (!present) { /* a step without gradients is no update: the general path pushes nothing */
+        result = Py_NewRef(Py_None);
+        goto out;
     }
     for (k = 0; k < S->count; k++) /* as zero_grad(): the next backward writes fresh gradients */
         if (S->grads[k] != Py_None && PyObject_SetAttr(PyTuple_GET_ITEM(S->params, k), str_grad, Py_None))

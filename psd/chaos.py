@@ -129,7 +129,13 @@ def run(cfg: ChaosConfig, out: Callable[[str], None] = print) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``psd chaos``."""
+    """The flags of ``psd chaos``: from the command line only, unlike every other command's.
+
+    psd chaos sends signals (SIGKILL by default) to a job's processes, so what it kills, how often and for
+    how long must be what its command line says. A PSD_<FLAG> default would aim it at whatever job the
+    environment names: ``psd run`` sets PSD_JOB in every learner's environment, and a shell that exported
+    PSD_JOB for ``psd status`` would hand it to chaos too.
+    """
     p.add_argument("--job", required=True, help="the job whose processes to kill (only its own are ever signalled)")
     p.add_argument("--target", choices=TARGETS, default="learner",
                    help="what to kill: one learner, the server, the watchdog, every learner at once, or any one "

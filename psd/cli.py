@@ -4,6 +4,7 @@ Shape follows torch's distributed/run.py: get_args_parser() -> parse_args()
 -> a config object -> run(config). The flags are declared once, in
 psd.flags.FLAGS; each can also come from its PSD_<FLAG> environment variable
 (flag in upper case, dashes as underscores; psd bench's are PSD_BENCH_<FLAG>).
+psd chaos alone takes its flags from the command line only (psd.chaos says why).
 """
 
 from __future__ import annotations
@@ -64,13 +65,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add_flags(ck, "checkpoint")
 
     ex = sub.add_parser("export", help="write a job's or a checkpoint's weights as a plain PyTorch state_dict")
-    src = ex.add_mutually_exclusive_group(required=True)
-    src.add_argument("--job", help="take the live weights of this job; once it has ended, those of its newest "
-                     "checkpoint (in --checkpoint-dir)")
-    src.add_argument("--checkpoint", help="take the weights of this checkpoint file (verified first)")
-    ex.add_argument("--out", required=True, help="output file, loaded with torch.load + model.load_state_dict")
-    ex.add_argument("--checkpoint-dir", help="--job: where its checkpoints are, for a job that has ended "
-                    "(default: the job's default checkpoint directory, where psd run and the watchdog write)")
+    add_flags(ex, "export")
 
     ins = sub.add_parser("inspect", help="a job's arena header, field by field, and its learner slots")
     add_flags(ins, "inspect")
@@ -274,9 +269,29 @@ def _checkpoint(args: argparse.Namespace) -> int:
         a.close()
 
 
+def _export_source(args: argparse.Namespace) -> None:
+    """Leave one of ``args.job`` and ``args.checkpoint`` set: the one given on the command line where the
+    other came from its environment variable (PSD_JOB, set in every learner's environment by psd run, must
+    not override --checkpoint); exit saying what to do where both came from the environment."""
+    if not args.out:
+        raise SystemExit("psd export: the output file is empty (--out '' or PSD_OUT=''); give --out FILE")
+    if args.job and args.checkpoint:
+        given = getattr(args, "given", None) or set()
+        if "checkpoint" in given:
+            args.job = None
+        elif "job" in given:
+            args.checkpoint = None
+        else:
+            raise SystemExit(f"psd export: PSD_JOB ({args.job!r}) and PSD_CHECKPOINT ({args.checkpoint!r}) are both "
+                             f"set; give --job or --checkpoint on the command line, or unset one of them")
+    elif not (args.job or args.checkpoint):
+        raise SystemExit("psd export: give --job NAME or --checkpoint FILE (PSD_JOB / PSD_CHECKPOINT are empty)")
+
+
 def _export(args: argparse.Namespace) -> int:
     import torch
 
+    _export_source(args)
     if args.checkpoint:
         from psd.state import in_model_dtypes
         from psd.watchdog import checkpoint

@@ -64,6 +64,10 @@ class Flag:
     group: str | None = None  # the help section
     env_prefix: str = "PSD_"
     readme_default: str | None = None  # the README's default column, when not str(default)
+    required: bool = False  # on the command line, unless its PSD_<FLAG> is set
+    # Flags of one command that exclude each other (psd export's --job and --checkpoint): one of them is
+    # required, from the command line or the environment; see add_flags.
+    exclusive: str | None = None
 
     @property
     def dest(self) -> str:
@@ -227,7 +231,8 @@ def _build() -> tuple[Flag, ...]:
              readme_default="`127.0.0.1`"),
         Flag("--no-watchdog", "run the bare server in this process, without restarts or checkpoints", False,
              switch=True, commands=(SERVE,), readme_default="off"),
-        Flag("--max-restarts", "a learner that dies this many times in a row without progress fails the job", 5,
+        Flag("--max-restarts", "a learner that dies this many times in a row without progress (no step beyond "
+             "its earlier lives) is given up: the others finish, and psd run exits non-zero", 3,
              type=int, commands=(RUN,), metavar="R"),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
              0, type=int, commands=(RUN,), metavar="T"),
@@ -247,7 +252,7 @@ def _build() -> tuple[Flag, ...]:
         Flag("--job", "job name (default: every job on the machine)", None, commands=("status", "top")),
         Flag("--job", "job name", default_job, commands=("stop", "checkpoint", "inspect")),
         Flag("--json", "machine-readable output (strict JSON)", False, switch=True,
-             commands=("status", "inspect", "doctor", "bench")),
+             commands=("status", "inspect", "doctor")),
         Flag("--sample", "seconds over which rates (gradients/s, GB/s) are measured; 0: none", 0.25, type=float,
              commands=("status",)),
         Flag("--interval", "seconds between refreshes", 1.0, type=float, commands=("top",)),
@@ -256,6 +261,17 @@ def _build() -> tuple[Flag, ...]:
         Flag("--checkpoint-dir", "where to write it when the job has no watchdog (default: the job's checkpoint "
              "dir)", None, commands=("checkpoint",)),
         Flag("--dry-run", "only list what would be removed", False, switch=True, commands=("clean",)),
+        # psd export: one source, --job or --checkpoint (a flag on the command line wins over the other's
+        # variable: PSD_JOB, which psd run sets for its learners, does not override --checkpoint)
+        Flag("--job", "take the live weights of this job; once it has ended, those of its newest checkpoint (in "
+             "--checkpoint-dir)", None, commands=("export",), exclusive="source", metavar="NAME"),
+        Flag("--checkpoint", "take the weights of this checkpoint file (verified first)", None, commands=("export",),
+             exclusive="source", metavar="FILE"),
+        Flag("--out", "output file, loaded with torch.load + model.load_state_dict", None, commands=("export",),
+             required=True, metavar="FILE"),
+        Flag("--checkpoint-dir", "--job: where its checkpoints are, for a job that has ended (default: the job's "
+             "default checkpoint directory, where psd run and the watchdog write)", None, commands=("export",),
+             metavar="DIR"),
         Flag("--learners", "learners the job will run", None, type=int, commands=("doctor",)),
         Flag("--threads", "update-loop threads the job will use", None, type=int, commands=("doctor",)),
         Flag("--params", "model parameters, to size the arena", None, type=int, commands=("doctor",)),
@@ -289,6 +305,8 @@ def _build() -> tuple[Flag, ...]:
              readme_default=""),
         Flag("--no-training", "skip the training workload", False, switch=True, commands=("bench",),
              env_prefix="PSD_BENCH_"),
+        Flag("--json", "print the results as strict JSON on stdout (progress goes to stderr)", False, switch=True,
+             commands=("bench",), env_prefix="PSD_BENCH_"),
     )
 
 
@@ -330,16 +348,37 @@ def _help(f: Flag) -> str:
     return f"{text} (default: %(default)s) [{f.env}]"
 
 
+class _StoreGiven(argparse._StoreAction):
+    """A flag of an exclusive group: stored as usual, and its dest noted in ``namespace.given``, so that a
+    flag given on the command line can win over the other flags' environment variables."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        given = set(getattr(namespace, "given", None) or ())
+        namespace.given = given | {self.dest}
+
+
 def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """Add ``command``'s flags from :data:`FLAGS` to ``parser``, defaults read from PSD_<FLAG>."""
+    """Add ``command``'s flags from :data:`FLAGS` to ``parser``, defaults read from PSD_<FLAG>.
+
+    A ``required`` flag is required on the command line only while its variable is unset; so is one flag
+    of each ``exclusive`` group while none of the group's variables is set.
+    """
     if command in _DEPRECATED:
         _apply_deprecated_env()
     groups: dict[str, argparse._ArgumentGroup] = {}
+    exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
     by_dest: dict[str, Flag] = {}
-    for f in FLAGS:
-        if command not in f.commands:
-            continue
-        target = parser if f.group is None else groups.setdefault(f.group, parser.add_argument_group(f.group))
+    mine = [f for f in FLAGS if command in f.commands]
+    for f in mine:
+        if f.exclusive is not None and f.exclusive not in exclusive:
+            members = [g for g in mine if g.exclusive == f.exclusive]
+            exclusive[f.exclusive] = parser.add_mutually_exclusive_group(
+                required=not any(g.env in os.environ for g in members))
+    for f in mine:
+        target: Any = parser if f.group is None else groups.setdefault(f.group, parser.add_argument_group(f.group))
+        if f.exclusive is not None:
+            target = exclusive[f.exclusive]
         names = [f.short, f.name] if f.short else [f.name]
         if f.switch:
             target.add_argument(*names, action="store_true", default=f.default_value(), help=_help(f))
@@ -350,6 +389,10 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
                     kw[k] = getattr(f, k)
             if f.nargs == "?":
                 kw["const"] = f.const
+            if f.required and f.env not in os.environ:
+                kw["required"] = True
+            if f.exclusive is not None:
+                kw["action"] = _StoreGiven
             target.add_argument(*names, **kw)
         by_dest[f.dest] = f
     for old, new in _DEPRECATED.get(command, {}).items():

@@ -202,7 +202,7 @@ def format_job(j: dict) -> str:
                          f"{s['pushed']:>8} "
                          f"{s['queued']:>6} {s['rejected']:>8} {s['dropped']:>7} {s['clock']:>8} "
                          f"{s['staleness_mean']:>6.2f} "
-                         + (f"{s['last_loss']:>8.4f}" if s["last_loss"] is not None else f"{'-':>8}"))
+                         + (f"{s['last_loss']:>8.4f}" if s["last_loss"] is not None else f"{'n/a':>8}"))
     for e in j.get("evicted_learners", []):
         lines.append(f"  slot {e['slot']}: EVICTED pid {e['pid']} {e['age_s']:g} s ago: {e['rule']} (that process "
                      f"gets no slot again; the slot is free once it exits)")

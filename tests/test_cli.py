@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -70,3 +72,92 @@ def test_argv_gives_back_the_same_config_for_defaults_and_switches():
 def test_the_deprecated_slots_flag_fills_ring_depth_and_names_it(capsys):
     args = get_args_parser().parse_args(["doctor", "--slots", "16"])
     assert args.ring_depth == 16 and "--ring-depth" in capsys.readouterr().err
+
+
+# psd chaos signals processes: what it kills comes from its command line alone (README, "Commands").
+COMMAND_LINE_ONLY = {"chaos"}
+ENV_PREFIX = {"bench": "PSD_BENCH_"}
+# What a command needs on its command line besides the flag under test, by the dests that stand in for it.
+NEEDS = {"export": {("out",): ["--out", "m.pt"], ("job", "checkpoint"): ["--job", "j"]},
+         "chaos": {("job",): ["--job", "j"]}}
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in get_args_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every flag a user can give (not -h, not a hidden deprecated alias, not a positional)."""
+    return [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
+            and not isinstance(a, argparse._HelpAction)]
+
+
+def _sample(a: argparse.Action) -> tuple[str, object]:
+    """A PSD_<FLAG> value for ``a`` and what it must parse to (never the flag's default)."""
+    if isinstance(a, argparse._StoreTrueAction):
+        return "1", True
+    if a.choices:
+        defaults = list(a.default) if isinstance(a.default, tuple | list) else [a.default]
+        one = next(c for c in a.choices if c not in defaults)
+        return one, [one] if a.nargs == "+" else one
+    one, raw = {int: (7, "7"), float: (0.375, "0.375")}.get(a.type, ("x", "x"))
+    if a.nargs in (2, "+"):
+        return f"{raw} {raw}", [one, one]
+    return raw, one
+
+
+def _argv(command: str, dest: str) -> list[str]:
+    return [command, *(x for dests, flags in NEEDS.get(command, {}).items() if dest not in dests for x in flags)]
+
+
+def test_every_flag_of_every_command_takes_its_default_from_psd_flag(monkeypatch):
+    """The rule, walked over every parser: PSD_<FLAG> (psd bench: PSD_BENCH_<FLAG>) sets each flag's default,
+    and its help names the variable; psd chaos alone ignores the environment."""
+    for k in [k for k in os.environ if k.startswith("PSD_")]:
+        monkeypatch.delenv(k)
+    checked = 0
+    for command, parser in _commands().items():
+        for a in _options(parser):
+            env = ENV_PREFIX.get(command, "PSD_") + a.dest.upper()
+            if command in COMMAND_LINE_ONLY and a.required:
+                continue  # test_chaos_needs_its_job_on_the_command_line
+            raw, want = _sample(a)
+            monkeypatch.setenv(env, raw)
+            got = getattr(get_args_parser().parse_args(_argv(command, a.dest)), a.dest)
+            monkeypatch.delenv(env)
+            if command in COMMAND_LINE_ONLY:
+                assert got == a.default, f"psd {command} {a.option_strings[-1]} took {env} from the environment"
+                assert env not in (a.help or "")
+            else:
+                assert got == want, f"psd {command} {a.option_strings[-1]}: {env}={raw!r} gave {got!r}"
+                assert f"[{env}]" in a.help, f"psd {command} --help does not name {env}"
+            checked += 1
+    assert checked > 100
+
+
+def test_export_takes_its_source_from_the_environment_and_the_command_line_wins(monkeypatch):
+    from psd.cli import _export_source
+
+    for k in [k for k in os.environ if k.startswith("PSD_")]:
+        monkeypatch.delenv(k)
+    with pytest.raises(SystemExit):  # neither source: argparse says which flags are missing
+        get_args_parser().parse_args(["export", "--out", "m.pt"])
+    monkeypatch.setenv("PSD_JOB", "envjob")  # psd run sets it for every learner
+    monkeypatch.setenv("PSD_OUT", "env.pt")
+    args = get_args_parser().parse_args(["export", "--checkpoint", "c.safetensors"])
+    _export_source(args)
+    assert (args.job, args.checkpoint, args.out) == (None, "c.safetensors", "env.pt")
+    monkeypatch.setenv("PSD_CHECKPOINT", "env.safetensors")
+    args = get_args_parser().parse_args(["export", "--job", "j"])
+    _export_source(args)
+    assert (args.job, args.checkpoint) == ("j", None)
+    args = get_args_parser().parse_args(["export"])
+    with pytest.raises(SystemExit, match=r"PSD_JOB .* and PSD_CHECKPOINT .* are both set"):
+        _export_source(args)
+
+
+def test_chaos_needs_its_job_on_the_command_line(monkeypatch):
+    monkeypatch.setenv("PSD_JOB", "some-job")
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args(["chaos"])

@@ -94,7 +94,7 @@ def test_steps_swap_in_weights_pushed_by_others(job, serve, monkeypatch, pull):
         pa.flush()
 
         def b_sees_them():
-            pb.step()  # a zero gradient: changes nothing, but lets the pull thread hand over
+            pb.step()  # no gradient: pushes nothing, but takes newer weights (the pull thread hands over)
             return b.w[7].item() == -5.0
 
         wait_until(b_sees_them, what="learner b to swap in a's updates")
@@ -255,7 +255,7 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
         assert ps._stepper is not None
         general = []
         take = ps._take_gradients
-        monkeypatch.setattr(ps, "_take_gradients", lambda: (general.append(1), take())[1])
+        monkeypatch.setattr(ps, "_take_gradients", lambda gs: (general.append(1), take(gs))[1])
         for i in range(40):
             if i % 3 == 0:
                 m.mat.grad = torch.ones(4, 3).t()  # not contiguous: the general path

@@ -188,8 +188,11 @@ def test_it_is_a_torch_optimizer_and_zero_grad_works_either_way(job, serve):
         (m.w * 7.0).sum().backward()
         opt.zero_grad()
         assert m.w.grad is None
-        opt.step()  # no gradient: a zero one is pushed
         opt.learner.flush()
+        clock = opt.learner._arena.clock()
+        opt.step()  # no gradient: nothing is pushed, no update (the clock stays)
+        opt.learner.flush()
+        assert opt.learner.pushed == 1 and opt.learner._arena.clock() == clock
         for h in handles:
             h.remove()
         assert calls == [("global", opt, opt), ("pre", opt, opt), ("post", opt, opt)] * 2
@@ -213,7 +216,7 @@ def test_it_is_a_torch_optimizer_and_zero_grad_works_either_way(job, serve):
             opt.load_state_dict(sgd.state_dict())
         assert opt.param_groups[0]["lr"] == 1.0
     assert torch.equal(learner.pull_state_dict(job)["w"], -c)
-    assert_all_applied(job, 2)
+    assert_all_applied(job, 1)
 
 
 def test_zero_grad_keeps_an_unfinished_push_every_wave(job, serve):
@@ -227,6 +230,118 @@ def test_zero_grad_keeps_an_unfinished_push_every_wave(job, serve):
             (m.w * g).sum().backward()
             opt.step()
     assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((16,), -(2.0 + 15.0)))
+    assert_all_applied(job, 2)
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["cpu", "device"])
+def test_push_every_sums_in_psds_buffer_whatever_zeroes_p_grad(job, serve, device):
+    """--push-every 2 with the HF Trainer's habit (model.zero_grad() after each optimizer step, i.e. p.grad set
+    to None) and with in-place zeroing (zero_grad(set_to_none=False)) between the wave's steps: each wave pushes
+    the mean of its two gradients. An empty step counts toward no wave."""
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--push-every", "2")
+    m = Flat()
+    grads = [torch.full((16,), v) for v in (1.0, 3.0, 10.0, 20.0)]
+    kw = {"learner": DeviceLearner(m, job)} if device else {"job": job}
+    with learner.Optimizer(m, **kw) as opt:
+        for i, g in enumerate(grads):
+            (m.w * g).sum().backward()
+            opt.step()
+            if i == 1:
+                opt.step()  # no gradient: no update, and the next wave still takes two mini-batches
+            if m.w.grad is not None:
+                m.w.grad.zero_()  # in place, as zero_grad(set_to_none=False) does
+            m.zero_grad()  # set_to_none, as the HF Trainer does after each optimizer step
+        if not device:  # an unfinished wave: close() pushes its mean, nothing is lost
+            (m.w * 100.0).sum().backward()
+            opt.step()
+    tail = 0.0 if device else 100.0
+    assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((16,), -(2.0 + 15.0 + tail)))
+    assert_all_applied(job, 2 if device else 3)
+
+
+def test_empty_steps_are_no_update_under_kasync(job, serve):
+    """kasync:2 averages two gradients per update: empty steps between them must not count as one."""
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--sync", "kasync:2")
+    m = Flat()
+    with learner.Optimizer(m, job=job) as opt:
+        for v in (2.0, 4.0):
+            opt.step()  # nothing to push
+            (m.w * v).sum().backward()
+            opt.step()
+            opt.step()
+    assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((16,), -3.0))  # one update, their mean
+    st = job_status(job)
+    assert st["pushed"] == st["applied"] == 2, st
+
+
+class TwoPart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = torch.nn.Linear(4, 3)
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.enc(x)))
+
+
+def test_several_optimizers_in_one_process_share_its_slot(job, serve):
+    """One optimizer per sub-module (GAN, encoder/head): one slot between them, each step() pushes its own
+    parameters' gradients and leaves the others' alone; the slot frees when the last closes."""
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
+    torch.manual_seed(0)
+    m = TwoPart()
+    x = torch.randn(8, 4)
+    opt_all = learner.Optimizer(m, job=job)
+    opt_enc = learner.Optimizer(m, job=job, params=m.enc.parameters())  # params= of the attached model
+    opt_head = learner.Optimizer(m.head, job=job)  # a sub-module of the model attached in this process
+    assert opt_enc.learner is opt_head.learner is opt_all.learner
+    assert len(job_status(job)["learners"]) == 1
+    before = {k: v.clone() for k, v in learner.pull_state_dict(job).items()}
+    m(x).pow(2).sum().backward()
+    g_head = m.head.weight.grad.clone()
+    opt_enc.step()
+    assert m.head.weight.grad is not None and m.enc.weight.grad is None  # head's gradient left for its own step
+    opt_enc.learner.flush()
+    now = learner.pull_state_dict(job)
+    assert torch.equal(now["head.weight"], before["head.weight"]) and not torch.equal(now["enc.weight"],
+                                                                                       before["enc.weight"])
+    opt_head.step()
+    opt_head.learner.flush()
+    assert torch.allclose(learner.pull_state_dict(job)["head.weight"], before["head.weight"] - g_head)
+    with pytest.raises(ValueError, match="not parameters of the model attached"):
+        learner.Optimizer(m, job=job, params=[torch.nn.Parameter(torch.zeros(2))])
+    opt_all.close()
+    opt_enc.close()
+    assert len(job_status(job)["learners"]) == 1  # opt_head still holds it
+    del opt_head  # collected: the last one frees the slot
+    import gc
+
+    gc.collect()
+    assert len(job_status(job)["learners"]) == 0
+    assert_all_applied(job, 2)
+
+
+def test_refit_with_a_new_optimizer_and_model_gets_the_slot(job, serve):
+    """Lightning's second fit() makes new optimizers while the first fit's may still be referenced: the same
+    model shares the slot; a new model takes it over, and the old optimizer says it was detached."""
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
+    m = Flat()
+    first = learner.Optimizer(m, job=job)
+    again = learner.Optimizer(m, job=job)  # refit of the same model: no second slot needed
+    assert again.learner is first.learner
+    other = Flat()
+    (m.w * 1.0).sum().backward()
+    first.step()
+    new = learner.Optimizer(other, job=job)  # a new model (a fresh LightningModule): takes the slot over
+    assert first.closed and again.closed and not new.closed
+    assert torch.equal(other.w.detach(), torch.full((16,), -1.0))  # pulled the job's weights: nothing lost
+    (m.w * 1.0).sum().backward()
+    with pytest.raises(Error, match=r"was detached: a psd\.learner\.Optimizer of another model"):
+        first.step()
+    (other.w * 1.0).sum().backward()
+    new.step()
+    new.close()
+    assert len(job_status(job)["learners"]) == 0
     assert_all_applied(job, 2)
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from chaos_helpers import leftovers
 
 from conftest import child_env, wait_until
@@ -54,8 +55,40 @@ def test_learner_that_keeps_failing_fails_the_job(job, tmp_path):
     run = psd_run(job, tmp_path, sys.executable, "-c", "import sys; sys.exit(3)", extra=("--max-restarts", "1"))
     _, err = run.communicate(timeout=120)
     assert run.returncode == 3, err
-    assert "without progress; giving up" in err
+    assert "giving up on rank 0" in err and "giving up on rank 1" in err
     assert not os.path.exists(shm_path(job))
+    assert not leftovers(job)
+
+
+CRASH_AT_30 = (
+    "import os, sys, torch\nfrom psd import learner\n"
+    "rank = int(os.environ['PSD_RANK'])\n"
+    "m = torch.nn.Linear(4, 2)\n"
+    "with learner.attach(m) as ps:\n"
+    "    start = ps.resume_step if sys.argv[1] == 'resume' else 0\n"
+    "    for step in range(start, 60):\n"
+    "        if rank == 1 and step == 30:\n"
+    "            ps.flush()\n"
+    "            os._exit(7)  # the same bad batch in every life\n"
+    "        m(torch.ones(2, 4)).sum().backward()\n"
+    "        ps.step()\n"
+    "    ps.flush()\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["replay", "resume"])
+def test_a_learner_failing_at_the_same_batch_is_given_up_and_the_others_finish(job, tmp_path, mode):
+    """Rank 1 dies at its batch 30 in every life. Replaying its data (each life applies batches 0-29 again) or
+    resuming (each life applies nothing new), no life gets further than the first: after --max-restarts such
+    lives psd run gives up on rank 1 by name, rank 0 trains to its end, and the exit status is non-zero."""
+    script = tmp_path / "crash30.py"
+    script.write_text(CRASH_AT_30)
+    run = psd_run(job, tmp_path / "ck", sys.executable, str(script), mode, extra=("--max-restarts", "2"))
+    _, err = run.communicate(timeout=180)
+    assert run.returncode == 7, err
+    assert "giving up on rank 1" in err and "giving up on rank 0" not in err, err
+    assert err.count("learner 1 restarted") == 2, err  # two fruitless restarts allowed, the third death gives up
+    assert "learner 0 finished" in err, err
     assert not leftovers(job)
 
 

@@ -23,9 +23,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from psd import _native
 from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
@@ -77,12 +79,17 @@ class WorkerState(enum.Enum):
     RUNNING -> SUCCEEDED  it exited with 0
     RUNNING -> BACKOFF    it died (non-zero exit or a signal) and has restarts left
     BACKOFF -> RUNNING    restarted, once its back-off passed
-    RUNNING -> FAILED     it died with no restarts left (the job then stops)
+    RUNNING -> FAILED     it died with no restarts left (given up; the others finish)
 
     Restarts are capped per learner: ``max_restarts`` lives in a row that made
-    no progress (none of the rank's gradients applied). A learner that is
-    killed while it trains is not crash-looping, so its count starts over; the
-    back-off (0.1 s, doubling up to 10 s) grows only with lives without progress.
+    no progress. A life makes progress when it gets further through the rank's
+    data than every life before it: its reach is the rank's applied total at
+    its death if it resumed (skipped what earlier lives had applied:
+    ``resume_step``, ``ResumableSampler``; it says so in ``PSD_RESUME_FILE``),
+    else what it applied itself (it started its data again). A learner that
+    is killed while it trains is not crash-looping, so its count starts over;
+    one that fails at the same batch every life is. The back-off (0.1 s,
+    doubling up to 10 s) grows only with lives without progress.
     """
 
     RUNNING = "running"
@@ -99,6 +106,7 @@ class Worker:
     restarts: int = 0
     fruitless: int = 0  # lives in a row that made no progress
     progress_at_start: int = 0
+    reach: int = 0  # the furthest any life got through the rank's data (in applied gradients)
     restart_at: float = 0.0
     exit_code: int | None = None
 
@@ -131,6 +139,7 @@ class Launcher:
         self._arena_id = None
         self._last = (time.monotonic(), 0)
         self.events = EventLog(config.serve.event_log, self.job, "run")
+        self._run_dir = tempfile.TemporaryDirectory(prefix=f"psd-run-{self.job}-")
 
     # -- processes ----------------------------------------------------------
 
@@ -159,7 +168,10 @@ class Launcher:
         log.info("job %r: watchdog pid %d", self.job, self.watchdog.pid)
 
     def _start_worker(self, w: Worker) -> None:
+        resumed = self._resume_file(w)
+        resumed.unlink(missing_ok=True)
         env = dict(os.environ, PSD_JOB=self.job, PSD_RANK=str(w.rank), PSD_WORLD=str(self.n),
+                   PSD_RESUME_FILE=str(resumed),
                    PSD_RESTARTS=str(w.restarts), PSD_LEARNER_THREADS=str(self.learner_threads),
                    OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1",
                    PSD_NODE_RANK=str(self.config.serve.node_rank), PSD_NNODES=str(self.config.serve.nnodes),
@@ -177,6 +189,20 @@ class Launcher:
                         w.proc.pid, e)
         w.state = WorkerState.RUNNING
         w.progress_at_start = self._rank_progress(w.rank)
+
+    def _resume_file(self, w: Worker) -> Path:
+        """Where a life of ``w`` notes that it resumed (psd.learner.resume.note_resumed)."""
+        return Path(self._run_dir.name) / f"resumed-{w.rank}"
+
+    def _made_progress(self, w: Worker) -> bool:
+        """Whether the life that just ended got further through the rank's data than any before it."""
+        total = self._rank_progress(w.rank)
+        resumed = self._resume_file(w).exists()
+        reach = total if resumed else total - w.progress_at_start
+        if reach > w.reach:
+            w.reach = reach
+            return True
+        return False
 
     def _rank_progress(self, rank: int) -> int:
         a = self._arena_or_none()
@@ -220,11 +246,13 @@ class Launcher:
                 how = f"exit {code}" if code > 0 else signal.Signals(-code).name
                 if code == ARENA_LOST_EXIT:
                     how += ", SIGBUS: its arena was truncated or replaced"
-                w.fruitless = 0 if self._rank_progress(w.rank) > w.progress_at_start else w.fruitless + 1
-                if w.fruitless > self.max_restarts:
+                w.fruitless = 0 if self._made_progress(w) else w.fruitless + 1
+                if w.fruitless >= self.max_restarts:
                     w.state = WorkerState.FAILED
-                    log.error("job %r: learner %d died (%s) %d times in a row without progress; giving up",
-                              self.job, w.rank, how, w.fruitless)
+                    log.error("job %r: learner rank %d (%s) died %d times in a row without getting further "
+                              "through its data than before (last: %s); giving up on rank %d, the other learners "
+                              "go on (--max-restarts %d)", self.job, w.rank, " ".join(self.command), w.fruitless,
+                              how, w.rank, self.max_restarts)
                     self.events.emit("learner_failed", rank=w.rank, exit=how)
                     continue
                 w.state = WorkerState.BACKOFF
@@ -330,17 +358,18 @@ class Launcher:
                 self._progress()
                 if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED) for w in self.workers):
                     break
-                if any(w.state == WorkerState.FAILED for w in self.workers):
-                    break
                 self._stop.wait(0.1)
             interrupted = self._stop.is_set()
             self._progress(final=True)
         finally:
             self._shutdown()
+            self._run_dir.cleanup()
         if interrupted:
             return 130
         failed = [w for w in self.workers if w.state != WorkerState.SUCCEEDED]
         if failed:
+            log.error("job %r: learner rank(s) %s gave up; the other learners finished", self.job,
+                      ", ".join(str(w.rank) for w in failed))
             code = failed[0].exit_code
             return code if code and code > 0 else 1
         return 0

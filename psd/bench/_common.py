@@ -220,10 +220,11 @@ def _median_of(runs: list[dict], key: str) -> dict:
     return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
 
 
-def _interleaved(cfg: BenchConfig, measures: dict, key: str) -> dict:
+def _interleaved(cfg: BenchConfig, measures: dict, key: str, spread: tuple[str, ...] = ()) -> dict:
     """Run every measure ``cfg.reps`` times, taking turns, so that a noisy spell on the machine hits
     psd and its peers alike; the median run of each, with the least and the most ``key`` of its runs
-    (``<key>_min``, ``<key>_max``) and ``reps``, from which a ratio's spread can be bounded."""
+    (``<key>_min``, ``<key>_max``) and ``reps``, from which a ratio's spread can be bounded. Each figure
+    named in ``spread`` that every run of a measure has gets its ``_min`` and ``_max`` over the runs too."""
     runs: dict = {name: [] for name in measures}
     for _ in range(max(1, cfg.reps)):
         for name, measure in measures.items():
@@ -232,4 +233,7 @@ def _interleaved(cfg: BenchConfig, measures: dict, key: str) -> dict:
     for name, r in runs.items():
         values = [x[key] for x in r]
         out[name] = {**_median_of(r, key), f"{key}_min": min(values), f"{key}_max": max(values), "reps": len(r)}
+        for k in spread:
+            if all(isinstance(x.get(k), int | float) for x in r):
+                out[name].update({f"{k}_min": min(x[k] for x in r), f"{k}_max": max(x[k] for x in r)})
     return out

@@ -8,13 +8,14 @@ import os
 from psd import __version__
 from psd.bench._common import BenchConfig
 from psd.bench.kernels import dram_params, idle_cpu, kernels, limits
+from psd.bench.record import machine
 from psd.bench.round_trip import gpu_round_trip, round_trip
 from psd.bench.training import training
 
 
 def run(cfg: BenchConfig, log=print) -> dict:
     """Every workload; the result is what `psd bench --json` prints."""
-    out: dict = {"psd_version": __version__, "cpus": len(os.sched_getaffinity(0))}
+    out: dict = {"psd_version": __version__, "cpus": len(os.sched_getaffinity(0)), "machine": machine()}
     out.update(limits(cfg, log))
     # The kernels over the DRAM limit's vector, where memory shows (and over one in the core's cache).
     out["kernels"] = kernels(dram_params(cfg, out["llc_bytes"]))

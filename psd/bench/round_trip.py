@@ -178,7 +178,8 @@ def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
                 measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)
                 if k > 1:
                     measures["ddp_gloo"] = partial(_ddp_round_trip, n, k, cfg.duration)
-            row = {"params": n, "learners": k, **_interleaved(cfg, measures, "updates_per_s")}
+            row = {"params": n, "learners": k,
+                   **_interleaved(cfg, measures, "updates_per_s", spread=("step_p50_us", "push_p50_us"))}
             if cfg.peers:
                 row.setdefault("ddp_gloo", None)
                 for peer in PEERS:
