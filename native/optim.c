@@ -89,74 +89,120 @@ double psd_async_lr_factor(const struct psd_header *h, double staleness) {
     return (1.0 + tau) / (1.0 + staleness);
 }
 
-/* torch.lerp's float formula: exact at both ends. */
-static inline float lerp(float a, float b, float w) {
-    return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-}
-
 /* The range kernels below read each value of g once (psd_take1: a NaN or an infinity is taken as 0 and
- * raises the returned flag): g may be a learner's ring, still writable by it. */
-static uint32_t sgd_range(const struct step_scalars *k, float *restrict w, const float *restrict g, uint64_t lo,
-                          uint64_t hi) {
+ * raises the returned flag): g may be a learner's ring, still writable by it. Each is one fused pass
+ * (w, g and the state read once and written once per element) written so that the compiler vectorises
+ * it: the scalars are copied into locals and every per-job choice (weight decay, the first step,
+ * Nesterov, AdamW's decoupled decay, torch.lerp's side) is a compile-time constant of an always-inlined
+ * body, picked once per range, so no branch is left in the loop; with -fno-math-errno, sqrtf is the
+ * packed square root. PSD_KERNEL (psd.h) builds each range kernel for AVX-512, AVX2 and the baseline,
+ * picked at load time by the CPU (GCC's target_clones). */
+#define PSD_INLINE static inline __attribute__((always_inline))
+
+PSD_INLINE uint32_t sgd_body(const struct step_scalars *k, const int wd_on, float *restrict w,
+                             const float *restrict g, uint64_t lo, uint64_t hi) {
+    const float gs = k->gscale, wd = k->wd, neg_lr = k->neg_lr;
     uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = psd_take1(g[i], &bad) * k->gscale;
-        if (k->wd != 0.0f)
-            d = d + k->wd * w[i];
-        w[i] = w[i] + k->neg_lr * d;
+        float d = psd_take1(g[i], &bad) * gs;
+        if (wd_on)
+            d = d + wd * w[i];
+        w[i] = w[i] + neg_lr * d;
     }
     return bad;
 }
 
-static uint32_t momentum_range(const struct step_scalars *k, int nesterov, float *restrict w,
-                               const float *restrict g, float *restrict buf, uint64_t lo, uint64_t hi) {
+PSD_KERNEL static uint32_t sgd_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
+                                     uint64_t lo, uint64_t hi) {
+    return k->wd != 0.0f ? sgd_body(k, 1, w, g, lo, hi) : sgd_body(k, 0, w, g, lo, hi);
+}
+
+PSD_INLINE uint32_t momentum_body(const struct step_scalars *k, const int nesterov, const int wd_on, const int first,
+                                  float *restrict w, const float *restrict g, float *restrict buf, uint64_t lo,
+                                  uint64_t hi) {
+    const float gs = k->gscale, wd = k->wd, mom = k->mom, omd = k->one_minus_damp, neg_lr = k->neg_lr;
     uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = psd_take1(g[i], &bad) * k->gscale;
-        if (k->wd != 0.0f)
-            d = d + k->wd * w[i];
-        float b = k->first ? d : buf[i] * k->mom + k->one_minus_damp * d;
+        float d = psd_take1(g[i], &bad) * gs;
+        if (wd_on)
+            d = d + wd * w[i];
+        float b = first ? d : buf[i] * mom + omd * d;
         buf[i] = b;
-        float u = nesterov ? d + k->mom * b : b;
-        w[i] = w[i] + k->neg_lr * u;
+        float u = nesterov ? d + mom * b : b;
+        w[i] = w[i] + neg_lr * u;
     }
     return bad;
 }
 
-static uint32_t adam_range(const struct step_scalars *k, int decoupled, float *restrict w, const float *restrict g,
-                           float *restrict m, float *restrict v, uint64_t lo, uint64_t hi) {
+PSD_KERNEL static uint32_t momentum_range(const struct step_scalars *k, int nesterov, float *restrict w,
+                                          const float *restrict g, float *restrict buf, uint64_t lo, uint64_t hi) {
+    const int wd_on = k->wd != 0.0f, first = k->first;
+#define PSD_MOM(n, d, f) momentum_body(k, n, d, f, w, g, buf, lo, hi)
+    if (nesterov)
+        return first ? (wd_on ? PSD_MOM(1, 1, 1) : PSD_MOM(1, 0, 1)) : (wd_on ? PSD_MOM(1, 1, 0) : PSD_MOM(1, 0, 0));
+    return first ? (wd_on ? PSD_MOM(0, 1, 1) : PSD_MOM(0, 0, 1)) : (wd_on ? PSD_MOM(0, 1, 0) : PSD_MOM(0, 0, 0));
+#undef PSD_MOM
+}
+
+/* decay: 0 none, 1 L2 (Adam's weight_decay), 2 decoupled (AdamW); low: torch.lerp's side (weight < 0.5). */
+PSD_INLINE uint32_t adam_body(const struct step_scalars *k, const int decay, const int low, float *restrict w,
+                              const float *restrict g, float *restrict m, float *restrict v, uint64_t lo,
+                              uint64_t hi) {
+    const float gs = k->gscale, wd = k->wd, dm = k->decay_mul, b1w = k->b1_weight, b1w_c = 1.0f - k->b1_weight;
+    const float b2 = k->b2, omb2 = k->one_minus_b2, bc2 = k->bc2_sqrt, eps = k->eps, nss = k->neg_step_size;
     uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = psd_take1(g[i], &bad) * k->gscale;
+        float d = psd_take1(g[i], &bad) * gs;
         float p = w[i];
-        if (k->wd != 0.0f) {
-            if (decoupled)
-                p = p * k->decay_mul;
-            else
-                d = d + k->wd * p;
-        }
-        float mi = lerp(m[i], d, k->b1_weight);
-        float vi = v[i] * k->b2 + k->one_minus_b2 * (d * d);
+        if (decay == 2)
+            p = p * dm;
+        else if (decay == 1)
+            d = d + wd * p;
+        float a = m[i];
+        float mi = low ? a + b1w * (d - a) : d - (d - a) * b1w_c; /* torch.lerp(m, d, b1w), both sides exact */
+        float vi = v[i] * b2 + omb2 * (d * d);
         m[i] = mi;
         v[i] = vi;
-        float denom = sqrtf(vi) / k->bc2_sqrt + k->eps;
-        w[i] = p + k->neg_step_size * (mi / denom);
+        float denom = sqrtf(vi) / bc2 + eps;
+        w[i] = p + nss * (mi / denom);
     }
     return bad;
 }
 
-static uint32_t adagrad_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
-                              float *restrict sum, uint64_t lo, uint64_t hi) {
+PSD_KERNEL static uint32_t adam_range(const struct step_scalars *k, int decoupled, float *restrict w,
+                                      const float *restrict g, float *restrict m, float *restrict v, uint64_t lo,
+                                      uint64_t hi) {
+    const int decay = k->wd == 0.0f ? 0 : decoupled ? 2 : 1, low = k->b1_weight < 0.5f;
+#define PSD_ADAM(d, l) adam_body(k, d, l, w, g, m, v, lo, hi)
+    switch (decay) {
+    case 2:
+        return low ? PSD_ADAM(2, 1) : PSD_ADAM(2, 0);
+    case 1:
+        return low ? PSD_ADAM(1, 1) : PSD_ADAM(1, 0);
+    default:
+        return low ? PSD_ADAM(0, 1) : PSD_ADAM(0, 0);
+    }
+#undef PSD_ADAM
+}
+
+PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, float *restrict w,
+                                 const float *restrict g, float *restrict sum, uint64_t lo, uint64_t hi) {
+    const float gs = k->gscale, wd = k->wd, neg_clr = k->neg_clr, eps = k->eps;
     uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
-        float d = psd_take1(g[i], &bad) * k->gscale;
-        if (k->wd != 0.0f)
-            d = d + k->wd * w[i];
+        float d = psd_take1(g[i], &bad) * gs;
+        if (wd_on)
+            d = d + wd * w[i];
         float s = sum[i] + d * d;
         sum[i] = s;
-        w[i] = w[i] + k->neg_clr * (d / (sqrtf(s) + k->eps));
+        w[i] = w[i] + neg_clr * (d / (sqrtf(s) + eps));
     }
     return bad;
+}
+
+PSD_KERNEL static uint32_t adagrad_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
+                                         float *restrict sum, uint64_t lo, uint64_t hi) {
+    return k->wd != 0.0f ? adagrad_body(k, 1, w, g, sum, lo, hi) : adagrad_body(k, 0, w, g, sum, lo, hi);
 }
 
 static uint32_t step_range(const struct psd_header *h, const struct step_scalars *k, float *w, const float *g,

@@ -238,6 +238,19 @@ static inline void psd_beat(struct psd_beat *b) {
     if (b)
         psd_beat_at(b, psd_now_ns());
 }
+/* The update loop's optimizer kernels (optim.c) are built three times, for AVX-512, AVX2 and the x86-64
+ * baseline, and the loader picks the one the CPU runs (GCC's target_clones, an ifunc): no -march=native
+ * in the build, full vector width where the machine has it. Other compilers and CPUs: one build. The
+ * build is ISO C11 (-std=c11: no floating-point contraction), so every clone rounds exactly alike. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
+/* (Not under the sanitizers: an ifunc resolver runs while the program is relocated, before their
+ * runtime is up, and its instrumented code crashes. The stress test builds the one baseline version.) */
+#define PSD_KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PSD_KERNEL
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #define PSD_OMP_MASTER() (omp_get_thread_num() == 0)

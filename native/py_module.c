@@ -204,7 +204,75 @@ static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
     return sgd_call(args, "apply_sgd_kernel", sgd_kernel, 4);
 }
 
+/* optimizer_step(optimizer, w, g, s0, s1, lr, t, threads, weight_decay, momentum, beta1, beta2, eps, gscale,
+ * grad_bf16) -> non-finite count: one update of the server's optimizer kernel over plain buffers, as the
+ * update loop makes it (psd_optimizer_step with a header holding only the optimizer's configuration), for
+ * `psd bench` against torch's fused optimizers and for the kernel tests. s0/s1: the state vectors the
+ * optimizer needs (None otherwise); g float32, or bfloat16 with grad_bf16. */
+static PyObject *mod_optimizer_step(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *opt;
+    Py_buffer w = {0}, g = {0}, s0 = {0}, s1 = {0};
+    PyObject *o0, *o1;
+    double lr, wd, mom, b1, b2, eps;
+    float gscale;
+    unsigned long long t;
+    int threads, bf16;
+    if (!PyArg_ParseTuple(args, "sw*y*OOdKidddddfp", &opt, &w, &g, &o0, &o1, &lr, &t, &threads, &wd, &mom, &b1,
+                          &b2, &eps, &gscale, &bf16))
+        return NULL;
+    PyObject *result = NULL;
+    struct psd_header *h = NULL;
+    int o = name_index("optimizer", opt, optimizer_names, N_OPTIMIZERS);
+    if (o < 0)
+        goto out;
+    uint64_t n = (uint64_t)w.len / sizeof(float);
+    uint32_t vectors = psd_state_vectors((uint32_t)o, PSD_SYNC_ASP);
+    if (w.len % (Py_ssize_t)sizeof(float) || (uint64_t)g.len != n * (bf16 ? 2u : 4u) || t < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "optimizer_step: w float32, g of w's length (float32, or bfloat16 with "
+                                          "grad_bf16), t >= 1, threads >= 1");
+        goto out;
+    }
+    if ((vectors >= 1 && (o0 == Py_None || PyObject_GetBuffer(o0, &s0, PyBUF_WRITABLE) < 0)) ||
+        (vectors >= 2 && (o1 == Py_None || PyObject_GetBuffer(o1, &s1, PyBUF_WRITABLE) < 0))) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "optimizer_step: %s needs %u state vector(s)", opt, vectors);
+        goto out;
+    }
+    if ((s0.buf && (uint64_t)s0.len != n * 4) || (s1.buf && (uint64_t)s1.len != n * 4)) {
+        PyErr_SetString(PyExc_ValueError, "optimizer_step: state vectors are float32 of w's length");
+        goto out;
+    }
+    if (!(h = calloc(1, sizeof *h))) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    h->optimizer = (uint32_t)o;
+    h->momentum = mom;
+    h->beta1 = b1;
+    h->beta2 = b2;
+    h->eps = eps;
+    h->weight_decay = wd;
+    h->async_momentum = PSD_ASYNC_MOMENTUM_OFF;
+    _Atomic uint64_t bad = 0;
+    Py_BEGIN_ALLOW_THREADS psd_optimizer_step(h, w.buf, g.buf, bf16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32, gscale, s0.buf,
+                                              s1.buf, n, lr, t, threads, NULL, &bad);
+    Py_END_ALLOW_THREADS result = PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&bad));
+out:
+    free(h);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&g);
+    if (s0.buf)
+        PyBuffer_Release(&s0);
+    if (s1.buf)
+        PyBuffer_Release(&s1);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
+    {"optimizer_step", mod_optimizer_step, METH_VARARGS,
+     "optimizer_step(optimizer, w, g, s0, s1, lr, t, threads, weight_decay, momentum, beta1, beta2, eps, gscale, "
+     "grad_bf16) -> non-finite values taken as 0: one update of the server's kernel over plain buffers"},
     {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
     {"install_sigbus_handler", mod_install_sigbus_handler, METH_VARARGS,
      "install_sigbus_handler(status): a SIGBUS on an arena mapping prints why and exits with status"},
