@@ -550,10 +550,11 @@ class Learner:
                                                                  strict=True)]
             self._acc_has = [False] * len(self._train)
             self._acc_count = [0] * len(self._train)
+        for k in range(len(self._train)) if mask is None else mask:
+            self._acc_count[k] += 1  # a step of this tensor's optimizer, with a gradient for it or not
         for k, g in enumerate(self._grads_of(mask)):
             if g is None:
                 continue
-            self._acc_count[k] += 1
             if g.layout == torch.sparse_coo:
                 s = self._acc_sparse.get(k)
                 self._acc_sparse[k] = g.detach().clone() if s is None else s + g.detach()
@@ -569,8 +570,8 @@ class Learner:
 
     def _wave_grads(self) -> list[torch.Tensor | None]:
         """The wave's mean gradients, and a new wave begins. Each tensor's sum is divided by the steps
-        that carried a gradient for it: W, unless several optimizers of some of the parameters each
-        (``Optimizer(params=...)``) stepped within the wave."""
+        of its optimizer within the wave: W, unless several optimizers of some of the parameters each
+        (``Optimizer(params=...)``) stepped within it (then each tensor by its own optimizer's steps)."""
         out: list[torch.Tensor | None] = [None] * len(self._train)
         for k in range(len(self._train)):
             s = self._acc_sparse.pop(k, None)
@@ -648,8 +649,11 @@ class Learner:
                     self._after_push(self._arena, 0)
                 return
         if not self._has_gradient(only):
-            self._take_newer(self._arena)  # nothing to push, no update: only newer weights
-            return
+            if self.sync in ("asp", "kasync") or self.push_every > 1:
+                self._take_newer(self._arena)  # nothing to push, no update: only newer weights
+                return
+            # bsp / ssp: the peers wait on this learner's steps. The empty push is its step (a round's
+            # member, its ssp progress), and the server applies it as no update.
         if self.push_every > 1:
             self._accumulate(only)
         wave = self._end_of_wave(lv, batch_size)
@@ -841,12 +845,14 @@ class Learner:
         if self._identity is None:
             return  # lost with its arena (see _await_server), nothing left to release
         try:
+            self._closing = False
+            try:
+                self._push_open_wave()  # nothing lost, even when closing without waiting (at exit)
+            except Error as e:
+                log.warning("job %r: the unfinished wave could not be pushed at close: %s", self.job, e)
+            finally:
+                self._closing = True
             if flush:
-                self._closing = False
-                try:
-                    self._push_open_wave()
-                finally:
-                    self._closing = True
                 self.flush()
             try:
                 self._arena.release(self.slot, self._claim_token)

@@ -19,6 +19,7 @@ server.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import logging
 import math
@@ -31,9 +32,11 @@ from typing import Any
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from psd.arena import default_job
+from psd import _native
+from psd.arena import arena_spec, default_job, first_difference, open_job
 from psd.errors import Error
 from psd.learner.client import DeviceLearner, Learner, attach
+from psd.state import model_spec
 
 __all__ = ["Optimizer"]
 
@@ -69,6 +72,9 @@ def _loss_value(loss: Any) -> float | torch.Tensor | None:
 
 def _flat_params(params: Iterable[Any]) -> list[torch.nn.Parameter]:
     """The parameters in ``params``: tensors, or torch's parameter groups (dicts with "params")."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"params= takes an iterable of parameters (or parameter groups), not a tensor: write "
+                        f"params=[t] (got a {type(params).__name__} of shape {tuple(params.shape)})")
     out: list[torch.nn.Parameter] = []
     for p in params:
         if isinstance(p, Mapping):
@@ -131,7 +137,8 @@ def _join(module: torch.nn.Module, job: str | None, params: Iterable[Any] | None
     parameters are those of the model attached there (several optimizers, a refit), else a new attach
     (of ``module``), which takes over from an earlier model's optimizers."""
     job = job or default_job()
-    with _SHARED_LOCK:
+    _SHARED_LOCK.acquire()
+    try:
         shared = _SHARED.get(job)
         if shared is not None and not shared.learner._closing and not shared.superseded:
             if params is not None:
@@ -141,6 +148,7 @@ def _join(module: torch.nn.Module, job: str | None, params: Iterable[Any] | None
                 mask = _mask_of(shared.learner, wanted)
                 shared.users += 1
                 return shared, mask
+            _check_takeover(module, job)  # before anything is detached: a model the job cannot take fails here
             why = (f"a psd.learner.Optimizer of another model (a {type(module).__name__}) attached to job {job!r} "
                    f"in this process")
             log.warning("job %r: %s; the optimizers of the earlier model (a %s) are detached", job, why,
@@ -161,6 +169,26 @@ def _join(module: torch.nn.Module, job: str | None, params: Iterable[Any] | None
         shared.users = 1
         _SHARED[job] = shared
         return shared, mask
+    finally:
+        _unlock()
+
+
+def _check_takeover(module: torch.nn.Module, job: str) -> None:
+    """Raise the job's own mismatch error if ``module`` is not the job's model (by names and shapes)."""
+    arena = open_job(job, role="reader")
+    try:
+        if arena.state != _native.ARENA_READY:
+            return
+        arena.remap()
+        theirs = arena_spec(arena)
+    finally:
+        arena.close()
+    spec = model_spec(module)[0]
+    mismatch = first_difference(job, sorted(spec, key=lambda p: p.name), sorted(theirs, key=lambda p: p.name))
+    if mismatch:
+        raise type(mismatch)(f"{mismatch} (a {type(module).__name__} cannot take over this process's slot on job "
+                             f"{job!r}: it is not the job's model. For an optimizer of a part of the model attached "
+                             f"in this process, pass that model with params=part.parameters())")
 
 
 _EXITING = False
@@ -182,21 +210,54 @@ def _exit_hook() -> None:
         atexit.register(exiting)
 
 
-def _leave(shared: _Shared, flush: bool | None) -> None:
-    """One optimizer fewer on ``shared``'s slot: the last one closes the learner (frees the slot).
-    ``flush`` None (a finalizer): wait for the server to apply what was pushed, unless exiting."""
-    if flush is None:
-        flush = not _EXITING
-    with _SHARED_LOCK:
-        shared.users -= 1
-        if shared.users > 0 or shared.superseded:
-            return
-        if _SHARED.get(shared.learner.job) is shared:
-            del _SHARED[shared.learner.job]
+# Finalizers that found the lock taken (a garbage collection inside _join or _leave, in this thread or
+# another): the lock's holder runs them when it lets go. A finalizer never blocks on the lock.
+_PENDING: collections.deque[_Shared] = collections.deque()
+
+
+def _leave_locked(shared: _Shared, flush: bool) -> None:
+    """``_leave``'s work, with ``_SHARED_LOCK`` held: the registry entry goes only once the learner is
+    closed, so a new optimizer on the job (another thread) waits for the slot to be free."""
+    shared.users -= 1
+    if shared.users > 0 or shared.superseded:
+        return
     try:
         shared.learner.close(flush=flush)
     except Error as e:  # from a finalizer too: say it, do not raise into the collector
         log.warning("job %r: detaching: %s", shared.learner.job, e)
+    finally:
+        if _SHARED.get(shared.learner.job) is shared:
+            del _SHARED[shared.learner.job]
+
+
+def _unlock() -> None:
+    """Let go of ``_SHARED_LOCK``, running the finalizers that came meanwhile first (and any that came
+    between the last of them and the release, if the lock is still free then)."""
+    while True:
+        try:
+            while _PENDING:
+                _leave_locked(_PENDING.popleft(), not _EXITING)
+        finally:
+            _SHARED_LOCK.release()
+        if not _PENDING or not _SHARED_LOCK.acquire(blocking=False):
+            return
+
+
+def _leave(shared: _Shared, flush: bool | None) -> None:
+    """One optimizer fewer on ``shared``'s slot: the last one closes the learner (frees the slot).
+    ``flush`` None (a finalizer): wait for the server to apply what was pushed, unless exiting; and
+    if the lock is taken, leave the work to its holder instead of waiting (no deadlock in a GC)."""
+    if flush is None:
+        if not _SHARED_LOCK.acquire(blocking=False):
+            _PENDING.append(shared)
+            return
+        flush = not _EXITING
+    else:
+        _SHARED_LOCK.acquire()
+    try:
+        _leave_locked(shared, flush)
+    finally:
+        _unlock()
 
 
 class Optimizer(torch.optim.Optimizer):

@@ -68,14 +68,15 @@ def life_start(job: str, rank: int, progress: Any) -> tuple[int, int]:
 def _read_progress(job: str, rank: int, timeout: float) -> tuple[int, int]:
     """(applied gradients of ``rank``, push_every) read from the job's arena without claiming a slot,
     once no earlier life of the rank holds a slot (its gradients still being applied)."""
-    arena = open_job(job, role="reader")
+    arena = open_job(job, role="reader")  # read-only: only reads below (no wait_state: it writes)
     try:
         deadline = time.monotonic() + timeout
         while arena.state != _native.ARENA_READY:
             if time.monotonic() > deadline:
                 raise StateError(f"job {job!r} has no weights yet after {timeout:g} s: start its server "
                                  f"(`psd serve --job {job}`) or run the script under `psd run`")
-            arena.wait_state(_native.ARENA_READY, 0.1)
+            time.sleep(0.02)  # nothing a reader can wait on announces READY
+        arena.remap()
         me = os.getpid()
         while True:
             busy = [i for i in range(arena.header()["n_slots"])
@@ -86,7 +87,7 @@ def _read_progress(job: str, rank: int, timeout: float) -> tuple[int, int]:
             if time.monotonic() > deadline:
                 raise Timeout(f"job {job!r}: another learner with rank {rank} is still attached; give each "
                               f"learner its own rank (PSD_RANK)")
-            arena.wait_state(_native.ARENA_READY, 0.02)  # a slot frees without a signal of its own
+            time.sleep(0.02)  # a slot frees without a signal of its own
         ranks = arena.ranks()
         return (ranks[rank] if rank < len(ranks) else 0), arena.header()["push_every"]
     finally:
@@ -106,7 +107,14 @@ def applied_before(job: str | None = None, rank: int | None = None, *, timeout: 
     if rank < 0:
         return 0
     applied, every = life_start(job, rank, lambda: _read_progress(job, rank, timeout))
+    if applied:
+        note_resumed()  # whoever asks is taken to skip them (psd run's crash-loop rule counts on it)
     return applied * every
+
+
+# (job, rank) whose skip a ResumableSampler of this process already took: a later sampler (a refit, a
+# second fit() or train() in the same life) starts its data from the beginning.
+_SKIP_TAKEN: set[tuple[str, int]] = set()
 
 
 class ResumableSampler(torch.utils.data.Sampler):
@@ -117,9 +125,9 @@ class ResumableSampler(torch.utils.data.Sampler):
     then yields, over its epochs, exactly the samples its earlier lives had not trained on, and the
     job's applied total equals a clean run's. ``batches_per_step``: the loader's mini-batches per
     ``optimizer.step()`` (1; a framework that accumulates G mini-batches per step takes G);
-    ``steps_per_batch``: the optimizers that step for each of them (1; a GAN's two take 2). It
-    assumes one run over the data per process (one ``fit()``): a refit in the same life is not
-    skipped again.
+    ``steps_per_batch``: the optimizers that step for each of them (1; a GAN's two take 2). The
+    first sampler of a life takes the skip; a later one (a refit, a second ``fit()`` or ``train()``)
+    starts its data from the beginning.
     ``skip`` overrides what to leave out (in mini-batches; default ``applied_before(job, rank)``).
 
     Each ``__iter__`` is one epoch; ``set_epoch`` is passed on to the wrapped sampler. Without
@@ -157,15 +165,37 @@ class ResumableSampler(torch.utils.data.Sampler):
         n = len(self.sampler)  # type: ignore[arg-type]
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def _batches_applied(self) -> int:
+        """What the job applied for this rank before this life, in this loader's mini-batches (0 for a
+        later sampler of the same life: it starts a new run over the data)."""
+        key = (self._job or default_job(), _env_rank() if self._rank is None else int(self._rank))
+        if key in _SKIP_TAKEN:
+            return 0
+        _SKIP_TAKEN.add(key)
+        steps = applied_before(self._job, self._rank)  # optimizer steps (learner steps)
+        if self.steps_per_batch > 1:
+            return steps // self.steps_per_batch
+        g, nb = self.batches_per_step, self._batches()
+        if g == 1 or not nb:
+            return steps * g
+        # A framework accumulating G mini-batches steps ceil(nb / G) times an epoch: the last step of an
+        # epoch takes its remainder.
+        per_epoch = -(-nb // g)
+        return (steps // per_epoch) * nb + min((steps % per_epoch) * g, nb)
+
     def _to_skip(self) -> int:
         if self._left is None:
-            self._left = applied_before(self._job, self._rank) * self.batches_per_step // self.steps_per_batch
+            self._left = self._batches_applied()
         if self._shift is None:
             self._shift = 0
             if self.epochs is not None and self._batches():
                 self._shift = min(self._left // self._batches(), self.epochs)
                 self._left -= self._shift * self._batches()
                 self.skipped += self._shift * self._batches()
+                if not hasattr(self.sampler, "set_epoch"):
+                    for _ in range(self._shift):  # draw the finished epochs' orders, so this one's is right
+                        for _ in self.sampler:
+                            pass
         if self._left or self._shift:
             note_resumed()
         return self._left

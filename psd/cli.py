@@ -158,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"psd run: --pull view makes CPU learners' parameters views of the shared weights; "
                          f"it cannot go with {'--gpus' if gpus else '--predict'}: use --pull copy")
     return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts, gpus=gpus,
+                    fork_server=args.fork_server,
                     learner_threads=args.learner_threads, pull=args.pull, learner_sched=args.learner_sched).run()
 
 

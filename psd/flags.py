@@ -234,6 +234,9 @@ def _build() -> tuple[Flag, ...]:
         Flag("--max-restarts", "a learner that dies this many times in a row without progress (no step beyond "
              "its earlier lives) is given up: the others finish, and psd run exits non-zero", 3,
              type=int, commands=(RUN,), metavar="R"),
+        Flag("--fork-server", "start learners (and their restarts) by forking a process that has already "
+             "imported torch: a restart costs milliseconds instead of an interpreter's start-up; COMMAND must be "
+             "`python SCRIPT ...` or `python -m MODULE ...`", False, switch=True, commands=(RUN,)),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
              0, type=int, commands=(RUN,), metavar="T"),
         Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "

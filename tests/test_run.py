@@ -188,3 +188,50 @@ def test_export_after_the_job_ended_takes_its_final_checkpoint(job, tmp_path):
     r = subprocess.run([sys.executable, "-m", "psd.cli", "export", "--job", job + "-never", "--out", str(out)],
                        capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode != 0 and "is not running and" in r.stderr and "--checkpoint-dir" in r.stderr
+
+
+FORKED = (
+    "import os, sys\n"
+    "preloaded = 'torch' in sys.modules  # the fork server imported it before forking\n"
+    "import torch\nfrom psd import learner\n"
+    "assert __name__ == '__main__' and sys.argv[1:] == ['--flag', 'x'], (__name__, sys.argv)\n"
+    "m = torch.nn.Linear(4, 2)\n"
+    "with learner.attach(m) as ps:\n"
+    "    print(f'rank {os.environ[\"PSD_RANK\"]} life {os.environ[\"PSD_RESTARTS\"]} preloaded {preloaded} '\n"
+    "          f'start {ps.resume_step}', flush=True)\n"
+    "    for step in range(ps.resume_step, 40):\n"
+    "        m(torch.ones(2, 4)).sum().backward()\n"
+    "        ps.step()\n"
+    "        if step == 20 and os.environ['PSD_RESTARTS'] == '0' and os.environ['PSD_RANK'] == '1':\n"
+    "            ps.flush()\n"
+    "            os._exit(5)\n"
+    "    ps.flush()\n"
+    "sys.exit(0)\n"
+)
+
+
+def test_fork_server_starts_and_restarts_learners_with_torch_already_imported(job, tmp_path):
+    """psd run --fork-server: each learner (and the restart of one that died) is a fork of a process that
+    imported torch, running the script as `python SCRIPT ARGS` would (__main__, sys.argv, environment); exits
+    and deaths reach psd run as they would from a process of its own, and nothing is lost or replayed."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--fork-server",
+                        "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script), "--flag", "x"],
+                       capture_output=True, text=True, env=child_env(), timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lives = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert lives == ["rank 0 life 0 preloaded True start 0", "rank 1 life 0 preloaded True start 0",
+                     "rank 1 life 1 preloaded True start 21"], r.stdout
+    assert "learner 1 restarted" in r.stderr and "by the fork server" in r.stderr
+    from psd.watchdog import checkpoint
+
+    assert checkpoint.latest(tmp_path / "ck").ranks[:2] == [40, 40]
+    assert not leftovers(job)
+
+
+def test_fork_server_refuses_a_command_it_cannot_fork(job, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--fork-server",
+                        "--checkpoint-dir", str(tmp_path), "--", "/bin/true"],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode != 0 and "COMMAND must be `python SCRIPT ...`" in r.stderr, r.stderr

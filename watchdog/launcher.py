@@ -34,6 +34,7 @@ from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
 from psd.errors import Error
 from psd.events import EventLog
 from psd.flags import LEARNER_SCHED_CHOICES
+from psd.watchdog.forkserver import ForkServer, forkable
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
@@ -112,11 +113,12 @@ class Worker:
 
 
 class Launcher:
-    """Run a whole job: ``Launcher(watchdog_config, ["python", "train.py"], max_restarts=5).run()``."""
+    """Run a whole job: ``Launcher(watchdog_config, ["python", "train.py"], max_restarts=3).run()``."""
 
-    def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 5,
+    def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 3,
                  progress_every: float | None = None, learner_threads: int = 0,
-                 gpus: list[int] | None = None, pull: str = "copy", learner_sched: str = "auto") -> None:
+                 gpus: list[int] | None = None, pull: str = "copy", learner_sched: str = "auto",
+                 fork_server: bool = False) -> None:
         self.config = config
         self.job = config.serve.job
         self.n = config.serve.learners
@@ -140,6 +142,12 @@ class Launcher:
         self._last = (time.monotonic(), 0)
         self.events = EventLog(config.serve.event_log, self.job, "run")
         self._run_dir = tempfile.TemporaryDirectory(prefix=f"psd-run-{self.job}-")
+        if fork_server and not forkable(command):
+            raise Error(f"psd run --fork-server forks learners from a process of this Python ({sys.executable}) "
+                        f"that has imported torch: COMMAND must be `python SCRIPT ...` or `python -m MODULE ...` "
+                        f"with that interpreter, not {' '.join(command[:2])!r}; leave --fork-server out to run it "
+                        f"as a new process")
+        self._forks: ForkServer | None = ForkServer() if fork_server else None
 
     # -- processes ----------------------------------------------------------
 
@@ -178,7 +186,10 @@ class Launcher:
                    PSD_PULL=self.pull)
         if self.gpus:
             env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"
-        w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
+        if self._forks is not None and self._forks.alive:
+            w.proc = self._forks.spawn(self.command, env)  # torch already imported: a restart is a fork
+        else:
+            w.proc = subprocess.Popen(self.command, env=env, start_new_session=True, preexec_fn=_die_with_launcher)
         # Set from here rather than in the child before exec: a refusal (a sandbox that forbids the call)
         # is then a warning, not a learner that cannot start. The learner's first instructions may run
         # under psd run's own policy; its threads inherit the new one.
@@ -348,9 +359,13 @@ class Launcher:
         try:
             self._start_watchdog()
             wait_for_job(self.job, timeout=self.config.start_timeout, server_pid=self.watchdog.pid)
+            if self._forks is not None:
+                self._forks.start(dict(os.environ, OMP_NUM_THREADS=str(self.learner_threads),
+                                       PSD_LEARNER_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1"))
             for w in self.workers:
                 self._start_worker(w)
-            log.info("job %r: %d learners started: %s", self.job, self.n, " ".join(self.command))
+            log.info("job %r: %d learners started%s: %s", self.job, self.n,
+                     " by the fork server" if self._forks is not None else "", " ".join(self.command))
             while not self._stop.is_set():
                 self._supervise_watchdog()
                 self._supervise_workers()
@@ -383,6 +398,8 @@ class Launcher:
         for w in self.workers:
             if w.proc is not None:
                 terminate(w.proc, deadline=10.0)
+        if self._forks is not None:
+            self._forks.close()
         a = self._arena_or_none()  # our mapping outlives the arena's name
         self._arena = None
         clean = False

@@ -101,7 +101,7 @@ class WatchdogConfig:
 
 def terminate(proc_or_pid, deadline: float = 5.0, sig: int = signal.SIGTERM) -> None:
     """Stop a process: ``sig`` (SIGTERM), wait up to ``deadline`` seconds, then SIGKILL."""
-    if isinstance(proc_or_pid, subprocess.Popen):
+    if not isinstance(proc_or_pid, int):  # a subprocess.Popen, or a learner the fork server forked (its calls)
         p = proc_or_pid
         if p.poll() is not None:
             return
