@@ -287,13 +287,9 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     h->push_every = 1;
     h->max_staleness = UINT64_MAX;
     atomic_init(&h->state, PSD_ARENA_WAITING_SPEC);
-    /* Publish: pairs with the load-acquire of magic in psd_arena_open. */
+    /* Publish: pairs with the load-acquire of magic in psd_arena_open_as. */
     PSD_STORE_REL(&h->magic, PSD_MAGIC);
     return 0;
-}
-
-int psd_arena_open(struct psd_map *m, const char *shm_name) {
-    return psd_arena_open_as(m, shm_name, PSD_ROLE_FULL);
 }
 
 int psd_arena_open_as(struct psd_map *m, const char *shm_name, uint32_t role) {

@@ -23,7 +23,7 @@
 #define PSD_ENOSLOT (-30598)    /* every learner slot is taken */
 #define PSD_ESTATE (-30597)     /* arena not in the state the call needs */
 #define PSD_ESPEC (-30596)      /* spec does not fit, or was refused */
-#define PSD_EOWNERDEAD (-30595) /* lock acquired; its previous owner died and state was repaired */
+#define PSD_EOWNERDEAD (-30595) /* lock acquired; its previous owner died (nothing needed repair: sync.c) */
 #define PSD_EEXPORTS (-30594)   /* mapping still exported to Python buffers */
 #define PSD_ESERVER (-30593)    /* the server is gone or stopped */
 #define PSD_ETIMEOUT (-30592)   /* a bounded wait ran out */
@@ -294,7 +294,6 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
 int psd_arena_adopt(struct psd_map *m);
 int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint32_t n_slots,
                      uint32_t ring_k, uint64_t spec_cap, const char *version);
-int psd_arena_open(struct psd_map *m, const char *shm_name); /* PSD_ROLE_FULL */
 /* Map with the protections of `role` (enum psd_role). */
 int psd_arena_open_as(struct psd_map *m, const char *shm_name, uint32_t role);
 /* Learner: open (writable) or close (read-only) the offer window: the header's server page and

@@ -345,9 +345,16 @@ def _apply_deprecated_env() -> None:
 
 
 def _help(f: Flag) -> str:
+    """The flag's --help line: its text, its choices (where a metavar hides them), its default (the
+    README's wording where the default depends on another flag, e.g. --eps by optimizer) and variable."""
     text = f.help.replace("%", "%%")
-    if f.default is None or callable(f.default) or f.switch or "(default" in f.help:
+    if f.choices and f.metavar and not any(c in f.help for c in f.choices):
+        text += f"; one of {', '.join(map(str, f.choices))}"
+    if f.switch or "(default" in f.help:
         return f"{text} [{f.env}]"
+    if f.default is None or callable(f.default):
+        shown = (f.readme_default or "").replace("`", "").replace("%", "%%")
+        return f"{text} (default: {shown}) [{f.env}]" if shown else f"{text} [{f.env}]"
     return f"{text} (default: %(default)s) [{f.env}]"
 
 

@@ -71,6 +71,7 @@ def test_learner_gives_a_clear_error_when_the_server_never_comes_back(job, serve
     s.proc.wait()
     with pytest.raises(learner.client.ServerGone, match=r"did not come back within 1 s.*--resume"):
         for _ in range(100):  # the ring fills, then the wait notices the dead server
+            m.w.sum().backward()  # a gradient: a step without one pushes nothing
             ps.step()
     ps.close(flush=False)
     os.unlink(shm_path(job))

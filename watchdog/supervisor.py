@@ -36,7 +36,7 @@ from pathlib import Path
 
 from psd import _native
 from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shm_path, shrunk
-from psd.errors import Error, JobNotFound
+from psd.errors import Error
 from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
@@ -256,17 +256,6 @@ class Watchdog:
         else:
             self._spawn(resume=self._resume_first)
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the server is up (its arena exists and it is alive)."""
-        deadline = time.monotonic() + (timeout or self.config.start_timeout)
-        while time.monotonic() < deadline and self.state != ServerState.FAILED:
-            self.poll()
-            if self.state == ServerState.RUNNING:
-                return
-            time.sleep(0.02)  # the server announces nothing: poll its arena
-        raise JobNotFound(f"the server of job {self.config.serve.job!r} did not come up "
-                          f"(state {self.state.value}); see its log above")
 
     def _restart(self, why: str, arena_lost: bool = False) -> None:
         job = self.config.serve.job
