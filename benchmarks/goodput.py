@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learner-every", type=float, default=10.0)
     p.add_argument("--server-every", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--run-flags", default="", help="more psd run flags for both runs, e.g. '--fork-server'")
+    p.add_argument("--run-flags", default="", help="more psd run flags for both runs, e.g. '--fork-server off'")
     p.add_argument("--name", default="goodput", help="the results' file name (NAME.json, NAME.md)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)

@@ -235,8 +235,10 @@ def _build() -> tuple[Flag, ...]:
              "its earlier lives) is given up: the others finish, and psd run exits non-zero", 3,
              type=int, commands=(RUN,), metavar="R"),
         Flag("--fork-server", "start learners (and their restarts) by forking a process that has already "
-             "imported torch: a restart costs milliseconds instead of an interpreter's start-up; COMMAND must be "
-             "`python SCRIPT ...` or `python -m MODULE ...`", False, switch=True, commands=(RUN,)),
+             "imported torch, so a restart costs milliseconds instead of an interpreter's start-up: on (COMMAND "
+             "must be `python SCRIPT ...` or `python -m MODULE ...` with psd's Python), off (a new process each "
+             "time), auto (on where COMMAND is such)", "auto", choices=("auto", "on", "off"), metavar="MODE",
+             commands=(RUN,), readme_default="`auto`"),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
              0, type=int, commands=(RUN,), metavar="T"),
         Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "

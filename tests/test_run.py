@@ -211,12 +211,13 @@ FORKED = (
 
 
 def test_fork_server_starts_and_restarts_learners_with_torch_already_imported(job, tmp_path):
-    """psd run --fork-server: each learner (and the restart of one that died) is a fork of a process that
-    imported torch, running the script as `python SCRIPT ARGS` would (__main__, sys.argv, environment); exits
-    and deaths reach psd run as they would from a process of its own, and nothing is lost or replayed."""
+    """psd run (--fork-server auto, the default, is on for `python SCRIPT`): each learner (and the restart of one
+    that died) is a fork of a process that imported torch, running the script as `python SCRIPT ARGS` would
+    (__main__, sys.argv, environment); exits and deaths reach psd run as they would from a process of its own,
+    and nothing is lost or replayed."""
     script = tmp_path / "forked.py"
     script.write_text(FORKED)
-    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--fork-server",
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2",  # auto: on
                         "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script), "--flag", "x"],
                        capture_output=True, text=True, env=child_env(), timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -232,6 +233,6 @@ def test_fork_server_starts_and_restarts_learners_with_torch_already_imported(jo
 
 def test_fork_server_refuses_a_command_it_cannot_fork(job, tmp_path):
     r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--fork-server",
-                        "--checkpoint-dir", str(tmp_path), "--", "/bin/true"],
+                        "on", "--checkpoint-dir", str(tmp_path), "--", "/bin/true"],
                        capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode != 0 and "COMMAND must be `python SCRIPT ...`" in r.stderr, r.stderr

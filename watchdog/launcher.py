@@ -118,7 +118,7 @@ class Launcher:
     def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 3,
                  progress_every: float | None = None, learner_threads: int = 0,
                  gpus: list[int] | None = None, pull: str = "copy", learner_sched: str = "auto",
-                 fork_server: bool = False) -> None:
+                 fork_server: str = "auto") -> None:
         self.config = config
         self.job = config.serve.job
         self.n = config.serve.learners
@@ -142,12 +142,15 @@ class Launcher:
         self._last = (time.monotonic(), 0)
         self.events = EventLog(config.serve.event_log, self.job, "run")
         self._run_dir = tempfile.TemporaryDirectory(prefix=f"psd-run-{self.job}-")
-        if fork_server and not forkable(command):
+        if fork_server not in ("auto", "on", "off"):
+            raise ValueError(f"fork_server is auto, on or off, not {fork_server!r}")
+        if fork_server == "on" and not forkable(command):
             raise Error(f"psd run --fork-server forks learners from a process of this Python ({sys.executable}) "
                         f"that has imported torch: COMMAND must be `python SCRIPT ...` or `python -m MODULE ...` "
-                        f"with that interpreter, not {' '.join(command[:2])!r}; leave --fork-server out to run it "
-                        f"as a new process")
-        self._forks: ForkServer | None = ForkServer() if fork_server else None
+                        f"with that interpreter, not {' '.join(command[:2])!r}; run it "
+                        f"as a new process (--fork-server off)")
+        use = fork_server == "on" or (fork_server == "auto" and forkable(command))
+        self._forks: ForkServer | None = ForkServer() if use else None
 
     # -- processes ----------------------------------------------------------
 
