@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from psd import learner
-from psd.workloads import make_classification, shard
+from psd.workloads import evaluate, make_classification, shard
 
 
 class Classifier(pl.LightningModule):
@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ps = (opt[0] if isinstance(opt, list) else opt).optimizer.learner
     ps.flush()
     ps.pull()
-    with torch.no_grad():
-        acc = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
-    print(f"learner {rank}: done, accuracy {acc:.4f}", flush=True)
+    print(f"learner {rank}: done, accuracy {evaluate(model, data):.4f}", flush=True)
     return 0
 
 

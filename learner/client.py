@@ -54,7 +54,7 @@ from psd.errors import (
     Timeout,
 )
 from psd.flags import PULL_MODES
-from psd.learner.resume import life_start, note_resumed
+from psd.learner.resume import _env_rank, life_start, note_resumed
 from psd.state import (
     PARAM_DTYPES,
     buffer_groups,
@@ -155,7 +155,7 @@ class Learner:
         self.model = model
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
-        self.rank = _default_rank() if rank is None else rank
+        self.rank = _env_rank() if rank is None else rank
         self.device = next(iter(model.parameters()), torch.empty(0)).device
         threads = os.environ.get("PSD_LEARNER_THREADS")  # set by `psd run` so N learners share the cores
         if threads and threads.isdigit() and int(threads) > 0:
@@ -1061,14 +1061,6 @@ def _pull_mode(pull: str | None) -> tuple[str, str]:
     if mode not in PULL_MODES:
         raise Error(f"{src} is not a pull mode: use one of {', '.join(PULL_MODES)}")
     return mode, src
-
-
-def _default_rank() -> int:
-    raw = os.environ.get("PSD_RANK")
-    try:
-        return int(raw) if raw is not None else -1
-    except ValueError:
-        raise Error(f"PSD_RANK={raw!r} is not a whole number") from None
 
 
 def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,7 +39,7 @@ def forkable(command: list[str]) -> bool:
         return False
     exe = command[0]
     try:
-        same = os.path.samefile(exe if os.sep in exe else (shutil_which(exe) or exe), sys.executable)
+        same = os.path.samefile(exe if os.sep in exe else (shutil.which(exe) or exe), sys.executable)
     except OSError:
         same = False
     if not same:
@@ -46,12 +47,6 @@ def forkable(command: list[str]) -> bool:
     if command[1] == "-m":
         return len(command) >= 3
     return not command[1].startswith("-") and Path(command[1]).is_file()
-
-
-def shutil_which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name)
 
 
 class Forked:

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from lightning_mlp import Classifier, trainer
 
-from psd.workloads import make_classification, shard
+from psd.workloads import evaluate, make_classification, shard
 
 N_TRAIN, BATCH, DIE_AT = 1200, 16, 10
 
@@ -57,9 +57,7 @@ def main() -> int:
         opt = t.optimizers[0]
     opt.learner.flush()
     opt.learner.pull()
-    with torch.no_grad():
-        acc = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
-    print(f"learner {rank}: done, accuracy {acc:.4f}", flush=True)
+    print(f"learner {rank}: done, accuracy {evaluate(model, data):.4f}", flush=True)
     return 0
 
 
