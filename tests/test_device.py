@@ -2,7 +2,8 @@
 
 On the CPU the pipeline runs with stand-ins for CUDA streams: SyncStreams (every copy complete at
 once) and, to see the states in between, DeferredStreams, whose copies happen only when the test
-completes them, as a GPU's would when its DMA finishes.
+completes them, as a GPU's would when its DMA finishes. The servers run without a watchdog: nothing here
+needs one, and its last checkpoint costs seconds at each stop.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def tiny():
 
 
 def test_gradients_pushed_equal_gradients_computed_bit_for_bit(job, serve):
-    served = serve(job, "--learners", "1", "--lr", "0.1", "--ring-depth", "4")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", "--ring-depth", "4")
     model, x = tiny()
     with learner.attach(model, job=job, device="cpu") as ps:  # a plain learner on the CPU...
         assert type(ps) is learner.Learner
@@ -84,7 +85,7 @@ def test_gradients_pushed_equal_gradients_computed_bit_for_bit(job, serve):
 
 
 def test_tail_waits_for_the_copy_and_weights_swap_only_when_whole(job, serve):
-    served = serve(job, "--learners", "1", "--lr", "0.5")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.5")
     model, x = tiny()
     streams = DeferredStreams()
     ps = DeviceLearner(model, job, streams=streams)
@@ -123,7 +124,7 @@ def test_tail_waits_for_the_copy_and_weights_swap_only_when_whole(job, serve):
 def test_a_device_learner_trains_a_real_model(job, serve):
     from psd.workloads import evaluate, make_classification, make_mlp, shard
 
-    served = serve(job, "--learners", "1", "--lr", "0.02", "--optimizer", "momentum")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.02", "--optimizer", "momentum")
     data = make_classification(0)
     x, y = shard(data, 0, 1)
     model = make_mlp(data.dim, data.classes)
@@ -150,7 +151,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA de
 
 @needs_gpu
 def test_gpu_gradients_arrive_bit_for_bit(job, serve):
-    served = serve(job, "--learners", "1", "--lr", "0.1")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1")
     model, x = tiny()
     model, x = model.cuda(), x.cuda()
     with learner.attach(model, job=job) as ps:
@@ -167,7 +168,7 @@ def test_gpu_gradients_arrive_bit_for_bit(job, serve):
 @needs_gpu
 def test_gpu_step_overlaps_the_transfers(job, serve):
     """Step time with psd <= 1.1x step time with no communication, for compute > transfer."""
-    served = serve(job, "--learners", "1", "--lr", "0.001")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.001")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()  # 16.8M params
     x = torch.randn(4096, 2048, device="cuda")

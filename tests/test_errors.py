@@ -1,4 +1,8 @@
-"""Bad input gets an error that says what to do, and nothing breaks for the others."""
+"""Bad input gets an error that says what to do, and nothing breaks for the others.
+
+The servers run without a watchdog (its last checkpoint costs seconds at each stop) but where a test
+is about it (a second server for a running job names the first's watchdog).
+"""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def test_attach_to_a_job_that_does_not_exist(job):
 
 
 def test_spec_mismatch_names_the_tensor_and_both_shapes(job, serve):
-    serve(job, "--learners", "2")
+    serve(job, "--no-watchdog", "--learners", "2")
     with learner.attach(Flat(64), job=job):
         with pytest.raises(psd.SpecMismatch, match=r"'w' \[32\] float32 in this model but 'w' \[64\]"):
             learner.attach(Flat(32), job=job)
@@ -48,7 +52,7 @@ def test_spec_mismatch_names_the_tensor_and_both_shapes(job, serve):
 
 
 def test_more_learners_than_slots(job, serve):
-    serve(job, "--learners", "1")
+    serve(job, "--no-watchdog", "--learners", "1")
     with learner.attach(Flat(), job=job):
         with pytest.raises(psd.NoFreeSlot, match=r"1 learner slot\(s\) and all are in use.*more --learners"):
             learner.attach(Flat(), job=job)
@@ -57,7 +61,7 @@ def test_more_learners_than_slots(job, serve):
 
 
 def test_arena_from_an_incompatible_version(job, serve):
-    serve(job, "--learners", "1")
+    serve(job, "--no-watchdog", "--learners", "1")
     path = shm_path(job)
     with open(path, "r+b") as f:
         f.seek(8)
@@ -105,7 +109,7 @@ def test_not_enough_shared_memory_at_start(job, tmp_path):
 
 def test_not_enough_shared_memory_for_a_learners_model(job, serve):
     """A model too big for /dev/shm is refused with numbers; a smaller one can still start the job."""
-    s = serve(job, "--learners", "64", "--ring-depth", "1024")
+    s = serve(job, "--no-watchdog", "--learners", "64", "--ring-depth", "1024")
     with pytest.raises(psd.OutOfSharedMemory, match=r"needs [\d,.]+ MiB of shared memory"):
         learner.attach(Flat(1 << 20), job=job, timeout=30)
     with learner.attach(Flat(256), job=job) as ps:

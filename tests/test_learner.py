@@ -1,4 +1,7 @@
-"""The learner client in this process: attach, step, pull, detach, reattach."""
+"""The learner client in this process: attach, step, pull, detach, reattach.
+
+The servers run without a watchdog: nothing here needs one, and its last checkpoint costs seconds at each stop.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ class Flat(torch.nn.Module):
 
 
 def test_first_learner_brings_the_model_and_later_ones_get_its_weights(job, serve):
-    serve(job, "--learners", "2")
+    serve(job, "--no-watchdog", "--learners", "2")
     a = Flat()
     with torch.no_grad():
         a.w.copy_(torch.arange(64.0))
@@ -34,7 +37,7 @@ def test_first_learner_brings_the_model_and_later_ones_get_its_weights(job, serv
 
 
 def test_attach_detach_reattach(job, serve):
-    serve(job, "--learners", "1", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
     m = Flat()
     for round_ in range(3):
         with learner.attach(m, job=job) as ps:
@@ -51,7 +54,7 @@ def test_attach_detach_reattach(job, serve):
 
 
 def test_gradients_from_autograd_are_pushed_exactly(job, serve):
-    serve(job, "--learners", "1", "--lr", "0.5")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.5")
     m = Flat()
     c = torch.linspace(-1, 1, 64)
     with learner.attach(m, job=job) as ps:
@@ -63,7 +66,7 @@ def test_gradients_from_autograd_are_pushed_exactly(job, serve):
 
 def test_user_zero_grad_is_harmless(job, serve):
     """Scripts that still call zero_grad() (set_to_none) push the right gradient, through a copy."""
-    serve(job, "--learners", "1", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
     m = Flat()
     opt_like = torch.optim.SGD(m.parameters(), lr=0.1)
     with learner.attach(m, job=job) as ps:
@@ -81,7 +84,7 @@ def test_steps_swap_in_weights_pushed_by_others(job, serve, monkeypatch, pull):
     INLINE_PULL_BYTES where the job leaves the thread a core: asked for here, on 2 cores it never is)."""
     from psd.learner import client
 
-    serve(job, "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
     monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
     a, b = Flat(n), Flat(n)
@@ -110,7 +113,7 @@ def test_pulls_leave_the_frozen_weights_in_place(job, serve, monkeypatch, pull):
     an explicit pull(), which copies everything."""
     from psd.learner import client
 
-    serve(job, "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
     monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
 
@@ -153,7 +156,7 @@ def test_pulls_leave_the_frozen_weights_in_place(job, serve, monkeypatch, pull):
 
 
 def test_detached_learner_refuses_to_step(job, serve):
-    serve(job, "--learners", "1")
+    serve(job, "--no-watchdog", "--learners", "1")
     m = Flat()
     ps = learner.attach(m, job=job)
     ps.close()
@@ -164,7 +167,7 @@ def test_detached_learner_refuses_to_step(job, serve):
 def test_gradients_of_every_kind_are_pushed_and_reset(job, serve):
     """Sparse, non-contiguous and missing gradients reach the server as the dense gradient; a
     gradient left from before attaching is dropped; after step() every p.grad is None."""
-    serve(job, "--learners", "1", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
     m = torch.nn.Module()
     m.emb = torch.nn.Embedding(5, 2, sparse=True)
     m.mat = torch.nn.Parameter(torch.zeros(3, 4))
@@ -188,7 +191,7 @@ def test_gradients_of_every_kind_are_pushed_and_reset(job, serve):
 
 
 def test_push_from_refuses_lengths_that_are_not_the_model(job, serve):
-    serve(job, "--learners", "1")
+    serve(job, "--no-watchdog", "--learners", "1")
     with learner.attach(Flat(), job=job) as ps:
         a = ps._arena
         for lens in ([2**64 - 1, 68], [63], [65], [2**64 - 1], [64, 3, 1], [0] * 68):
@@ -200,7 +203,7 @@ def test_push_from_refuses_lengths_that_are_not_the_model(job, serve):
 def test_a_view_learner_computes_on_the_shared_weights_without_pulling(job, serve):
     """pull="view": the parameters are the job's weights, so what another learner's gradients did is
     in the model without a step or a pull of this one, and nothing is ever copied (no pulls counted)."""
-    serve(job, "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
     a, b = Flat(), Flat()
     with learner.attach(a, job=job) as pa, learner.attach(b, job=job, pull="view") as pb:
         assert pb.pull_mode == "view" and pa.pull_mode == "copy"
@@ -226,7 +229,7 @@ def test_a_view_learner_computes_on_the_shared_weights_without_pulling(job, serv
 
 
 def test_pull_modes_refuse_what_they_cannot_do(job, serve, monkeypatch):
-    serve(job, "--learners", "1", "--predict", "--optimizer", "momentum")
+    serve(job, "--no-watchdog", "--learners", "1", "--predict", "--optimizer", "momentum")
     with pytest.raises(learner.client.Error, match="is not a pull mode"):
         learner.attach(Flat(), job=job, pull="mmap")
     monkeypatch.setenv("PSD_PULL", "zero")
@@ -247,7 +250,7 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
     """A float32 asp learner steps in one native call; a gradient it does not take as it is (not
     contiguous, sparse) sends that step down the general path, with the same result; a full
     ring (depth 2) waits in Python; every p.grad is None after each step either way."""
-    serve(job, "--learners", "1", "--lr", "1", "--ring-depth", "2")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "2")
     m = torch.nn.Module()
     m.mat = torch.nn.Parameter(torch.zeros(3, 4))
     m.vec = torch.nn.Parameter(torch.zeros(5))

@@ -2,6 +2,7 @@
 
 The exact tests run one learner in bsp mode, where psd is an ordinary synchronous optimizer, and compare
 with torch.optim (and torch's own BatchNorm statistics) on the same model and data, as test_optimizers does.
+The servers run without a watchdog (its last checkpoint costs seconds at each stop) but in the checkpoint test.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def test_buffers_frozen_and_missing_gradients_match_torch(job, serve, opt, kw, f
     """BatchNorm statistics, a frozen layer that weight decay and momentum must not move, and a head
     that has a gradient only every other step (no decay, no momentum step, no Adam moment update
     when it has none): all equal to torch.optim and torch's BatchNorm, step for step."""
-    served = serve(job, "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", str(kw["lr"]), *flags)
+    served = serve(job, "--no-watchdog", "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", str(kw["lr"]),
+                   *flags)
     x, y = data()
     ref = Partly()
     o = torch_optimizer(opt, [p for p in ref.parameters() if p.requires_grad], kw)
@@ -148,7 +150,7 @@ def test_buffers_of_several_learners_add_up_and_survive_export_and_resume(job, s
 def test_low_precision_models_train_on_float32_master_weights(job, serve, dtype):
     """A bf16 / fp16 model attaches: its gradients are converted to float32 in the push, the arena
     keeps float32 weights, the model gets them back in its own dtype, and export gives its dtype."""
-    serve(job, "--learners", "1", "--lr", "1", "--sync", "bsp")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--sync", "bsp")
     m = torch.nn.Linear(4, 3).to(dtype)
     with torch.no_grad():
         m.weight.zero_()
@@ -176,7 +178,7 @@ def test_low_precision_models_train_on_float32_master_weights(job, serve, dtype)
      "share one dtype"),
 ])
 def test_models_psd_cannot_hold_are_refused_with_the_fix(job, serve, make, message):
-    serve(job, "--learners", "1")
+    serve(job, "--no-watchdog", "--learners", "1")
     with pytest.raises(SpecError, match=message):
         learner.attach(make(), job=job)
 
@@ -198,7 +200,7 @@ def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt, grad_dtype
     """Sparse gradients travel as rows and are applied with torch.optim's sparse semantics: the result
     equals torch.optim on the sparse model (and therefore the dense model's for these optimizers).
     With --grad-dtype bf16 the dense tensors' gradients are rounded to bfloat16, the rows stay float32."""
-    served = serve(job, "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", "0.1",
+    served = serve(job, "--no-watchdog", "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", "0.1",
                    "--grad-dtype", grad_dtype)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 50, (STEPS, 4, 5), generator=g)
@@ -224,7 +226,7 @@ def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt, grad_dtype
 
 
 def test_sparse_embeddings_are_refused_by_optimizers_without_sparse_semantics(job, serve):
-    serve(job, "--learners", "1", "--optimizer", "momentum")
+    serve(job, "--no-watchdog", "--learners", "1", "--optimizer", "momentum")
     with pytest.raises(SpecError, match="--optimizer sgd or adagrad"):
         learner.attach(Bag(sparse=True), job=job)
     with learner.attach(Bag(sparse=False), job=job):  # the same model with a dense embedding is fine

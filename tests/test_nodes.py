@@ -60,27 +60,28 @@ def test_bad_node_flags_say_what_to_do():
     assert r.returncode != 0 and "--node-rank must be 0..1 (--nnodes 2), not 2" in r.stderr
 
 
-@pytest.mark.parametrize("outer", ["sum", "avg"])
-def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path, outer):
+def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path):
     """2 nodes x 2 learners, bsp inside each node, --sync-every 1 --max-node-lag 0: every step is plain SGD
     on the 4 learners' combined batch, at 2 x lr with the default outer step (sum: each node's step counts,
-    as one node of 4 learners taking both nodes' steps) and at lr with avg; then (sum) the whole job, resumed
-    with --resume on both nodes, goes on from the agreed state as if it had never stopped."""
+    as one node of 4 learners taking both nodes' steps); then the whole job, resumed with --resume on both
+    nodes and --outer-optimizer avg, goes on from the agreed state as if it had never stopped, at lr (avg:
+    the nodes' mean step). Both outer steps in one job: avg from a fresh start was a third start of both
+    nodes for the same check."""
     sys.path.insert(0, str(HELPERS))
     from safetensors import safe_open
     from sync_learner import exact_problem
 
     steps, lr = 4, 2.0 ** -4
     model, x, y = exact_problem()
-    opt = torch.optim.SGD(model.parameters(), lr=lr * (2 if outer == "sum" else 1))
     refs = []
-    for _ in range(2 if outer == "sum" else 1):
+    for outer in ("sum", "avg"):
+        opt = torch.optim.SGD(model.parameters(), lr=lr * (2 if outer == "sum" else 1))
         for _ in range(steps):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-        refs.append(model.weight.detach().reshape(-1).clone())
-    for phase, ref in enumerate(refs):
+        refs.append((outer, model.weight.detach().reshape(-1).clone()))
+    for phase, (outer, ref) in enumerate(refs):
         port = free_port()
         procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr), "--sync-every",
                       "1", "--max-node-lag", "0", "--outer-optimizer", outer, "--node-timeout", "20",
@@ -93,13 +94,15 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
                     if line[:1] == "["]
             assert len(outs) == 2, logs
             for out in outs:
-                assert torch.allclose(torch.tensor(out), ref, atol=1e-6), f"node {r}: {out} != {ref.tolist()}\n{logs}"
+                assert torch.allclose(torch.tensor(out), ref, atol=1e-6), \
+                    f"{outer}, node {r}: {out} != {ref.tolist()}\n{logs}"
             st = link_state(f"{job}-n{r}")
             assert (st["round"], st["peers"], st["state"]) == ((phase + 1) * steps, [0, 1], "stopped"), f"{st}\n{logs}"
             # The agreed state, saved at the stop for --resume: the last round's weights.
             saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
             with safe_open(str(saved), "pt") as f:
                 assert f.metadata()["round"] == str((phase + 1) * steps)
+                assert f.metadata()["outer_optimizer"] == outer
                 assert torch.allclose(f.get_tensor("anchor"), ref, atol=1e-6)
             assert not os.path.exists(shm_path(f"{job}-n{r}"))
 

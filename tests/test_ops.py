@@ -48,33 +48,73 @@ def busy_job(job, serve, tmp_path):
         p.wait()
 
 
-def test_status_of_a_live_job(busy_job, job):
-    st = strict_json(psd("status", "--job", job, "--json").stdout)
-    assert st["server_alive"] and st["watchdog_alive"] and st["state"] == "ready"
-    assert st["learners"][0]["last_loss"] is None  # the pusher reports no loss: null, never NaN
-    assert st["applied_per_s"] > 0 and st["model_traffic_gbs"] > 0
-    assert st["learners"][0]["alive"] and st["learners"][0]["pushed"] >= 100
-    assert sum(st["staleness_hist"].values()) <= st["applied"]
-    everything = strict_json(psd("status", "--json").stdout)
-    assert job in [j["job"] for j in everything]
-    text = psd("status", "--job", job).stdout
-    assert f"job {job}: ready" in text and "grad/s" in text and "staleness" in text
+class TestALiveJob:
+    """busy_job, once for the tests that only read a live job (status, top, metrics, checkpoint, export,
+    inspect: none stops or harms it). A class, so that the job (and its learner, pushing as fast as it can)
+    stops after these tests, not after the module's last."""
 
+    @pytest.fixture(scope="class")
+    def live_job(self, tmp_path_factory):
+        """(job, metrics port, checkpoint dir); at the end its server must stop cleanly and leave nothing in
+        /dev/shm."""
+        job, tmp = f"test-{os.getpid()}-live", tmp_path_factory.mktemp("live")
+        s = Served(job, "--learners", "2", "--lr", "1", "--checkpoint-dir", str(tmp / "ck"),
+                   "--event-log", str(tmp / "events.jsonl"), "--metrics-port", str(port := free_port()))
+        p = spawn("pusher.py", job, "--forever", "--index", "3", "--ready-after", "100")
+        try:
+            assert read_line(p) == "ready"
+            yield job, port, tmp / "ck"
+        finally:
+            p.kill()
+            p.wait()
+            s.stop()
 
-def test_top_refreshes(busy_job, job):
-    out = psd("top", "--job", job, "--iterations", "2", "--interval", "0.2").stdout
-    assert out.count(f"job {job}: ready") == 2
+    def test_status_of_a_live_job(self, live_job):
+        job, _, _ = live_job
+        st = strict_json(psd("status", "--job", job, "--json").stdout)
+        assert st["server_alive"] and st["watchdog_alive"] and st["state"] == "ready"
+        assert st["learners"][0]["last_loss"] is None  # the pusher reports no loss: null, never NaN
+        assert st["applied_per_s"] > 0 and st["model_traffic_gbs"] > 0
+        assert st["learners"][0]["alive"] and st["learners"][0]["pushed"] >= 100
+        assert sum(st["staleness_hist"].values()) <= st["applied"]
+        everything = strict_json(psd("status", "--json").stdout)
+        assert job in [j["job"] for j in everything]
+        text = psd("status", "--job", job).stdout
+        assert f"job {job}: ready" in text and "grad/s" in text and "staleness" in text
 
+    def test_top_refreshes(self, live_job):
+        job, _, _ = live_job
+        out = psd("top", "--job", job, "--iterations", "2", "--interval", "0.2").stdout
+        assert out.count(f"job {job}: ready") == 2
 
-def test_metrics_match_the_arena(busy_job, job):
-    _, _, port = busy_job
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-              if line.startswith("psd_") and "{" in line}
-    assert values[f'psd_server_up{{job="{job}"}}'] == 1
-    assert values[f'psd_gradients_applied_total{{job="{job}"}}'] >= 100
-    assert f'psd_staleness_bucket{{job="{job}",le="+Inf"}}' in body
-    assert "psd_learner_queue_depth" in body
+    def test_metrics_match_the_arena(self, live_job):
+        job, port, _ = live_job
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+                  if line.startswith("psd_") and "{" in line}
+        assert values[f'psd_server_up{{job="{job}"}}'] == 1
+        assert values[f'psd_gradients_applied_total{{job="{job}"}}'] >= 100
+        assert f'psd_staleness_bucket{{job="{job}",le="+Inf"}}' in body
+        assert "psd_learner_queue_depth" in body
+
+    def test_checkpoint_export_inspect(self, live_job, tmp_path):
+        job, _, ck = live_job
+        before = set(checkpoint.list_checkpoints(ck))
+        assert "written by its watchdog" in psd("checkpoint", "--job", job).stdout
+        files = checkpoint.list_checkpoints(ck)
+        assert set(files) - before, "a new checkpoint"
+        psd("export", "--job", job, "--out", str(tmp_path / "live.pt"))
+        psd("export", "--checkpoint", str(files[0]), "--out", str(tmp_path / "ck.pt"))
+        for f in ("live.pt", "ck.pt"):
+            state = torch.load(tmp_path / f)
+            assert set(state) == {"w", "b"} and state["w"][3] < 0
+        info = strict_json(psd("inspect", "--job", job, "--json").stdout)
+        assert info["header"]["layout_version"] == _native.LAYOUT_VERSION and len(info["slots"]) == 2
+        assert "layout_version" in psd("inspect", "--job", job).stdout
+        broken = tmp_path / "broken.safetensors"
+        broken.write_bytes(files[0].read_bytes()[:100])
+        r = psd("export", "--checkpoint", str(broken), "--out", str(tmp_path / "x.pt"), check=False)
+        assert r.returncode == 1 and "unreadable" in r.stderr
 
 
 def test_status_and_stop_of_a_hung_job(busy_job, job):
@@ -108,24 +148,6 @@ def test_events_are_logged(busy_job, job, tmp_path):
     for kind in ("server_started", "model_admitted", "learner_attached", "server_restart", "learner_died",
                  "checkpoint", "server_stopped"):
         assert kind in kinds, (kind, kinds)
-
-
-def test_checkpoint_export_inspect(busy_job, job, tmp_path):
-    assert "written by its watchdog" in psd("checkpoint", "--job", job).stdout
-    files = checkpoint.list_checkpoints(tmp_path / "ck")
-    assert files
-    psd("export", "--job", job, "--out", str(tmp_path / "live.pt"))
-    psd("export", "--checkpoint", str(files[0]), "--out", str(tmp_path / "ck.pt"))
-    for f in ("live.pt", "ck.pt"):
-        state = torch.load(tmp_path / f)
-        assert set(state) == {"w", "b"} and state["w"][3] < 0
-    info = strict_json(psd("inspect", "--job", job, "--json").stdout)
-    assert info["header"]["layout_version"] == _native.LAYOUT_VERSION and len(info["slots"]) == 2
-    assert "layout_version" in psd("inspect", "--job", job).stdout
-    broken = tmp_path / "broken.safetensors"
-    broken.write_bytes(files[0].read_bytes()[:100])
-    r = psd("export", "--checkpoint", str(broken), "--out", str(tmp_path / "x.pt"), check=False)
-    assert r.returncode == 1 and "unreadable" in r.stderr
 
 
 def test_checkpoint_and_stop_without_a_watchdog(job, tmp_path):

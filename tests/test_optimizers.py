@@ -3,7 +3,8 @@
 One learner in bsp mode makes psd an ordinary synchronous optimizer: each
 gradient is computed on the weights the previous update produced. So after N
 steps its weights must equal torch.optim's on the same model, data and
-hyper-parameters, to float rounding (1e-6 relative).
+hyper-parameters, to float rounding (1e-6 relative). The servers run without a watchdog (its last
+checkpoint costs seconds at each stop) but in the checkpoint test.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ CASES = [
 @pytest.mark.parametrize("opt, kw, sched, flags", CASES,
                          ids=[f"{c[0]}-{'-'.join(map(str, c[2]))}-{i}" for i, c in enumerate(CASES)])
 def test_optimizer_matches_pytorch_in_bsp(job, serve, opt, kw, sched, flags):
-    served = serve(job, "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", str(kw["lr"]), *flags)
+    served = serve(job, "--no-watchdog", "--learners", "1", "--sync", "bsp", "--optimizer", opt, "--lr", str(kw["lr"]),
+                   *flags)
     ref = torch_reference(opt, kw, sched, STEPS)
     model, x, y = make_problem()
     with psd_train(model, x, y, job, STEPS) as ps:
@@ -143,7 +145,7 @@ def test_grad_dtype_bf16_applies_the_rounded_gradient(job, serve, opt, kw, sync,
     bsp (widened into the round's sum). The gradients are given, not computed from the weights: Adam's
     and Adagrad's steps are about lr whatever a gradient's size, so a float-rounding difference in
     the weights that moved a computed gradient across a bfloat16 rounding boundary would show."""
-    served = serve(job, "--learners", "1", "--sync", sync, "--optimizer", opt, "--lr", str(kw["lr"]),
+    served = serve(job, "--no-watchdog", "--learners", "1", "--sync", sync, "--optimizer", opt, "--lr", str(kw["lr"]),
                    "--grad-dtype", "bf16", *flags)
     gen = torch.Generator().manual_seed(3)
     model = make_problem()[0]
@@ -175,7 +177,7 @@ def test_grad_dtype_bf16_rounds_as_torch(job, serve, n):
     """Every value rounds as torch's .bfloat16() does (nearest, ties to even), exactly: ties both ways,
     subnormals, signed zeros, the largest values that stay finite, odd lengths and offsets (the
     vector path's head and tail). SGD with lr 1 from zero weights leaves -g in the weights."""
-    served = serve(job, "--learners", "1", "--lr", "1", "--grad-dtype", "bf16")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--grad-dtype", "bf16")
     gen = torch.Generator().manual_seed(5)
     bits = torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32)
     special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F81_8001, 0x0000_8000, 0x0001_8000,
@@ -202,7 +204,7 @@ def test_grad_dtype_bf16_rounds_as_torch(job, serve, n):
 def test_grad_dtype_bf16_rejects_a_gradient_that_rounds_to_infinity(job, serve):
     """A float32 gradient just below float32's largest is finite, but rounds to an infinity in
     bfloat16: the push flags it, the server rejects it and the weights do not move."""
-    served = serve(job, "--learners", "1", "--grad-dtype", "bf16")
+    served = serve(job, "--no-watchdog", "--learners", "1", "--grad-dtype", "bf16")
     model = torch.nn.Linear(4, 2)
     with learner.attach(model, job=job, pull="view") as ps:
         before = learner.pull_state_dict(job)

@@ -1,4 +1,7 @@
-"""The ring protocol across real processes: nothing applied twice, nothing lost, nothing half-written."""
+"""The ring protocol across real processes: nothing applied twice, nothing lost, nothing half-written.
+
+The servers run without a watchdog: nothing here needs one, and its last checkpoint costs seconds at each stop.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ def status(job: str) -> dict:
 
 
 def test_every_gradient_applied_exactly_once_across_processes(job, serve):
-    s = serve(job, "--learners", "4", "--lr", "1", "--ring-depth", "4")
+    s = serve(job, "--no-watchdog", "--learners", "4", "--lr", "1", "--ring-depth", "4")
     count = 1500
     procs = [spawn("pusher.py", job, "--index", str(r), "--count", str(count)) for r in range(4)]
     for p in procs:
@@ -38,7 +41,7 @@ def test_every_gradient_applied_exactly_once_across_processes(job, serve):
 
 
 def test_half_written_gradient_is_never_applied(job, serve):
-    serve(job, "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
     victim = spawn("pusher.py", job, "--half-write", "--n", "4096")
     assert read_line(victim) == "ready"
     kill(victim)
@@ -52,7 +55,7 @@ def test_half_written_gradient_is_never_applied(job, serve):
 
 def test_learner_killed_while_pushing(job, serve):
     """The server keeps going; what the victim fully pushed is applied exactly once, and whole."""
-    serve(job, "--learners", "2", "--lr", "1", "--ring-depth", "8")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "8")
     steady_count = 4000
     victim = spawn("pusher.py", job, "--fill", "--forever", "--ready-after", "300", "--n", "4096")
     assert read_line(victim) == "ready"

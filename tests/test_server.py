@@ -119,7 +119,7 @@ def test_clean_keeps_an_arena_it_cannot_read_while_a_process_maps_it(job, serve)
     import struct
     from pathlib import Path
 
-    served = serve(job, "--learners", "1")
+    served = serve(job, "--learners", "1", "--no-watchdog")  # only for a real arena's first page
     with open(shm_path(job), "rb") as f:
         head = bytearray(f.read(4096))
     served.stop()

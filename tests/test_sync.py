@@ -355,25 +355,27 @@ def test_prediction_brings_the_weights_computed_on_closer_to_those_applied_to(jo
     at the server. With --predict that is compared with what it would have been on the pulled
     weights (same run, same staleness); without --predict the two must be the same.
     """
-    def run(predict: bool) -> list[dict]:
-        # One ring entry per learner: staleness then follows the other learners' pace; deep rings let
-        # a learner queue several gradients computed on the same weights.
-        served = serve(job, "--no-watchdog", "--learners", "8", "--ring-depth", "1", "--optimizer", "momentum",
-                       "--momentum", "0.9", "--async-momentum", "off",
-                       "--lr", "0.001", *(["--predict"] if predict else []))
-        # Each step spends 2 ms of CPU time computing, as a mini-batch would: with steps much shorter
-        # than a scheduler time slice, 8 learners on 2 cores run in bursts and staleness is erratic.
-        procs = [spawn("sync_learner.py", "drift", "--job", job, "--world", "8", "--steps", "150", "--lr",
-                       "0.001", "--momentum", "0.9", "--compute-ms", "2") for _ in range(8)]
-        outs = [json.loads(finish(p, timeout=200).strip().splitlines()[-1]) for p in procs]
+    # Two jobs, without and with --predict; the same 8 learner processes train the first, then the second
+    # (8 processes importing torch, where one set for each job took 16).
+    flags = ("--no-watchdog", "--learners", "8", "--ring-depth", "1", "--optimizer", "momentum", "--momentum", "0.9",
+             "--async-momentum", "off", "--lr", "0.001")
+    predicting = f"{job}-predict"
+    # One ring entry per learner: staleness then follows the other learners' pace; deep rings let
+    # a learner queue several gradients computed on the same weights.
+    servers = [serve(job, *flags), serve(predicting, *flags, "--predict")]
+    # Each step spends 2 ms of CPU time computing, as a mini-batch would: with steps much shorter
+    # than a scheduler time slice, 8 learners on 2 cores run in bursts and staleness is erratic.
+    procs = [spawn("sync_learner.py", "drift", "--job", job, "--then-job", predicting, "--world", "8", "--steps",
+                   "150", "--lr", "0.001", "--momentum", "0.9", "--compute-ms", "2") for _ in range(8)]
+    runs = [finish(p, timeout=200).strip().splitlines() for p in procs]
+    assert all(len(r) == 2 for r in runs), runs  # one line for each job
+    off, on = [json.loads(r[0]) for r in runs], [json.loads(r[1]) for r in runs]
+    for served in servers:
         served.stop()
-        return outs
 
     def mean(outs, key):
         return sum(o[key] for o in outs) / len(outs)
 
-    off = run(False)
-    on = run(True)
     print(f"without --predict: distance {mean(off, 'mean_distance'):.4f}, staleness {mean(off, 'mean_staleness'):.1f}; "
           f"with: distance {mean(on, 'mean_distance'):.4f} where the pulled weights were "
           f"{mean(on, 'mean_distance_unpredicted'):.4f} away, staleness {mean(on, 'mean_staleness'):.1f}")

@@ -3,7 +3,8 @@
 glibc's process-shared pthread_cond_t can hang a broadcaster after a waiter dies
 (osrm-backend#3911); psd's condition variables are futex words that leave no
 waiter state behind, and its mutexes are robust. These tests kill processes at
-exactly those points (SIGKILL), then check the job goes on and nothing is lost.
+exactly those points (SIGKILL), then check the job goes on and nothing is lost. The servers run without a
+watchdog (its last checkpoint costs seconds at each stop) but where a killed server must be replaced.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def flat() -> torch.nn.Module:
 
 def test_learner_killed_holding_its_slot_frees_it_without_any_lock(job, serve):
     """A slot has no lock a learner could die holding: the server alone changes its owner."""
-    serve(job, "--learners", "1", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
     victim = spawn("holder.py", job, "--idle")
     assert read_line(victim) == "ready"
     kill(victim)
@@ -43,7 +44,7 @@ def test_learner_killed_holding_its_slot_frees_it_without_any_lock(job, serve):
 def test_learner_killed_holding_the_admission_mutex(job, serve):
     """Claims never take the admission mutex (only spec offers do): a learner that dies holding it, or a
     live one that holds it for good, delays no attach."""
-    serve(job, "--learners", "3", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "3", "--lr", "1")
     victim = spawn("holder.py", job, "--hold", "admission")
     assert read_line(victim) == "ready"
     t0 = time.monotonic()
@@ -58,7 +59,7 @@ def test_learner_killed_holding_the_admission_mutex(job, serve):
 
 
 def test_learner_killed_waiting_on_a_condition_variable(job, serve):
-    serve(job, "--learners", "2", "--lr", "1", "--ring-depth", "4")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "4")
     me = os.getpid()
     with learner.attach(flat(), job=job) as other:
         a = open_job(job)

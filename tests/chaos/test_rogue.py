@@ -279,9 +279,11 @@ def test_the_shared_page_and_a_scribbled_request_line_harm_nobody(job, serve):
 def test_a_nonfinite_gradient_marked_finite_never_reaches_the_weights(job, serve, tmp_path, setup):
     """Every optimizer's kernel (and the kasync sum) reads a ring's gradient once per value and takes a NaN or
     an infinity as zero: the weights and the optimizer state stay finite whatever a learner wrote after its
-    own check, and that learner is evicted (rule VALUES)."""
+    own check, and that learner is evicted (rule VALUES). The kernels are the server's: no watchdog (its last
+    checkpoint costs seconds at each stop)."""
     events = tmp_path / "events.jsonl"
-    served = serve(job, "--learners", "2", "--lr", "0.01", "--ring-depth", "4", "--event-log", str(events), *setup)
+    served = serve(job, "--no-watchdog", "--learners", "2", "--lr", "0.01", "--ring-depth", "4", "--event-log",
+                   str(events), *setup)
     honest_model = torch.nn.Linear(8, 2, bias=False)
     honest = learner.attach(honest_model, job=job, timeout=10, rank=0)
     rogue = spawn_rogue(job, "--rank", "1", "--pushes", "3")

@@ -7,6 +7,9 @@ Modes:
          weights it was computed on, the clock they were pulled at and the clock the gradient met,
          and prints the mean distance to the weights at that clock (replayed: every gradient is the
          same), and what it would have been on the pulled weights themselves
+
+--then-job J2: once done with --job, the same again (detached, attached anew) with job J2: one process, so
+one import of torch (seconds of CPU), for two jobs' runs.
 """
 
 from __future__ import annotations
@@ -121,9 +124,14 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--compute-ms", type=float, default=0.0, help="drift: CPU time each step spends computing")
+    p.add_argument("--then-job", help="then do it all again with this job")
     args = p.parse_args()
     torch.set_num_threads(1)
-    {"bsp": run_bsp, "pace": run_pace, "drift": run_drift}[args.mode](args)
+    run = {"bsp": run_bsp, "pace": run_pace, "drift": run_drift}[args.mode]
+    run(args)
+    if args.then_job:
+        args.job = args.then_job
+        run(args)
     return 0
 
 
