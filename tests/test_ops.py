@@ -48,26 +48,27 @@ def busy_job(job, serve, tmp_path):
         p.wait()
 
 
+@pytest.fixture(scope="class")
+def live_job(tmp_path_factory):
+    """TestALiveJob's job, once per class: (job, metrics port, checkpoint dir); at the end its server must
+    stop cleanly and leave nothing in /dev/shm."""
+    job, tmp = f"test-{os.getpid()}-live", tmp_path_factory.mktemp("live")
+    s = Served(job, "--learners", "2", "--lr", "1", "--checkpoint-dir", str(tmp / "ck"),
+               "--event-log", str(tmp / "events.jsonl"), "--metrics-port", str(port := free_port()))
+    p = spawn("pusher.py", job, "--forever", "--index", "3", "--ready-after", "100")
+    try:
+        assert read_line(p) == "ready"
+        yield job, port, tmp / "ck"
+    finally:
+        p.kill()
+        p.wait()
+        s.stop()
+
+
 class TestALiveJob:
     """busy_job, once for the tests that only read a live job (status, top, metrics, checkpoint, export,
     inspect: none stops or harms it). A class, so that the job (and its learner, pushing as fast as it can)
     stops after these tests, not after the module's last."""
-
-    @pytest.fixture(scope="class")
-    def live_job(self, tmp_path_factory):
-        """(job, metrics port, checkpoint dir); at the end its server must stop cleanly and leave nothing in
-        /dev/shm."""
-        job, tmp = f"test-{os.getpid()}-live", tmp_path_factory.mktemp("live")
-        s = Served(job, "--learners", "2", "--lr", "1", "--checkpoint-dir", str(tmp / "ck"),
-                   "--event-log", str(tmp / "events.jsonl"), "--metrics-port", str(port := free_port()))
-        p = spawn("pusher.py", job, "--forever", "--index", "3", "--ready-after", "100")
-        try:
-            assert read_line(p) == "ready"
-            yield job, port, tmp / "ck"
-        finally:
-            p.kill()
-            p.wait()
-            s.stop()
 
     def test_status_of_a_live_job(self, live_job):
         job, _, _ = live_job
