@@ -1,9 +1,12 @@
-"""Sparse against dense embedding gradients: bytes written into the ring per push and step time.
+"""Sparse against dense embedding gradients: bytes written into the ring per push, pulled back, step time.
 
 A 10^6 x 64 embedding table (256 MB of float32) with a mini-batch that touches
 `--rows` words. With `nn.Embedding(sparse=True)` a push writes only the touched
-rows (8 bytes of index and 256 bytes of values each); with a dense embedding it
-writes the whole table. Both train through a real `psd serve` job (sgd).
+rows (8 bytes of index and 256 bytes of values each), and a pull (the default
+pull="copy") copies back only the rows and tensors the updates since changed
+(the server's rows log); with a dense embedding a push writes the whole table
+and a pull copies it back. The sparse model runs with pull="view" too (nothing
+copied). All train through a real `psd serve` job (sgd).
 
     python benchmarks/sparse_push.py [--rows 256] [--steps 20] [--out benchmarks/results]
 
@@ -41,9 +44,9 @@ class Table(torch.nn.Module):
         return self.out(self.emb(idx).mean(1))
 
 
-def measure(sparse: bool, table_rows: int, dim: int, touched: int, steps: int) -> dict:
-    """``steps`` steps of one learner against a bare server; push and step times in seconds."""
-    job = f"bench-sparse-{os.getpid()}-{int(sparse)}"
+def measure(sparse: bool, table_rows: int, dim: int, touched: int, steps: int, pull: str = "copy") -> dict:
+    """``steps`` steps of one learner against a bare server; push and step times in seconds, bytes pulled."""
+    job = f"bench-sparse-{os.getpid()}-{int(sparse)}-{pull}"
     server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--learners", "1",
                                "--optimizer", "sgd", "--lr", "0.1", "--no-watchdog", "-q"])
     try:
@@ -51,7 +54,8 @@ def measure(sparse: bool, table_rows: int, dim: int, touched: int, steps: int) -
         model = Table(table_rows, dim, sparse)
         g = torch.Generator().manual_seed(0)
         push, step = [], []
-        with learner.attach(model, job=job) as ps:
+        with learner.attach(model, job=job, pull=pull) as ps:
+            pulled = ps.pulled_bytes
             for _ in range(steps):
                 idx = torch.randint(table_rows, (touched // 8, 8), generator=g)
                 t0 = time.perf_counter()
@@ -59,10 +63,12 @@ def measure(sparse: bool, table_rows: int, dim: int, touched: int, steps: int) -
                 ps.step()
                 step.append(time.perf_counter() - t0)
                 push.append(ps.push_ns / 1e9)
+            pulled = ps.pulled_bytes - pulled
             ps.flush()
         rows = len(torch.unique(idx))
         written = (8 + rows * (8 + 4 * dim)) if sparse else table_rows * dim * 4
-        return {"sparse": sparse, "push_s_p50": statistics.median(push), "push_s_min": min(push),
+        return {"sparse": sparse, "pull": pull, "bytes_pulled_per_step": pulled / steps,
+                "push_s_p50": statistics.median(push), "push_s_min": min(push),
                 "push_s_max": max(push), "step_s_p50": statistics.median(step), "step_s_min": min(step),
                 "step_s_max": max(step), "steps": steps, "bytes_per_push": written + (dim * 2 + 2) * 4}
     finally:
@@ -76,9 +82,11 @@ def markdown(r: dict) -> str:
              f"Command: `{r['command']}`.", "",
              f"A {r['table_rows']:,} x {r['dim']} table, {r['rows']} words a mini-batch, sgd, one learner; "
              f"median of {r['steps']} steps (least-most).", "",
-             "| gradient | bytes per push | push | step (forward, backward, push) |", "| --- | ---: | --- | --- |"]
+             "| gradient | pull | bytes per push | bytes pulled per step | push | step (forward, backward, push, "
+             "pull) |", "| --- | --- | ---: | ---: | --- | --- |"]
     for x in r["runs"]:
-        lines.append(f"| {'sparse' if x['sparse'] else 'dense'} | {x['bytes_per_push']:,} | "
+        lines.append(f"| {'sparse' if x['sparse'] else 'dense'} | {x['pull']} | {x['bytes_per_push']:,} | "
+                     f"{x['bytes_pulled_per_step']:,.0f} | "
                      f"{x['push_s_p50'] * 1e3:.3f} ms ({x['push_s_min'] * 1e3:.3f}-{x['push_s_max'] * 1e3:.3f}) | "
                      f"{x['step_s_p50'] * 1e3:.2f} ms ({x['step_s_min'] * 1e3:.2f}-{x['step_s_max'] * 1e3:.2f}) |")
     return "\n".join(lines) + "\n"
@@ -94,9 +102,10 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     host = machine()
-    res = [measure(s, args.table_rows, args.dim, args.rows, args.steps) for s in (True, False)]
+    res = [measure(s, args.table_rows, args.dim, args.rows, args.steps, pull)
+           for s, pull in ((True, "copy"), (True, "view"), (False, "copy"))]
     print(json.dumps(res, indent=1))
-    sp, de = res
+    sp, _, de = res
     print(f"sparse / dense: bytes per push {sp['bytes_per_push'] / de['bytes_per_push']:.2e}, "
           f"push time {sp['push_s_p50'] / de['push_s_p50']:.3f}, step time {sp['step_s_p50'] / de['step_s_p50']:.3f}")
     r = {"machine": host, "command": command_line(), "table_rows": args.table_rows, "dim": args.dim,

@@ -23,6 +23,7 @@ import collections
 import logging
 import math
 import os
+import struct
 import time
 from typing import Any
 
@@ -198,10 +199,22 @@ class Learner:
         n = self.n_params
         self._train = params[:self.n_pieces]
         self._numels = tuple(p.numel() for p in self._train)
-        self._row_lens = tuple(r for _, r in piece_geometry(spec))
+        geometry = piece_geometry(spec)
+        self._row_lens = tuple(r for _, r in geometry)
+        offs = [0]
+        for length, _ in geometry:
+            offs.append(offs[-1] + length)
+        # The job's trainable tensors as (off, len, row_len), for pulls of the rows that changed.
+        self._piece_table = struct.pack(f"<{3 * len(geometry)}Q", *[v for k, (length, r) in enumerate(geometry)
+                                                                    for v in (offs[k], length, r)])
         self.dtype = params[0].dtype
         self._dtype_code = PARAM_DTYPES[self.dtype]
         self._sparse = _sparse_tensors(self.model, self._train)
+        # A model with sparse gradients pulls only the rows and tensors the updates since its last pull
+        # changed (the server's rows log), not the whole table (copy pulls, inline).
+        self._rows_pull = bool(self._sparse) and self.pull_mode == "copy" and type(self) is Learner
+        self._log_pos = self._epoch = 0
+        self.pulled_bytes = 0
         self._wspec = wspec = [p for p in spec if p.kind != "buffer"]
         # Two private float32 weight buffers: the model trains on the front one; the pull thread fills
         # the other. A bfloat16 / float16 model trains on its own copy of the front, in its dtype.
@@ -418,6 +431,7 @@ class Learner:
             self.clock = a.seen_clock(self.slot)
             self._set_params(split(self._weights, self._wspec))  # read-only pages: writing one is a SIGSEGV
         else:
+            self._log_pos, self._epoch = a.rowlog_mark()  # before the copy: later changes are pulled again
             self.clock = a.clock()
             self._bufs[self._front].copy_(self._weights)
             # Pulls copy the trainable weights alone (nothing moves the frozen ones while the job runs):
@@ -433,7 +447,7 @@ class Learner:
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
         # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
         # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
-        if (self.pull_mode == "copy" and n * 4 > INLINE_PULL_BYTES
+        if (self.pull_mode == "copy" and n * 4 > INLINE_PULL_BYTES and not self._rows_pull
                 and pull_thread_has_a_core(h["n_slots"], h["threads"])):
             self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
                                           self._bufs[1 - self._front].numpy(), self.clock)
@@ -644,6 +658,8 @@ class Learner:
                 self._tail += 1
                 self.pushed += 1
                 if r >= 0:
+                    if r != self.clock and self.pull_mode == "copy":  # the step copied the weights in
+                        self.pulled_bytes += 4 * self.n_train
                     self.clock = r
                 else:  # the ring is full: wait for space, then pull
                     self._after_push(self._arena, 0)
@@ -703,6 +719,7 @@ class Learner:
     def _take_newer(self, a: _native.Arena) -> None:
         """Swap in newer weights, if the job has them (the pull after a push, or an empty step)."""
         before = self.clock
+        copied = 0
         if self.pull_mode == "view":
             self.clock = a.seen_clock(self.slot)  # the weights are the shared ones: nothing to copy
         elif self._puller is None or self.sync == "bsp":
@@ -710,7 +727,14 @@ class Learner:
                 taken = self._puller.take()
                 if taken is not None:
                     self._point(taken[0])
-            self.clock = a.pull_into(self.slot, self._front_array, self.clock)
+            if self._rows_pull:
+                self.clock, self._log_pos, self._epoch, copied = a.pull_changed(
+                    self.slot, self._front_array, self.clock, self._log_pos, self._epoch, self._piece_table)
+                self.pulled_bytes += copied
+            else:
+                known = self.clock
+                self.clock = a.pull_into(self.slot, self._front_array, self.clock)
+                self.pulled_bytes += 4 * self.n_train if self.clock != known else 0
             if self._puller is not None:
                 self._puller.set_front_clock(self.clock)
         else:
@@ -718,8 +742,9 @@ class Learner:
             if taken is not None:
                 self._point(taken[0])
                 self.clock = taken[1]
+                self.pulled_bytes += 4 * self.n_train
             self._puller.request()
-        if self.clock != before:
+        if self.clock != before or copied:  # (copied: weights written outside an update, same clock)
             if self.predict:
                 self._predict()
             self._sync_model(frozen=False)
@@ -818,6 +843,7 @@ class Learner:
             taken = self._puller.take()  # so that the pull thread is not writing our front buffer
             if taken is not None:
                 self._point(taken[0])
+        self._log_pos, self._epoch = self._arena.rowlog_mark()
         clock = self._arena.clock()
         self._bufs[self._front].copy_(self._weights)
         if self._front != 0:  # the frozen parameters are views of buffer 0 (_point)

@@ -77,11 +77,14 @@ int psd_geometry(uint32_t n_slots, uint32_t ring_k, uint64_t spec_cap, const str
     uint64_t state_bytes = psd_state_stride(model->n_train) * state_vectors;
     uint64_t buffer_bytes = round_up(model->n_buffers * sizeof(double), PSD_PAGE);
     uint64_t piece_bytes = round_up(model->n_pieces * sizeof(struct psd_piece), PSD_PAGE);
+    g->rowlog_cap = psd_rowlog_cap(model->n_train);
+    uint64_t rowlog_bytes = round_up(g->rowlog_cap * sizeof(struct psd_rowlog_entry), PSD_PAGE);
     uint64_t ring_bytes, slots_bytes;
     g->optstate_off = g->weights_off + weights_bytes;
     g->buffers_off = g->optstate_off + state_bytes;
     g->pieces_off = g->buffers_off + buffer_bytes;
-    g->slots_off = g->pieces_off + piece_bytes; /* all below 2^46: no wrap so far */
+    g->rowlog_off = g->pieces_off + piece_bytes;
+    g->slots_off = g->rowlog_off + rowlog_bytes; /* all below 2^46: no wrap so far */
     g->weights_bytes = model->n_params * sizeof(float);
     g->optstate_bytes = state_bytes;
     if (!mul_ok(ring_k, g->entry_stride, &ring_bytes) || !add_ok(ring_bytes, sizeof(struct psd_lslot), &ring_bytes) ||
@@ -96,7 +99,7 @@ static bool header_matches(const struct psd_header *h, const struct psd_geom *g)
     return h->total_size == g->total_size && h->weights_off == g->weights_off &&
            h->weights_bytes == g->weights_bytes && h->optstate_off == g->optstate_off &&
            h->optstate_bytes == g->optstate_bytes && h->buffers_off == g->buffers_off &&
-           h->pieces_off == g->pieces_off && h->slots_off == g->slots_off && h->slot_stride == g->slot_stride &&
+           h->pieces_off == g->pieces_off && h->rowlog_off == g->rowlog_off && h->slots_off == g->slots_off && h->slot_stride == g->slot_stride &&
            h->entry_stride == g->entry_stride;
 }
 
@@ -469,6 +472,9 @@ int psd_arena_grow(struct psd_map *m) {
     h->optstate_bytes = g.optstate_bytes;
     h->buffers_off = g.buffers_off;
     h->pieces_off = g.pieces_off;
+    h->rowlog_off = g.rowlog_off;
+    atomic_store_explicit(&h->rowlog_head, 0, memory_order_relaxed); /* the log was zeroed above */
+    atomic_fetch_add_explicit(&h->weights_epoch, 1, memory_order_release); /* new weights: pull them all */
     h->slots_off = g.slots_off;
     h->slot_stride = g.slot_stride;
     h->entry_stride = g.entry_stride;

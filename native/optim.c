@@ -364,16 +364,23 @@ static uint64_t sparse_count_within(const void *span, uint64_t len, uint64_t row
 /* A sparse row's value, loaded once: a NaN or an infinity raises *bad and reads as 0. */
 static inline float sparse_value(const float *v, uint64_t at, uint32_t *bad) { return psd_take1(v[at], bad); }
 
-void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
-                     float gscale, float *s0, double lr, uint64_t t, _Atomic uint64_t *nonfinite) {
+void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_header *h, float *w,
+                     const void *span, uint64_t len, uint64_t row_len, float gscale, float *s0, double lr,
+                     uint64_t t, _Atomic uint64_t *nonfinite) {
     uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
     uint32_t bad = 0;
     const float *v = sparse_values(span, nnz);
+    if (nnz > log->m->g.rowlog_cap / 4) { /* too many rows to log: the piece whole */
+        psd_rowlog_put(log, piece, PSD_ROWLOG_WHOLE);
+        log = NULL;
+    }
     if (h->optimizer == PSD_OPT_ADAGRAD) {
         /* torch's sparse Adagrad: sum[rows] += g^2; w[rows] -= clr * g / (sqrt(sum[rows]) + eps). */
         float neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay)), eps = (float)h->eps;
         for (uint64_t k = 0; k < nnz; k++) {
             uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
+            if (log && r < rows)
+                psd_rowlog_put(log, piece, r); /* the row read once: what is logged is what moves */
             for (uint64_t j = 0; r < rows && j < row_len; j++) {
                 float d = sparse_value(v, k * row_len + j, &bad) * gscale, s = s0[base + j] + d * d;
                 s0[base + j] = s;
@@ -384,6 +391,8 @@ void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uin
         float neg_lr = (float)-lr; /* torch's SGD: w[rows] += -lr * g */
         for (uint64_t k = 0; k < nnz; k++) {
             uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
+            if (log && r < rows)
+                psd_rowlog_put(log, piece, r);
             for (uint64_t j = 0; r < rows && j < row_len; j++)
                 w[base + j] = w[base + j] + neg_lr * (sparse_value(v, k * row_len + j, &bad) * gscale);
         }

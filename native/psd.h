@@ -67,8 +67,9 @@ struct psd_geom {
     uint32_t n_slots, ring_k, state_vectors;
     uint64_t spec_cap, ranks_off, slotrec_off, spec_off;
     uint64_t n_params, n_train, n_buffers, n_pieces;
-    uint64_t total_size, weights_off, optstate_off, buffers_off, pieces_off, slots_off, slot_stride, entry_stride;
-    uint64_t weights_bytes, optstate_bytes;
+    uint64_t total_size, weights_off, optstate_off, buffers_off, pieces_off, rowlog_off, slots_off, slot_stride,
+        entry_stride;
+    uint64_t weights_bytes, optstate_bytes, rowlog_cap;
 };
 
 /* A mapping of an arena in this process. */
@@ -119,6 +120,26 @@ static inline double *psd_buffers(const struct psd_map *m) {
 static inline struct psd_piece *psd_piece_at(const struct psd_map *m, uint64_t k) {
     return (struct psd_piece *)(m->base + m->g.pieces_off) + k;
 }
+static inline struct psd_rowlog_entry *psd_rowlog_at(const struct psd_map *m, uint64_t i) {
+    return (struct psd_rowlog_entry *)(m->base + m->g.rowlog_off) + (i & (m->g.rowlog_cap - 1));
+}
+/* The update loop's writer of the rows log (its own head; stored out after each update). */
+struct psd_rowlog_writer {
+    const struct psd_map *m;
+    uint64_t head;
+};
+/* Append (piece, row) as entry `head` (psd_layout.h struct psd_rowlog_entry: a seqlock of one entry,
+ * without fences, which ThreadSanitizer does not model). The fields are store-released after the
+ * WRITING mark: a reader whose load-acquire of a field sees this write then sees the mark too. */
+static inline void psd_rowlog_put(struct psd_rowlog_writer *w, uint64_t piece, uint64_t row) {
+    struct psd_rowlog_entry *e = psd_rowlog_at(w->m, w->head);
+    atomic_store_explicit(&e->seq, PSD_ROWLOG_WRITING, memory_order_relaxed);
+    atomic_store_explicit(&e->piece, piece, memory_order_release); /* pairs with the reader's acquire */
+    atomic_store_explicit(&e->row, row, memory_order_release);
+    /* Pairs with the reader's load-acquire of seq. */
+    atomic_store_explicit(&e->seq, w->head, memory_order_release);
+    w->head++;
+}
 static inline float *psd_weights(const struct psd_map *m) {
     return (float *)(m->base + m->g.weights_off);
 }
@@ -146,6 +167,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, FIXED) X(ring_k, FIXED) X(spec_cap, FIXED)        \
     X(ranks_off, FIXED) X(slotrec_off, FIXED) X(spec_off, FIXED) X(created_unix_ns, PLAIN) X(total_size, MODEL) X(n_params, MODEL)     \
     X(n_train, MODEL) X(n_buffers, MODEL) X(n_pieces, MODEL) X(buffers_off, MODEL) X(pieces_off, MODEL)          \
+    X(rowlog_off, MODEL) X(rowlog_head, ATOMIC) X(weights_epoch, ATOMIC)                                          \
     X(weights_off, MODEL) X(weights_bytes, MODEL) X(optstate_off, MODEL) X(optstate_bytes, MODEL)                \
     X(slots_off, MODEL) X(slot_stride, MODEL) X(entry_stride, MODEL) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
     X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, PLAIN)                \
@@ -389,10 +411,23 @@ void psd_loop_pause(struct psd_map *m, _Atomic int *stop);
 
 /* pull.c: a learner's pull thread */
 struct psd_puller;
+struct psd_piece_geom;
 int psd_puller_start(struct psd_map *m, uint32_t slot, float *front, float *back, uint64_t n, uint64_t clock,
                      struct psd_puller **out);
 void psd_puller_request(struct psd_puller *P);
 int psd_puller_take(struct psd_puller *P, uint64_t *clock);
+/* A learner's pull of what changed (pull.c): copy into dst (its copy of the trainable weights, as of
+ * clock `known`, rows-log position *pos and weights epoch *epoch) only the tensors and rows the
+ * updates since changed, as the rows log names them (`pieces`: the job's trainable tensors, tiling
+ * n_train; `whole`: n_pieces bytes of scratch), or everything when the log cannot tell (lapped, a
+ * new epoch, an update of every tensor). Returns the clock the copy holds at least; advances *pos
+ * and *epoch; *bytes: the bytes copied. */
+uint64_t psd_pull_changed(struct psd_map *m, uint32_t slot, float *dst, uint64_t known, uint64_t *pos,
+                          uint64_t *epoch, const struct psd_piece_geom *pieces, uint64_t n_pieces, uint8_t *whole,
+                          uint64_t *bytes);
+/* Where the rows log and the weights epoch stand: read both before copying all the weights, so
+ * that a later psd_pull_changed takes everything changed from then on. */
+void psd_rowlog_mark(const struct psd_map *m, uint64_t *pos, uint64_t *epoch);
 void psd_puller_set_front_clock(struct psd_puller *P, uint64_t clock);
 void psd_puller_stop(struct psd_puller *P);
 
@@ -440,10 +475,12 @@ bool psd_sparse_ok(const struct psd_header *h);
 /* Check a sparse piece stored in `span` (cap float32 of room) of a tensor of
  * rows x row_len; returns its row count, or -1 if it is malformed. */
 int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t row_len);
-/* One update of the rows given in a sparse piece of a tensor of len elements (checked; a count or
- * row that no longer fits is skipped). */
-void psd_sparse_step(const struct psd_header *h, float *w, const void *span, uint64_t len, uint64_t row_len,
-                     float gscale, float *s0, double lr, uint64_t t, _Atomic uint64_t *nonfinite);
+/* One update of the rows given in a sparse piece (tensor `piece`) of len elements (checked; a count
+ * or row that no longer fits is skipped), each row it moves logged in `log` (the piece whole when
+ * the rows would fill a quarter of the log). */
+void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_header *h, float *w,
+                     const void *span, uint64_t len, uint64_t row_len, float gscale, float *s0, double lr,
+                     uint64_t t, _Atomic uint64_t *nonfinite);
 /* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows. */
 void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite);
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */

@@ -33,6 +33,9 @@
  *                                     float64, merged from the learners' deltas
  *   [pieces_off, +16*n_pieces)       struct psd_piece: per trainable tensor, its own
  *                                     optimizer step count and bsp/kasync round mark
+ *   [rowlog_off, +24*rowlog cap)     struct psd_rowlog_entry: the rows log, what each update
+ *                                     changed (a sparse tensor's rows, a dense tensor whole),
+ *                                     so that a learner pulls only those (psd_rowlog_cap)
  *   [slots_off + i*slot_stride, ...) learner block i: struct psd_lslot (claim request,
  *                                     release, tail, the learner's figures), then its
  *                                     ring of ring_k entries, each a struct psd_entry
@@ -70,7 +73,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 6
+#define PSD_LAYOUT_VERSION 7
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -177,7 +180,7 @@ struct psd_header {
     uint64_t weights_off, weights_bytes;
     uint64_t optstate_off, optstate_bytes;
     uint64_t slots_off, slot_stride, entry_stride;
-    uint64_t buffers_off, pieces_off;
+    uint64_t buffers_off, pieces_off, rowlog_off;
     /* -- model shape, from the spec: written with it (under `admission`),
      *    fixed once state >= INIT_WEIGHTS. */
     uint64_t n_train;       /* trainable float32 elements: a prefix of the weights */
@@ -249,6 +252,15 @@ struct psd_header {
      *    only by the update loop (store-release after each apply); learners
      *    load-acquire it before a pull to skip pulls of unchanged weights. */
     alignas(PSD_CACHELINE) _Atomic uint64_t clock;
+
+    /* -- the rows log (struct psd_rowlog_entry): `rowlog_head` counts the entries ever appended,
+     *    written only by the update loop, store-released after an update's weights and entries
+     *    are written and before its `clock`; a learner load-acquires it after `clock`.
+     *    `weights_epoch` is bumped (release) by whatever writes the weights outside a logged update
+     *    (the node link's exchange, a server taking the arena over, a regrow): a learner whose
+     *    last pull saw another epoch copies everything. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t rowlog_head;
+    _Atomic uint64_t weights_epoch;
 
     /* -- global counters, written only by the update loop. Invariant once all
      *    rings are empty: pushed == applied + rejected + dropped, where pushed is
@@ -523,6 +535,27 @@ struct psd_piece {
     uint64_t round; /* bsp / kasync: rounds + 1 of the round whose sum it is in */
 };
 
+/* One entry of the rows log, written only by the update loop: entry i sits at index
+ * i % psd_rowlog_cap(n_train). The loop stores `seq` = PSD_ROWLOG_WRITING, then store-releases the
+ * fields, then `seq` = i; a reader load-acquires `seq` and the fields, and takes them only if `seq`
+ * still reads i (a seqlock of one entry: the loop may lap a reader). */
+struct psd_rowlog_entry {
+    _Atomic uint64_t seq;
+    _Atomic uint64_t piece; /* the trainable tensor, or PSD_ROWLOG_ALL: every weight may have changed */
+    _Atomic uint64_t row;   /* the row (of the piece's row_len elements), or PSD_ROWLOG_WHOLE */
+};
+#define PSD_ROWLOG_WRITING UINT64_MAX
+#define PSD_ROWLOG_ALL UINT64_MAX
+#define PSD_ROWLOG_WHOLE UINT64_MAX
+/* Entries in an arena's rows log: a power of two from 2^10 to 2^16, one for every 64 trainable
+ * elements (a learner whose pulls fall further behind than that copies everything). */
+static inline uint64_t psd_rowlog_cap(uint64_t n_train) {
+    uint64_t cap = UINT64_C(1) << 10;
+    while (cap < (UINT64_C(1) << 16) && cap * 64 < n_train)
+        cap <<= 1;
+    return cap;
+}
+
 /* Element types of a learner's gradients; the arena keeps float32. */
 enum psd_dtype {
     PSD_DTYPE_F32 = 0,
@@ -628,6 +661,7 @@ static inline uint32_t psd_fingerprint(void) {
         offsetof(struct psd_header, n_pieces), offsetof(struct psd_entry, claim),
         offsetof(struct psd_lslot, lease_beat), offsetof(struct psd_header, lease_ms),
         offsetof(struct psd_slot, evicted_entries), offsetof(struct psd_header, slotrec_off),
+        offsetof(struct psd_header, rowlog_head), sizeof(struct psd_rowlog_entry),
     };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
         h ^= parts[i];

@@ -131,3 +131,73 @@ void psd_puller_stop(struct psd_puller *P) {
     pthread_join(P->thread, NULL);
     free(P);
 }
+
+/* The Hogwild read of a changed-rows pull (as hogwild_read: the update loop may be writing these
+ * weights; tests/native/tsan.supp names exactly this function). */
+__attribute__((noinline)) static void hogwild_copy(float *dst, const float *weights, uint64_t n) {
+    memcpy(dst, weights, n * sizeof(float));
+}
+
+uint64_t psd_pull_changed(struct psd_map *m, uint32_t slot, float *dst, uint64_t known, uint64_t *pos,
+                          uint64_t *epoch, const struct psd_piece_geom *pieces, uint64_t n_pieces, uint8_t *whole,
+                          uint64_t *bytes) {
+    struct psd_header *h = psd_hdr(m);
+    struct psd_lslot *s = psd_lslot_at(m, slot);
+    const float *w = psd_weights(m);
+    /* Pairs with the store-release of clock in the update loop (and the release of weights_epoch
+     * by whoever wrote weights outside an update). */
+    uint64_t clock = PSD_LOAD_ACQ(&h->clock), ep = PSD_LOAD_ACQ(&h->weights_epoch);
+    *bytes = 0;
+    if (clock == known && ep == *epoch) {
+        PSD_ADD_RLX(&s->pulls_skipped, 1);
+        return clock;
+    }
+    /* Pairs with the store-release of rowlog_head in update_weights: the entries below it, and the
+     * weights they name, of every update up to `clock` are written. */
+    uint64_t head = PSD_LOAD_ACQ(&h->rowlog_head), n = m->g.n_train, copied = 0;
+    bool all = ep != *epoch || *pos > head || head - *pos > m->g.rowlog_cap || n_pieces != m->g.n_pieces;
+    memset(whole, 0, n_pieces);
+    for (uint64_t i = *pos; i < head && !all; i++) {
+        struct psd_rowlog_entry *e = psd_rowlog_at(m, i);
+        uint64_t seq = PSD_LOAD_ACQ(&e->seq); /* pairs with the store-release of seq in psd_rowlog_put */
+        /* Pair with the field store-releases in psd_rowlog_put: a field of a later write brings its
+         * WRITING mark, so the second load of seq below tells a lapped entry. */
+        uint64_t piece = PSD_LOAD_ACQ(&e->piece), row = PSD_LOAD_ACQ(&e->row);
+        if (seq != i || PSD_LOAD_RLX(&e->seq) != i || piece >= n_pieces) {
+            all = true; /* lapped by the loop while reading (or everything changed) */
+            break;
+        }
+        const struct psd_piece_geom *pg = &pieces[piece];
+        if (row == PSD_ROWLOG_WHOLE) {
+            if (!whole[piece]) {
+                whole[piece] = 1;
+                hogwild_copy(dst + pg->off, w + pg->off, pg->len);
+                copied += pg->len;
+            }
+        } else if (row < pg->len / pg->row_len) {
+            if (!whole[piece]) {
+                hogwild_copy(dst + pg->off + row * pg->row_len, w + pg->off + row * pg->row_len, pg->row_len);
+                copied += pg->row_len;
+            }
+        } else {
+            all = true;
+        }
+        all = all || copied > n; /* more than everything: a full copy costs less from here */
+    }
+    if (all) {
+        hogwild_copy(dst, w, n);
+        copied = n;
+    }
+    *bytes = copied * sizeof(float);
+    *pos = head;
+    *epoch = ep;
+    PSD_ADD_RLX(&s->pulls, 1);
+    PSD_STORE_RLX(&s->learner_clock, clock);
+    return clock;
+}
+
+void psd_rowlog_mark(const struct psd_map *m, uint64_t *pos, uint64_t *epoch) {
+    const struct psd_header *h = psd_hdr(m);
+    *epoch = PSD_LOAD_ACQ(&h->weights_epoch); /* pairs with the release of a weights writer */
+    *pos = PSD_LOAD_ACQ(&h->rowlog_head);     /* pairs with the store-release in update_weights */
+}

@@ -383,6 +383,66 @@ static PyObject *arena_pull_into(Arena *a, PyObject *args) {
     return PyLong_FromUnsignedLongLong(clock);
 }
 
+/* pull_changed(slot, buffer, known, pos, epoch, pieces) -> (clock, pos, epoch, bytes): psd_pull_changed
+ * into the learner's float32 copy of the weights (n_params of them; the trainable prefix is written);
+ * pieces: the job's trainable tensors as uint64 (off, len, row_len) triples, tiling n_train. */
+static PyObject *arena_pull_changed(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long known, pos, epoch;
+    Py_buffer dst, pb;
+    if (!PyArg_ParseTuple(args, "Iw*KKKy*", &slot, &dst, &known, &pos, &epoch, &pb))
+        return NULL;
+    PyObject *out = NULL;
+    uint8_t *whole = NULL;
+    const struct psd_piece_geom *pieces = pb.buf;
+    uint64_t n_pieces = (uint64_t)pb.len / sizeof *pieces, off = 0;
+    if (check_slot(a, slot))
+        goto done;
+    if ((uint64_t)dst.len != a->map.g.n_params * sizeof(float) || (uint64_t)pb.len % sizeof *pieces ||
+        n_pieces != a->map.g.n_pieces) {
+        PyErr_SetString(PyExc_ValueError, "pull_changed: the buffer must hold n_params float32, and pieces one "
+                                          "(off, len, row_len) uint64 triple per trainable tensor");
+        goto done;
+    }
+    for (uint64_t k = 0; k < n_pieces; k++) { /* the pieces must tile the trainable prefix */
+        if (pieces[k].off != off || pieces[k].row_len == 0 || pieces[k].len % pieces[k].row_len ||
+            pieces[k].len > a->map.g.n_train - off) {
+            PyErr_SetString(PyExc_ValueError, "pull_changed: pieces do not tile the job's trainable weights");
+            goto done;
+        }
+        off += pieces[k].len;
+    }
+    if (off != a->map.g.n_train) {
+        PyErr_SetString(PyExc_ValueError, "pull_changed: pieces do not tile the job's trainable weights");
+        goto done;
+    }
+    whole = PyMem_Malloc(n_pieces ? n_pieces : 1);
+    if (!whole) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t clock, p = pos, e = epoch, bytes = 0;
+    Py_BEGIN_ALLOW_THREADS clock = psd_pull_changed(&a->map, slot, dst.buf, known, &p, &e, pieces, n_pieces, whole,
+                                                    &bytes);
+    Py_END_ALLOW_THREADS out = Py_BuildValue("KKKK", (unsigned long long)clock, (unsigned long long)p,
+                                             (unsigned long long)e, (unsigned long long)bytes);
+done:
+    PyMem_Free(whole);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&pb);
+    return out;
+}
+
+/* rowlog_mark() -> (pos, epoch): psd_rowlog_mark, read before a full copy of the weights. */
+static PyObject *arena_rowlog_mark(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    uint64_t pos, epoch;
+    psd_rowlog_mark(&a->map, &pos, &epoch);
+    return Py_BuildValue("KK", (unsigned long long)pos, (unsigned long long)epoch);
+}
+
 static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     unsigned int slot, skipped;
     unsigned long long clock;
@@ -558,6 +618,11 @@ PyMethodDef py_learner_methods[] = {
      "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
      "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
+    {"pull_changed", (PyCFunction)arena_pull_changed, METH_VARARGS,
+     "pull_changed(slot, buffer, known, pos, epoch, pieces) -> (clock, pos, epoch, bytes): copy only what the "
+     "updates since (clock known, rows log pos, weights epoch) changed; pieces: uint64 (off, len, row_len) each"},
+    {"rowlog_mark", (PyCFunction)arena_rowlog_mark, METH_NOARGS,
+     "rowlog_mark() -> (pos, epoch): where the rows log and weights epoch stand (read before a full copy)"},
     {"pull_into", (PyCFunction)arena_pull_into, METH_VARARGS,
      "pull_into(slot, buffer, known_clock) -> clock: copy the trainable weights into buffer (n_params float32; "
      "the frozen ones never move and are left as they are) unless still at known_clock"},

@@ -91,8 +91,11 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     atomic_store(&h->server_pid, pid);
     /* Pairs with the learners' load of generation: a new server is visible. */
     uint64_t gen = atomic_fetch_add(&h->generation, 1) + 1;
-    if (gen > 1)
+    if (gen > 1) {
         atomic_fetch_add(&h->server_restarts, 1);
+        /* The last server may have died inside an update, its weights written and not logged. */
+        atomic_fetch_add_explicit(&h->weights_epoch, 1, memory_order_release);
+    }
     return PyLong_FromUnsignedLongLong(gen);
 }
 
@@ -223,6 +226,17 @@ static PyObject *arena_hold(Arena *a, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iKL", &pid, &start, &clock) || check_open(a))
         return NULL;
     psd_hold(&a->map, pid, start, (int64_t)clock);
+    Py_RETURN_NONE;
+}
+
+/* note_weights_written(): the weights were written outside an update (the node link's exchange):
+ * learners that pull only what the rows log names copy everything at their next pull. */
+static PyObject *arena_note_weights_written(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    if (check_open(a))
+        return NULL;
+    /* Pairs with a learner's load-acquire of weights_epoch (psd_pull_changed, psd_rowlog_mark). */
+    atomic_fetch_add_explicit(&psd_hdr(&a->map)->weights_epoch, 1, memory_order_release);
     Py_RETURN_NONE;
 }
 
@@ -361,6 +375,8 @@ PyMethodDef py_server_methods[] = {
      "hold(pid, start_time, clock): the update loop stops right after the update that brings its clock to "
      "clock, or before any while it is there (clock < 0: no hold), until the hold is moved or cleared, or "
      "the holder dies; header()['held'] says it stopped"},
+    {"note_weights_written", (PyCFunction)arena_note_weights_written, METH_NOARGS,
+     "Server side: the weights were written outside an update; learners' next pulls copy them all."},
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"restore", (PyCFunction)(void (*)(void))arena_restore, METH_VARARGS | METH_KEYWORDS,
      "restore(clock, generation, ranks, ..., evicted=[(pid, start_time, pid_ns, rule, unix_ns, entries, rank)]): "

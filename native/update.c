@@ -56,6 +56,8 @@ struct psd_loop {
      * that marked its gradient finite wrote into it after its check (rule VALUES). Counted by the
      * kernels' threads, read by this loop's thread after each apply. */
     _Atomic uint64_t nonfinite;
+    /* The rows log's writer: what each update changed, so learners pull only that. */
+    struct psd_rowlog_writer log;
 };
 
 /* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), each value of g loaded once and
@@ -184,16 +186,25 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
     struct psd_map *m = L->m;
     const struct psd_header *cfg = &L->cfg;
     float *w = psd_weights(m), *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
+    /* The rows log: an update of every tensor, dense, is one entry (everything changed); else each
+     * tensor it moves is logged whole, and a sparse one by its rows (psd_sparse_step). */
+    bool every_dense = true;
+    for (uint64_t k = 0; k < L->n_pieces && every_dense; k++)
+        every_dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
+    if (every_dense)
+        psd_rowlog_put(&L->log, PSD_ROWLOG_ALL, PSD_ROWLOG_WHOLE);
     for (uint64_t k = 0; k < L->n_pieces;) {
         const struct psd_piece_geom *pg = &L->pieces[k];
         uint64_t t = psd_piece_at(m, k)->steps + 1;
         if (map[k] == PSD_PIECE_ABSENT) {
             k++;
         } else if (map[k] == PSD_PIECE_SPARSE) {
-            psd_sparse_step(cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off, lr, t,
-                            &L->nonfinite);
+            psd_sparse_step(&L->log, k, cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off,
+                            lr, t, &L->nonfinite);
             psd_piece_at(m, k++)->steps = t;
         } else if (map[k] == PSD_PIECE_DENSE_BF16) {
+            if (!every_dense)
+                psd_rowlog_put(&L->log, k, PSD_ROWLOG_WHOLE);
             /* Its own call: the bfloat16 halves of two spans are not contiguous. */
             psd_optimizer_step(cfg, w + pg->off, g + pg->off, PSD_DTYPE_BF16, gscale, s0 + pg->off, s1 + pg->off,
                                pg->len, lr, t, (int)L->threads, &L->beat, &L->nonfinite);
@@ -202,6 +213,8 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             uint64_t j = k + 1;
             while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && psd_piece_at(m, j)->steps + 1 == t)
                 j++;
+            for (uint64_t i = k; i < j && !every_dense; i++)
+                psd_rowlog_put(&L->log, i, PSD_ROWLOG_WHOLE);
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
             psd_optimizer_step(cfg, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
                                (int)L->threads, &L->beat, &L->nonfinite);
@@ -228,6 +241,9 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
         note_staleness(L, staleness);
     }
     apply_pieces(L, g, map, gscale, lr);
+    /* Pairs with a learner's load-acquire of rowlog_head (after its load of clock): the entries
+     * and the weights they name are written. */
+    PSD_STORE_REL(&h->rowlog_head, L->log.head);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
     /* Pairs with the load-acquire of opt_steps in psd_predict. */
     PSD_STORE_REL(&h->opt_steps, t);
@@ -773,6 +789,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
         return EINVAL;
     }
     L->clock = PSD_LOAD_RLX(&psd_hdr(m)->clock); /* restored before READY, or the last server's */
+    L->log = (struct psd_rowlog_writer){L->m, PSD_LOAD_RLX(&psd_hdr(m)->rowlog_head)};
     /* A new server starts each ring where the last one left it (a free slot's head is 0). The
      * load-acquire of state pairs with its store-release in claim / release / reap / free_slot. */
     for (uint32_t i = 0; i < m->g.n_slots; i++) {

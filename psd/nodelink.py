@@ -374,6 +374,7 @@ class NodeLink:
     def _adopt(self, step) -> None:
         with self._stopped():
             self._weights().add_(step)
+            self.arena.note_weights_written()  # learners pulling only changed rows copy everything next
 
     def _reform(self, why: str) -> None:
         """Leave the current epoch and form the next: survivors, plus whoever asked to join."""
@@ -469,6 +470,7 @@ class NodeLink:
             new = old - c.outer_lr * (g + c.outer_momentum * m)
         if held:
             self._weights().add_(new - w_x)
+            self.arena.note_weights_written()
         else:
             self._adopt(new - w_x)
         self.agreed.anchor = new

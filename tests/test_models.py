@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 
-from conftest import child_env, wait_until
+from conftest import HELPERS, child_env, finish, spawn, wait_until
 from psd import _native, learner
 from psd.arena import open_job
 from psd.errors import SpecError
+from psd.state import weights_view
 
 STEPS = 20
 
@@ -231,3 +232,62 @@ def test_sparse_embeddings_are_refused_by_optimizers_without_sparse_semantics(jo
         learner.attach(Bag(sparse=True), job=job)
     with learner.attach(Bag(sparse=False), job=job):  # the same model with a dense embedding is fine
         pass
+
+
+def _same_as_the_job(ps, job: str) -> bool:
+    """Whether the learner's model holds exactly the job's weights."""
+    theirs = learner.pull_state_dict(job)
+    return all(torch.equal(v.detach(), theirs[k]) for k, v in ps.model.state_dict().items())
+
+
+def test_a_sparse_model_pulls_only_the_rows_that_changed(job, serve):
+    """A learner whose model has sparse gradients copies back only the rows (and dense tensors) that the
+    updates since its last pull changed, its own and other learners', as the server's rows log names
+    them; when the log cannot tell (another learner pushed more rows than it holds since this one's last
+    pull, or the weights were written outside an update), it copies everything. Either way its copy is
+    then exactly the job's weights."""
+    sys.path.insert(0, str(HELPERS))
+    from sparse_pusher import DIM, ROWS, Table
+
+    served = serve(job, "--no-watchdog", "--learners", "2", "--optimizer", "sgd", "--lr", "0.5")
+    table = ROWS * DIM * 4
+    model = Table()
+    g = torch.Generator().manual_seed(0)
+    with learner.attach(model, job=job) as ps:
+        def train(steps: int) -> None:
+            for _ in range(steps):
+                idx = torch.randint(0, 100, (1, 8), generator=g)
+                torch.nn.functional.cross_entropy(model(idx), torch.zeros(1, dtype=torch.long)).backward()
+                ps.step()
+
+        # Another learner pushes rows this one never touches, while this one trains on its own.
+        other = spawn("sparse_pusher.py", job, "--rows", "10000", "20000", "--steps", "60", "--per-step", "16")
+        before = ps.pulled_bytes
+        train(60)
+        assert finish(other, timeout=120).strip() == "done 60"
+        ps.flush()
+        ps.step()  # no gradient: only the newer weights, the other learner's last rows among them
+        assert _same_as_the_job(ps, job)
+        # 60 pulls of a table of 1.28 MB: each copied the rows of a few updates, not the table.
+        assert 0 < ps.pulled_bytes - before < table, (ps.pulled_bytes - before, table)
+
+        # More rows than the log holds (8192 entries for this model) since this learner's last pull.
+        before = ps.pulled_bytes
+        other = spawn("sparse_pusher.py", job, "--rows", "0", "20000", "--steps", "60", "--per-step", "300")
+        assert finish(other, timeout=120).strip() == "done 60"
+        ps.step()
+        assert _same_as_the_job(ps, job)
+        assert ps.pulled_bytes - before >= table  # everything, once
+
+        # Weights written outside an update (as the node link's exchange does): the same clock, a new epoch.
+        a = open_job(job)
+        try:
+            w = weights_view(a, a.header())
+            w[5 * DIM:6 * DIM] += 1.0
+            a.note_weights_written()
+        finally:
+            del w
+            a.close()
+        ps.step()
+        assert _same_as_the_job(ps, job)
+    served.stop()

@@ -7,8 +7,9 @@
  *    returns (glibc's pthread_cond_t can hang here);
  * 3. producer threads push through their rings while the update loop applies
  *    them: every gradient applied exactly once, all slots taken means ENOSLOT;
- *    meanwhile a pauser takes snapshots (weights consistent with the clock)
- *    and a learner's pull thread hands over weights (clocks never go back);
+ *    meanwhile a pauser takes snapshots (weights consistent with the clock),
+ *    a learner's pull thread hands over weights (clocks never go back), and a
+ *    learner pulls what the rows log names (at the end, exactly the weights);
  * 4. bsp: learners that wait for each round see every round average exactly
  *    one gradient from each of them;
  * 5. ssp:1 with one slow learner: no learner ever runs more than 2 pushes
@@ -185,6 +186,12 @@ static void test_rings(void) {
     CHECK(rc == 0, "puller start: %s", psd_strerror(rc));
     uint64_t last_clock = 0;
     int snapshots = 0, swaps = 0;
+    /* A learner pulling only what changed (psd_pull_changed), as a model with sparse gradients does. */
+    static float rows_copy[N];
+    uint8_t whole[3];
+    uint64_t rows_clock = 0, rows_pos, rows_epoch, rows_bytes, rows_pulled = 0;
+    psd_rowlog_mark(&map, &rows_pos, &rows_epoch);
+    memcpy(rows_copy, psd_weights(&map), sizeof rows_copy); /* no update yet: no race */
     while (atomic_load(&psd_hdr(&map)->applied) < (uint64_t)SLOTS * PUSHES / 2) {
         rc = psd_pause(&map, getpid(), psd_proc_start_time(getpid()), 5ull * 1000 * 1000 * 1000);
         CHECK(rc == 0, "pause: %s", psd_strerror(rc));
@@ -211,6 +218,12 @@ static void test_rings(void) {
                   (unsigned long long)c, fb[N - 1]);
         }
         psd_puller_request(puller);
+        uint64_t rc_clock = psd_pull_changed(&map, prods[1].slot, rows_copy, rows_clock, &rows_pos, &rows_epoch,
+                                             pieces, 3, whole, &rows_bytes);
+        CHECK(rc_clock >= rows_clock, "changed-rows pull went back from %llu to %llu",
+              (unsigned long long)rows_clock, (unsigned long long)rc_clock);
+        rows_clock = rc_clock;
+        rows_pulled += rows_bytes;
     }
     psd_puller_stop(puller);
     CHECK(snapshots > 0 && swaps > 0, "no snapshot (%d) or no pull (%d) happened", snapshots, swaps);
@@ -223,6 +236,10 @@ static void test_rings(void) {
     psd_loop_stop(loop);
     struct psd_header *h = psd_hdr(&map);
     float *w = psd_weights(&map);
+    psd_pull_changed(&map, prods[1].slot, rows_copy, rows_clock, &rows_pos, &rows_epoch, pieces, 3, whole,
+                     &rows_bytes);
+    CHECK(memcmp(rows_copy, w, sizeof rows_copy) == 0 && rows_pulled > 0,
+          "the changed-rows pulls do not end at the weights (%llu bytes pulled)", (unsigned long long)rows_pulled);
     for (int i = 0; i < SLOTS; i++)
         CHECK(w[i] == -(float)PUSHES, "w[%d] = %g, expected %d", i, w[i], -PUSHES);
     CHECK(w[N - 1] == -(float)(SLOTS * PUSHES), "w[N-1] = %g", w[N - 1]);
