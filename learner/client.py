@@ -148,7 +148,7 @@ class Learner:
 
     def __init__(self, model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
                  slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0,
-                 pull: str | None = None) -> None:
+                 pull: str | None = None, partial: bool = False) -> None:
         self.job = job or default_job()
         self.pull_mode, self._pull_source = _pull_mode(pull)
         inner = getattr(model, "_orig_mod", None)  # a torch.compile'd model trains the module it wraps
@@ -161,7 +161,17 @@ class Learner:
         threads = os.environ.get("PSD_LEARNER_THREADS")  # set by `psd run` so N learners share the cores
         if threads and threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        self._layout(model_spec(model))
+        self.partial = partial
+        self._present: list[bool] | None = None  # partial: which of the job's weight tensors the model holds
+        if partial:
+            self._mine = model_spec(model)  # laid out over the job's spec once it is read (_connect)
+            if self._mine[2]:
+                raise SpecError(f"a partial attach takes parameters only for now, and this module has buffers "
+                                f"({', '.join(repr(p.name) for p in self._mine[0] if p.kind == 'buffer')}): "
+                                f"the job merges its buffers whole with every push; attach the whole model, or "
+                                f"make these non-persistent (register_buffer(..., persistent=False))")
+        else:
+            self._layout(model_spec(model))
         self.pushed = 0
         self._push_ns = 0
         self.reconnects = 0
@@ -198,7 +208,7 @@ class Learner:
         self.n_params, self.n_train, self.n_buffers, self.n_pieces = model_sizes(spec)
         n = self.n_params
         self._train = params[:self.n_pieces]
-        self._numels = tuple(p.numel() for p in self._train)
+        self._numels = tuple(p.numel for p in spec[:self.n_pieces])
         geometry = piece_geometry(spec)
         self._row_lens = tuple(r for _, r in geometry)
         offs = [0]
@@ -216,6 +226,13 @@ class Learner:
         self._log_pos = self._epoch = 0
         self.pulled_bytes = 0
         self._wspec = wspec = [p for p in spec if p.kind != "buffer"]
+        # The ranges of the weights this learner copies in (all of them, unless a partial attach holds some).
+        self._own: list[tuple[int, int, bool]] = []  # (offset, length, frozen)
+        off = 0
+        for i, p in enumerate(wspec):
+            if self._present is None or self._present[i]:
+                self._own.append((off, p.numel, p.kind == "frozen"))
+            off += p.numel
         # Two private float32 weight buffers: the model trains on the front one; the pull thread fills
         # the other. A bfloat16 / float16 model trains on its own copy of the front, in its dtype.
         self._bufs = [torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)]
@@ -260,7 +277,7 @@ class Learner:
         """The address of this learner's buffers as pushed (None: no buffers): the values of the
         real-valued ones (they become the job's), then how far the counters moved since they were
         last pulled (the job adds that, so counters count every learner's batches)."""
-        if not self.n_buffers:
+        if not self.n_buffers or self.partial:  # a partial learner holds none of the job's buffers
             return None
         torch.sub(self._buffers_now(), self._bbase, out=self._bdelta)
         self._bdelta[:self._bset].copy_(self._bcur[:self._bset])
@@ -296,7 +313,11 @@ class Learner:
         """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
         arena = open_job(self.job, role="learner")
         try:
-            if arena.state != _native.ARENA_READY:
+            if self.partial:
+                self._await_model(arena)
+                arena.remap()
+                self._layout(self._partial_state(arena_spec(arena)))
+            elif arena.state != _native.ARENA_READY:
                 buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
                 _wait_ready(arena, self.job, self._spec, self._params, buffers, self.timeout)
             arena.remap()
@@ -335,6 +356,50 @@ class Learner:
         self._acc = None  # --push-every: the wave's summed gradients (dense, then sparse ones by piece)
         self._acc_sparse: dict[int, torch.Tensor] = {}
         self._map_buffers()
+
+    def _await_model(self, arena: _native.Arena) -> None:
+        """A partial attach: wait for the job's model to be declared (it never offers one itself)."""
+        deadline = _Deadline(self.timeout)
+        while arena.state != _native.ARENA_READY:
+            if arena.state == _native.ARENA_STOPPED or deadline.expired():
+                raise Timeout(f"job {self.job!r} has no model yet (state {arena.state}) after {self.timeout:g} s: a "
+                              f"partial attach takes part of the job's model, which a full attach "
+                              f"(psd.learner.attach(model)), `psd serve --init` or `--resume` declares first")
+            arena.wait_state(_native.ARENA_READY, min(deadline.left(), 0.1))
+
+    def _partial_state(self, theirs: list[ParamSpec]) -> tuple:
+        """The layout state (``model_spec``'s form) of a partial attach: the job's spec, with this module's
+        tensors where it holds them (matched by full name, shape, dtype and kind) and empty stand-ins for
+        the rest, which this learner never copies in and never pushes a gradient for."""
+        spec_m, params_m, _ = self._mine
+        mine = {p.name: (p, t) for p, t in zip(spec_m, params_m, strict=False)}
+        job = {p.name: p for p in theirs}
+        for p in spec_m:
+            q = job.get(p.name)
+            if q is None:
+                raise SpecError(f"{p.name!r} {list(p.shape)} {p.dtype} of this module is not in job {self.job!r}'s "
+                                f"model; a partial attach takes a module whose parameters are some of the job's, "
+                                f"by their full names (build the whole model and delete the layers other stages "
+                                f"hold, as torch.distributed.pipelining's manual split does)")
+            if (q.shape, q.dtype, q.kind) != (p.shape, p.dtype, p.kind):
+                raise SpecError(f"{p.name!r} is {list(p.shape)} {p.dtype} ({p.kind}) in this module but "
+                                f"{list(q.shape)} {q.dtype} ({q.kind}) in job {self.job!r}'s model")
+        params, owners, present = [], [], []
+        for q in theirs:
+            if q.kind == "buffer":  # the job's buffers: a stand-in module holds each (never pushed)
+                holder = torch.nn.Module()
+                holder.register_buffer("b", torch.zeros(q.shape, dtype=torch_dtype(q.dtype)))
+                owners.append((holder, "b"))
+                continue
+            held = mine.get(q.name)
+            present.append(held is not None)
+            if held is not None:
+                params.append(held[1])
+            else:  # no memory: a view of one element, re-pointed at the weights buffer like the others
+                params.append(torch.nn.Parameter(torch.zeros((), dtype=torch_dtype(q.dtype)).expand(q.shape),
+                                                 requires_grad=q.kind != "frozen"))
+        self._present = present
+        return theirs, params, owners
 
     @property
     def resume_step(self) -> int:
@@ -433,10 +498,10 @@ class Learner:
         else:
             self._log_pos, self._epoch = a.rowlog_mark()  # before the copy: later changes are pulled again
             self.clock = a.clock()
-            self._bufs[self._front].copy_(self._weights)
+            self._copy_own(self._bufs[self._front], frozen=True)
             # Pulls copy the trainable weights alone (nothing moves the frozen ones while the job runs):
             # both buffers get the frozen ones here, once per mapping.
-            self._bufs[1 - self._front][self.n_train:].copy_(self._weights[self.n_train:])
+            self._copy_own(self._bufs[1 - self._front], trainable=False, frozen=True)
             if self._lowp is not None:  # the parameters stay views of the model-dtype copy
                 self._set_params(split(self._lowp, self._wspec))
             self._point(self._front)
@@ -447,7 +512,7 @@ class Learner:
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
         # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
         # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
-        if (self.pull_mode == "copy" and n * 4 > INLINE_PULL_BYTES and not self._rows_pull
+        if (self.pull_mode == "copy" and n * 4 > INLINE_PULL_BYTES and not self._rows_pull and not self.partial
                 and pull_thread_has_a_core(h["n_slots"], h["threads"])):
             self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
                                           self._bufs[1 - self._front].numpy(), self.clock)
@@ -460,7 +525,7 @@ class Learner:
         do subclasses (DeviceLearner's step is its own)."""
         self._stepper = None
         if (self.push_every != 1 or self.sync not in ("asp", "kasync") or self.predict or self.n_buffers
-                or self._sparse or self._lowp is not None or self._puller is not None
+                or self._sparse or self._lowp is not None or self._puller is not None or self.partial
                 or type(self) is not Learner):
             return
         front = None if self.pull_mode == "view" else self._bufs[self._front].numpy()
@@ -480,7 +545,7 @@ class Learner:
             p.grad = None
         if self.pull_mode == "view" and getattr(self, "_weights", None) is not None:
             # The parameters are views of the mapping: keep the model usable on a private copy.
-            self._bufs[0].copy_(self._weights)
+            self._copy_own(self._bufs[0], frozen=True)
             self._point(0)
         self._weights = self._entries = self._arena_buffers = None
         try:
@@ -727,7 +792,14 @@ class Learner:
                 taken = self._puller.take()
                 if taken is not None:
                     self._point(taken[0])
-            if self._rows_pull:
+            if self.partial:
+                clock = a.clock()
+                if clock != self.clock:
+                    copied = self._copy_own(self._bufs[self._front])
+                    self.pulled_bytes += copied
+                a.note_pull(self.slot, clock, clock == self.clock)
+                self.clock = clock
+            elif self._rows_pull:
                 self.clock, self._log_pos, self._epoch, copied = a.pull_changed(
                     self.slot, self._front_array, self.clock, self._log_pos, self._epoch, self._piece_table)
                 self.pulled_bytes += copied
@@ -826,9 +898,23 @@ class Learner:
         ``frozen=False`` (a step's pull, which moved only the trainable weights) leaves the model's frozen
         weights as they are."""
         if self._lowp is not None:
-            n = self.n_params if frozen else self.n_train
-            self._lowp[:n].copy_(self._bufs[self._front][:n])
+            front = self._bufs[self._front]
+            for off, length, is_frozen in self._own:
+                if frozen or not is_frozen:
+                    self._lowp[off:off + length].copy_(front[off:off + length])
         self._pull_buffers()
+
+    def _copy_own(self, dst: torch.Tensor, trainable: bool = True, frozen: bool = False) -> int:
+        """Copy this learner's weights (all, or a partial attach's own) from the job's into ``dst``; the bytes."""
+        if self._present is None and trainable and frozen:
+            dst.copy_(self._weights)
+            return 4 * self.n_params
+        done = 0
+        for off, length, is_frozen in self._own:
+            if (frozen if is_frozen else trainable):
+                dst[off:off + length].copy_(self._weights[off:off + length])
+                done += 4 * length
+        return done
 
     def pull(self) -> int:
         """Copy the current shared weights into the model now; returns their clock.
@@ -845,9 +931,9 @@ class Learner:
                 self._point(taken[0])
         self._log_pos, self._epoch = self._arena.rowlog_mark()
         clock = self._arena.clock()
-        self._bufs[self._front].copy_(self._weights)
+        self.pulled_bytes += self._copy_own(self._bufs[self._front], frozen=True)
         if self._front != 0:  # the frozen parameters are views of buffer 0 (_point)
-            self._bufs[0][self.n_train:].copy_(self._weights[self.n_train:])
+            self._copy_own(self._bufs[0], trainable=False, frozen=True)
         self.clock = clock
         self._sync_model()
         if self._puller is not None:
@@ -1091,7 +1177,7 @@ def _pull_mode(pull: str | None) -> tuple[str, str]:
 
 def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 60.0,
            slot_timeout: float = 0.0, rank: int | None = None, reconnect_timeout: float = 60.0,
-           device: str | torch.device | None = None, pull: str | None = None) -> Learner:
+           device: str | torch.device | None = None, pull: str | None = None, partial: bool = False) -> Learner:
     """Attach ``model`` to the psd job ``job`` (default: $PSD_JOB, else ``default``).
 
     Claims a learner slot and pulls the job's current weights into the model. If
@@ -1115,6 +1201,13 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     newest weights, but an update may land in the middle of a forward pass, and writing a
     parameter in place (a local optimizer, ``load_state_dict``) kills the process (SIGSEGV). It
     needs a float32 model on the CPU and a job without ``--predict``.
+
+    ``partial=True`` attaches a module that holds some of the job's parameters (a pipeline stage: the
+    whole model built, the layers other stages hold deleted, names keeping their prefixes), matched by
+    full name, shape and dtype (``SpecError`` naming the first that is not the job's). The job's model
+    must be declared already (a full attach, ``--init``, ``--resume``): this waits up to ``timeout``
+    for it. The learner pushes gradients of its own parameters only and copies only those back; the
+    others take no memory in it. CPU learners, modules without buffers, for now.
     """
     if device is not None:
         from psd.learner.device import check_device
@@ -1123,8 +1216,12 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
         model.to(torch.device(device))
     dev = next(iter(model.parameters()), torch.empty(0)).device
     cls = Learner if dev.type == "cpu" else DeviceLearner
+    if partial and cls is not Learner:
+        raise SpecError(f"a partial attach takes a module on the CPU for now (this one is on {dev}); attach the "
+                        f"whole model on the GPU, or the stage's module on the CPU")
+    kw = {"partial": True} if partial else {}
     learner = cls(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
-                  reconnect_timeout=reconnect_timeout, pull=pull)
+                  reconnect_timeout=reconnect_timeout, pull=pull, **kw)
     world = os.environ.get("PSD_WORLD", "")
     if learner.sync == "bsp" and world.isdigit():
         try:

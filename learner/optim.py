@@ -264,8 +264,8 @@ class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose ``step()`` trains ``model`` through the psd job ``job``.
 
     ``Optimizer(model, job)`` attaches the model (``psd.learner.attach(model, job, **attach_kwargs)``:
-    ``timeout``, ``slot_timeout``, ``rank``, ``reconnect_timeout``, ``device``, ``pull``); the ``Learner`` is
-    ``self.learner`` (``resume_step``, ``flush()``, ``pull()``, ...). Or pass an attached one as
+    ``timeout``, ``slot_timeout``, ``rank``, ``reconnect_timeout``, ``device``, ``pull``, ``partial``); the
+    ``Learner`` is ``self.learner`` (``resume_step``, ``flush()``, ``pull()``, ...). Or pass an attached one as
     ``learner=`` (then no job or attach arguments). Give it the model, not ``model.parameters()``.
 
     One process holds one learner slot per job, whatever number of optimizers it makes:

@@ -1,0 +1,165 @@
+"""Partial attach: a learner that holds some of the job's parameters (a pipeline stage) pushes and pulls
+only its own, matched by full name; anything that is not the job's is refused by name and the job goes on."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import HELPERS, read_line, spawn
+from psd import learner
+from psd.errors import SpecError, Timeout
+
+
+class Net(torch.nn.Module):
+    """Three layers with names of their own, as a model split into stages keeps them."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(8, 2)
+        self.to(dtype)
+
+
+def stage(*keep: str, dtype: torch.dtype = torch.float32) -> Net:
+    """The whole model with every layer but ``keep`` deleted (torch.distributed.pipelining's manual split)."""
+    net = Net(dtype)
+    for name in ("a", "b", "c"):
+        if name not in keep:
+            delattr(net, name)
+    return net
+
+
+def ones_grad(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+
+
+@pytest.mark.parametrize("pull", ["copy", "view"])
+def test_stages_push_and_pull_only_their_own_parameters(job, serve, pull):
+    serve(job, "--no-watchdog", "--learners", "4", "--lr", "1")
+    full = Net()
+    start = {k: v.clone() for k, v in full.state_dict().items()}
+    with learner.attach(full, job=job) as whole:  # declares the job's model
+        first, second = stage("a"), stage("b", "c")
+        with learner.attach(first, job=job, partial=True, pull=pull) as s1, \
+                learner.attach(second, job=job, partial=True, pull=pull) as s2:
+            assert s1.n_params == whole.n_params  # laid out over the whole model ...
+            for _ in range(3):
+                ones_grad(first)
+                s1.step()
+            for _ in range(2):
+                ones_grad(second)
+                s2.step()
+            s1.flush()
+            s2.flush()
+            before = s1.pulled_bytes
+            s1.pull()
+            whole.pull()
+            if pull == "copy":  # ... and copies in its own tensors alone (pull() takes the frozen ones too: none)
+                assert s1.pulled_bytes - before == 4 * sum(p.numel() for p in first.parameters())
+            theirs = learner.pull_state_dict(job)
+            for k, v in theirs.items():  # each stage moved its own layers, by exactly its own steps
+                expected = start[k].clone()
+                for _ in range(3 if k.startswith("a.") else 2):
+                    expected -= 1
+                assert torch.equal(v, expected), k
+            for k, v in first.state_dict().items():
+                assert torch.equal(v, theirs[k]), k
+            for k, v in full.state_dict().items():
+                assert torch.equal(v, theirs[k]), k
+            # A stage with the drop-in optimizer, at one process's lr 1 (the server's).
+            opt = learner.Optimizer(stage("c"), job=job, partial=True, pull=pull)
+            c_before = theirs["c.bias"].clone()
+            ones_grad(opt.learner.model)
+            opt.step()
+            opt.learner.flush()
+            assert torch.equal(learner.pull_state_dict(job)["c.bias"], c_before - 1)
+            opt.close()
+
+
+def test_a_module_that_is_not_part_of_the_job_is_refused_by_name_and_the_job_goes_on(job, serve):
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    full = Net()
+    with learner.attach(full, job=job) as whole:
+        wrong_shape = stage("a")
+        wrong_shape.a = torch.nn.Linear(4, 9)
+        with pytest.raises(SpecError, match=r"'a.weight' is \[9, 4\] float32 \(param\) in this module but \[8, 4\]"):
+            learner.attach(wrong_shape, job=job, partial=True)
+        stranger = stage("a")
+        stranger.z = torch.nn.Linear(2, 2)
+        with pytest.raises(SpecError, match=r"'z.weight' \[2, 2\] float32 of this module is not in job"):
+            learner.attach(stranger, job=job, partial=True)
+        wrong_dtype = stage("b", dtype=torch.bfloat16)
+        with pytest.raises(SpecError, match=r"'b.weight' is \[8, 8\] bfloat16"):
+            learner.attach(wrong_dtype, job=job, partial=True)
+        with_buffers = stage("a")
+        with_buffers.register_buffer("seen", torch.zeros(1))
+        with pytest.raises(SpecError, match=r"parameters only for now.*'seen'"):
+            learner.attach(with_buffers, job=job, partial=True)
+        # Without partial=True a strict subset of the job's model is a mismatch, named.
+        with pytest.raises(SpecError, match="this model has 2 tensors and the job 6"):
+            learner.attach(stage("a"), job=job)
+        ones_grad(full)  # the job went on: its slots are free, its learner steps
+        whole.step()
+        whole.flush()
+        with learner.attach(stage("a"), job=job, partial=True) as s:
+            assert s.clock == whole.clock
+
+
+def test_a_partial_attach_waits_for_the_jobs_model_and_says_what_declares_it(job, serve):
+    serve(job, "--no-watchdog", "--learners", "1")
+    with pytest.raises(Timeout, match="partial attach takes part of the job's model, which a full attach"):
+        learner.attach(stage("a"), job=job, partial=True, timeout=0.3)
+
+
+def test_a_bfloat16_stage(job, serve):
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    full = Net(torch.bfloat16)
+    start = {k: v.float().clone() for k, v in full.state_dict().items()}
+    with learner.attach(full, job=job):
+        part = stage("b", dtype=torch.bfloat16)
+        with learner.attach(part, job=job, partial=True) as s:
+            ones_grad(part)
+            s.step()
+            s.flush()
+            s.pull()
+            theirs = learner.pull_state_dict(job)
+            for k, v in theirs.items():  # float32 master weights, given back in the model's dtype
+                moved = (start[k] - (1 if k.startswith("b.") else 0)).bfloat16()
+                assert torch.equal(v, moved), k
+            assert torch.equal(part.b.weight.float(), theirs["b.weight"].float())
+
+
+def _rss_mib() -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+
+
+def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve):
+    """The wide layer lives in the job (a full learner in another process declared it); the stage that
+    holds only the small one grows by far less than the wide layer's 40 MB."""
+    serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2")
+    sys.path.insert(0, str(HELPERS))
+    from wide_learner import Wide
+
+    holder = spawn("wide_learner.py", job)
+    try:
+        assert read_line(holder, timeout=60) == "ready"
+        part = Wide()
+        del part.b
+        before = _rss_mib()
+        with learner.attach(part, job=job, partial=True) as s:
+            ones_grad(part)
+            s.step()
+            s.flush()
+            s.pull()
+            grown = _rss_mib() - before
+        assert grown < 12, f"the stage grew by {grown} MiB"
+    finally:
+        holder.kill()
+        holder.wait()
