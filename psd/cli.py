@@ -157,8 +157,12 @@ def _run(args: argparse.Namespace) -> int:
         # Every learner would refuse it at attach and be restarted until the job fails: say so now.
         raise SystemExit(f"psd run: --pull view makes CPU learners' parameters views of the shared weights; "
                          f"it cannot go with {'--gpus' if gpus else '--predict'}: use --pull copy")
-    return Launcher(_watchdog_config(args), command, max_restarts=args.max_restarts, gpus=gpus,
-                    fork_server=args.fork_server,
+    if args.stages < 1:
+        raise SystemExit(f"psd run: --stages must be 1 or more, not {args.stages}")
+    cfg = _watchdog_config(args)
+    cfg.serve.learners *= args.stages  # a slot for every stage of every virtual worker
+    return Launcher(cfg, command, max_restarts=args.max_restarts, gpus=gpus,
+                    fork_server=args.fork_server, stages=args.stages,
                     learner_threads=args.learner_threads, pull=args.pull, learner_sched=args.learner_sched).run()
 
 

@@ -239,6 +239,11 @@ def _build() -> tuple[Flag, ...]:
              "must be `python SCRIPT ...` or `python -m MODULE ...` with psd's Python), off (a new process each "
              "time), auto (on where COMMAND is such)", "auto", choices=("auto", "on", "off"), metavar="MODE",
              commands=(RUN,), readme_default="`auto`"),
+        Flag("--stages", "pipeline stages per learner: each of the --learners virtual workers is K processes "
+             "(PSD_VW, PSD_STAGE, PSD_STAGES, and RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for a "
+             "torch.distributed process group of its own; PSD_RANK = VW * K + STAGE), each attaching its stage "
+             "with partial=True; the server gets --learners x K slots. A stage that dies restarts its whole "
+             "virtual worker; the others go on", 1, type=int, commands=(RUN,), metavar="K"),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
              0, type=int, commands=(RUN,), metavar="T"),
         Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "

@@ -21,6 +21,7 @@ import enum
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,13 @@ def _die_with_launcher() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a virtual worker's process group, as torchrun picks one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class WorkerState(enum.Enum):
     """A learner process under ``psd run``.
 
@@ -118,10 +126,15 @@ class Launcher:
     def __init__(self, config: WatchdogConfig, command: list[str], max_restarts: int = 3,
                  progress_every: float | None = None, learner_threads: int = 0,
                  gpus: list[int] | None = None, pull: str = "copy", learner_sched: str = "auto",
-                 fork_server: str = "auto") -> None:
+                 fork_server: str = "auto", stages: int = 1) -> None:
         self.config = config
         self.job = config.serve.job
-        self.n = config.serve.learners
+        self.n = config.serve.learners  # learner processes: with stages, virtual workers x stages
+        if stages < 1 or self.n % stages:
+            raise ValueError(f"{self.n} learner slots do not split into virtual workers of {stages} stages")
+        self.stages = stages
+        self._vw_ports: dict[int, int] = {}  # virtual worker -> its process group's port, this life
+        self._vw_fruitless: dict[int, int] = {}  # virtual worker -> its lives in a row without progress
         self.command = command
         self.max_restarts = max_restarts
         # N learners must not oversubscribe the cores: each gets its share of them, at least one.
@@ -187,6 +200,11 @@ class Launcher:
                    OMP_NUM_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1",
                    PSD_NODE_RANK=str(self.config.serve.node_rank), PSD_NNODES=str(self.config.serve.nnodes),
                    PSD_PULL=self.pull)
+        if self.stages > 1:  # a stage of a virtual worker: torchrun's variables for its own process group
+            vw, stage = divmod(w.rank, self.stages)
+            env.update(PSD_VW=str(vw), PSD_STAGE=str(stage), PSD_STAGES=str(self.stages), RANK=str(stage),
+                       LOCAL_RANK=str(stage), WORLD_SIZE=str(self.stages), LOCAL_WORLD_SIZE=str(self.stages),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._vw_ports[vw]))
         if self.gpus:
             env["PSD_DEVICE"] = f"cuda:{self.gpus[w.rank % len(self.gpus)]}"
         if self._forks is not None and self._forks.alive:
@@ -243,7 +261,80 @@ class Launcher:
         self.events.emit("watchdog_restart", watchdog_pid=self.watchdog.pid)
         self._start_watchdog()
 
+    def _vw_members(self, vw: int) -> list[Worker]:
+        return self.workers[vw * self.stages:(vw + 1) * self.stages]
+
+    def _start_vw(self, vw: int, restart: bool = False) -> None:
+        """Start (or restart) every stage of virtual worker ``vw`` not yet finished, on a fresh port."""
+        self._vw_ports[vw] = free_port()
+        for w in self._vw_members(vw):
+            if w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+                continue
+            if restart:
+                w.restarts += 1
+            self._start_worker(w)
+        if restart:
+            log.warning("job %r: virtual worker %d restarted (stages %s)", self.job, vw,
+                        ", ".join(str(w.rank) for w in self._vw_members(vw)))
+            self.events.emit("virtual_worker_restart", vw=vw, ranks=[w.rank for w in self._vw_members(vw)])
+
+    def _supervise_vws(self) -> None:
+        """--stages: a stage that dies takes its virtual worker down (its peers would wait on it in their
+        process group), and the whole virtual worker restarts after the back-off; the others go on. Its
+        lives count as progress when any stage got further through its data than before."""
+        now = time.monotonic()
+        for vw in range(self.n // self.stages):
+            members = self._vw_members(vw)
+            dead = []
+            for w in members:
+                if w.state != WorkerState.RUNNING:
+                    continue
+                code = w.proc.poll()
+                if code is None:
+                    continue
+                w.exit_code = code
+                if code == 0:
+                    w.state = WorkerState.SUCCEEDED
+                    log.info("job %r: learner %d (virtual worker %d, stage %d) finished", self.job, w.rank, vw,
+                             w.rank % self.stages)
+                    self.events.emit("learner_finished", rank=w.rank)
+                else:
+                    dead.append((w, f"exit {code}" if code > 0 else signal.Signals(-code).name))
+            if dead:
+                for w in members:  # the stages still running would wait on the dead one: stop them
+                    if w.state == WorkerState.RUNNING and w.proc.poll() is None:
+                        w.proc.kill()
+                        w.proc.wait()
+                progressed = [self._made_progress(w) for w in members if w.state != WorkerState.SUCCEEDED]
+                fruitless = 0 if any(progressed) else self._vw_fruitless.get(vw, 0) + 1
+                self._vw_fruitless[vw] = fruitless
+                how = ", ".join(f"stage {w.rank % self.stages} {h}" for w, h in dead)
+                for w, h in dead:
+                    self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=h)
+                left = [w for w in members if w.state != WorkerState.SUCCEEDED]
+                if fruitless >= self.max_restarts:
+                    for w in left:
+                        w.state = WorkerState.FAILED
+                        w.exit_code = w.exit_code or 1
+                    log.error("job %r: virtual worker %d died %d times in a row without getting further through "
+                              "its data (last: %s); giving up on it (ranks %s), the others go on "
+                              "(--max-restarts %d)", self.job, vw, fruitless, how,
+                              ", ".join(str(w.rank) for w in left), self.max_restarts)
+                    for w in left:
+                        self.events.emit("learner_failed", rank=w.rank, exit=how)
+                    continue
+                for w in left:
+                    w.state = WorkerState.BACKOFF
+                    w.restart_at = now + min(10.0, 0.1 * 2 ** fruitless)
+                log.warning("job %r: virtual worker %d lost %s; restarting its stages", self.job, vw, how)
+            elif members and all(w.state != WorkerState.RUNNING for w in members) and any(
+                    w.state == WorkerState.BACKOFF and now >= w.restart_at for w in members):
+                self._start_vw(vw, restart=True)
+
     def _supervise_workers(self) -> None:
+        if self.stages > 1:
+            self._supervise_vws()
+            return
         now = time.monotonic()
         died = []
         for w in self.workers:
@@ -365,8 +456,12 @@ class Launcher:
             if self._forks is not None:
                 self._forks.start(dict(os.environ, OMP_NUM_THREADS=str(self.learner_threads),
                                        PSD_LEARNER_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1"))
-            for w in self.workers:
-                self._start_worker(w)
+            if self.stages > 1:
+                for vw in range(self.n // self.stages):
+                    self._start_vw(vw)
+            else:
+                for w in self.workers:
+                    self._start_worker(w)
             log.info("job %r: %d learners started%s: %s", self.job, self.n,
                      " by the fork server" if self._forks is not None else "", " ".join(self.command))
             while not self._stop.is_set():

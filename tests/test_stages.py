@@ -1,0 +1,39 @@
+"""`psd run --stages K`: virtual workers of K stage processes, each with a process group of its own and
+its part of the model attached with partial=True; a dead stage restarts its whole virtual worker, the
+others go on, and every stage's gradients are applied exactly once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import HELPERS, child_env
+from psd.watchdog import checkpoint
+
+STEPS = 30
+
+
+def test_two_virtual_workers_of_two_stages_and_a_stage_that_dies(job, tmp_path):
+    sys.path.insert(0, str(HELPERS))
+    from safetensors.torch import save_file
+    from stage_learner import Pipe
+
+    init = tmp_path / "pipe.safetensors"
+    save_file(Pipe().state_dict(), str(init))
+    ck, events = tmp_path / "ck", tmp_path / "events.jsonl"
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--stages", "2",
+                        "--init", str(init), "--lr", "0.05", "--checkpoint-dir", str(ck), "--event-log",
+                        str(events), "--", sys.executable, str(HELPERS / "stage_learner.py"), "--steps",
+                        str(STEPS), "--die-at", "12"], capture_output=True, text=True, env=child_env(), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(line for line in r.stdout.splitlines() if "done" in line) == sorted(
+        f"stage {s} of {v}: done {STEPS}" for v in range(2) for s in range(2)), r.stdout
+    # Exactly once per stage: every rank (virtual worker x stages + stage) applied each of its mini-batches.
+    last = checkpoint.latest(ck)
+    assert last is not None and last.ranks[:4] == [STEPS] * 4, last.ranks
+    seen = [e for e in map(json.loads, events.read_text().splitlines()) if e["source"] == "run"]
+    restarts = [e for e in seen if e["event"] == "virtual_worker_restart"]
+    assert [e["vw"] for e in restarts] == [0], restarts  # virtual worker 1 went on untouched
+    died = {e["rank"] for e in seen if e["event"] == "learner_died"}
+    assert 1 in died and not died & {2, 3}, died
