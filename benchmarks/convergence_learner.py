@@ -8,6 +8,7 @@ Workloads, each with its metric (``METRIC``: test accuracy, higher is better, or
 - ``mlp``: the generated classification problem that ships with psd (psd.workloads), a 2-layer MLP;
 - ``cnn``: a small convolutional network with BatchNorm on scikit-learn's 8x8 digits
   (``sklearn.datasets.load_digits``: 1797 images, no download; needs ``pip install scikit-learn``);
+- ``cnn_edge``: the same, for the matrix's runs at a learning rate near one process's stability edge;
 - ``logistic``: a linear (multinomial logistic) model on the generated problem;
 - ``lm``: a character-level LSTM language model on real English text, the Python reference manual as the
   standard library ships it (``pydoc_data.topics``): test loss in nats a character;
@@ -32,7 +33,8 @@ import torch
 from psd.workloads import Dataset, epoch_batches, make_classification, make_mlp, make_utterances, shard
 
 # Each workload's metric: "accuracy" (higher is better) or "loss" (lower is better).
-METRIC = {"mlp": "accuracy", "cnn": "accuracy", "logistic": "accuracy", "lm": "loss", "embed": "accuracy"}
+METRIC = {"mlp": "accuracy", "cnn": "accuracy", "cnn_edge": "accuracy", "logistic": "accuracy", "lm": "loss",
+          "embed": "accuracy"}
 
 
 def make_digits(seed: int = 0) -> Dataset:
@@ -102,7 +104,7 @@ def workload(name: str, seed: int = 0) -> tuple[Dataset, torch.nn.Module]:
     if name == "mlp":
         data = make_classification(seed)
         return data, make_mlp(data.dim, data.classes, seed=seed)
-    if name == "cnn":
+    if name in ("cnn", "cnn_edge"):
         return make_digits(seed), make_cnn(seed=seed)
     if name == "logistic":
         data = make_classification(seed)

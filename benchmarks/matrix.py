@@ -59,6 +59,10 @@ WORKLOADS: dict[str, dict] = {
                                              "adamw": 0.0004, "adagrad": 0.008}},
     "cnn": {"epochs": 3, "batch": 8, "lr": {"sgd": 0.02, "momentum": 0.004, "nesterov": 0.004, "adam": 0.0005,
                                              "adamw": 0.0005, "adagrad": 0.003}},
+    # The same CNN at one process's large learning rate (the README's optimizer table): not sized to keep
+    # improving, but near the edge of stability, where a delayed gradient with full momentum diverges
+    # (benchmarks/delay_stability.py).
+    "cnn_edge": {"epochs": 5, "batch": 8, "lr": {"momentum": 0.05, "nesterov": 0.05}},
     "logistic": {"epochs": 3, "batch": 4, "lr": {"sgd": 0.0015, "momentum": 0.00015, "nesterov": 0.00015,
                                                   "adam": 0.0003, "adamw": 0.0003, "adagrad": 0.006}},
     "lm": {"epochs": 3, "batch": 8, "lr": {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 0.003,
