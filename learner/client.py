@@ -360,12 +360,15 @@ class Learner:
     def _await_model(self, arena: _native.Arena) -> None:
         """A partial attach: wait for the job's model to be declared (it never offers one itself)."""
         deadline = _Deadline(self.timeout)
-        while arena.state != _native.ARENA_READY:
-            if arena.state == _native.ARENA_STOPPED or deadline.expired():
-                raise Timeout(f"job {self.job!r} has no model yet (state {arena.state}) after {self.timeout:g} s: a "
+        while (state := arena.state) != _native.ARENA_READY:
+            if state == _native.ARENA_STOPPED:
+                raise Error(f"job {self.job!r} was stopped; start it again (`psd serve --job {self.job} --resume`) "
+                            f"before attaching a stage to it")
+            if deadline.expired():
+                raise Timeout(f"job {self.job!r} has no model yet (state {state}) after {self.timeout:g} s: a "
                               f"partial attach takes part of the job's model, which a full attach "
                               f"(psd.learner.attach(model)), `psd serve --init` or `--resume` declares first")
-            arena.wait_state(_native.ARENA_READY, min(deadline.left(), 0.1))
+            arena.wait_state(state, min(deadline.left(), 0.1))  # until the state moves on
 
     def _partial_state(self, theirs: list[ParamSpec]) -> tuple:
         """The layout state (``model_spec``'s form) of a partial attach: the job's spec, with this module's
@@ -851,8 +854,12 @@ class Learner:
         """
         if self._staleness:
             self.predicted_staleness = float(sorted(self._staleness)[len(self._staleness) // 2])
-            if self.predicted_staleness > 0:
+            if self.predicted_staleness > 0 and self._present is None:
                 self._arena.predict_into(self._front_array, self.predicted_staleness)
+            elif self.predicted_staleness > 0:  # a partial learner: its own trainable tensors alone
+                for off, length, frozen in self._own:
+                    if not frozen:
+                        self._arena.predict_into(self._front_array, self.predicted_staleness, off, off + length)
 
     def wait_for_peers(self, n: int, timeout: float | None = None) -> None:
         """Wait until ``n`` learners (this one included) are attached, or training has started.

@@ -278,9 +278,9 @@ void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uin
         PSD_ADD_RLX(nonfinite, bad);
 }
 
-int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness) {
+int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, uint64_t hi, double staleness) {
     const struct psd_header *h = psd_hdr(m);
-    if (n != m->g.n_params)
+    if (n != m->g.n_params || lo > hi || hi > m->g.n_train)
         return EINVAL;
     uint64_t t = PSD_LOAD_ACQ(&h->opt_steps);
     uint64_t bits = PSD_LOAD_RLX(&h->lr_bits);
@@ -294,13 +294,13 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double stalenes
     uint32_t needs = h->optimizer == PSD_OPT_ADAM || h->optimizer == PSD_OPT_ADAMW ? 2 : 1;
     if (m->g.state_vectors < needs)
         return PSD_ESTATE;
-    n = m->g.n_train; /* the optimizer state covers the trainable weights; frozen ones never move */
+    /* [lo, hi) within the trainable weights (the optimizer state covers them; frozen ones never move). */
     switch (h->optimizer) {
     case PSD_OPT_MOMENTUM:
     case PSD_OPT_NESTEROV: {
         /* Momentum SGD moves lr * buf per step once the buffer settles. */
         float scale = (float)(lr * staleness);
-        for (uint64_t i = 0; i < n; i++)
+        for (uint64_t i = lo; i < hi; i++)
             dst[i] -= scale * s0[i];
         return 0;
     }
@@ -309,7 +309,7 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double stalenes
         /* Adam moves lr * m_hat / (sqrt(v_hat) + eps) per step. */
         double bc1 = 1.0 - pow(h->beta1, (double)t), bc2 = 1.0 - pow(h->beta2, (double)t);
         float scale = (float)(lr * staleness / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->eps;
-        for (uint64_t i = 0; i < n; i++)
+        for (uint64_t i = lo; i < hi; i++)
             dst[i] -= scale * (s0[i] / (sqrtf(s1[i]) / bc2_sqrt + eps));
         return 0;
     }

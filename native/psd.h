@@ -484,6 +484,6 @@ void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct
 /* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows. */
 void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite);
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */
-int psd_predict(const struct psd_map *m, float *dst, uint64_t n, double staleness);
+int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, uint64_t hi, double staleness);
 
 #endif

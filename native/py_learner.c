@@ -299,17 +299,26 @@ static PyObject *arena_wait_round(Arena *a, PyObject *args) {
 static PyObject *arena_predict_into(Arena *a, PyObject *args) {
     Py_buffer dst;
     double staleness;
-    if (!PyArg_ParseTuple(args, "w*d", &dst, &staleness))
+    long long lo = 0, hi = -1;
+    if (!PyArg_ParseTuple(args, "w*d|LL", &dst, &staleness, &lo, &hi))
         return NULL;
     if (check_open(a)) {
         PyBuffer_Release(&dst);
         return NULL;
     }
+    uint64_t end = hi < 0 ? a->map.g.n_train : (uint64_t)hi;
+    if (lo < 0) {
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "predict_into: lo must be 0 or more");
+        return NULL;
+    }
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = psd_predict(&a->map, dst.buf, (uint64_t)dst.len / sizeof(float), staleness);
+    Py_BEGIN_ALLOW_THREADS rc = psd_predict(&a->map, dst.buf, (uint64_t)dst.len / sizeof(float), (uint64_t)lo, end,
+                                            staleness);
     Py_END_ALLOW_THREADS PyBuffer_Release(&dst);
     if (rc == EINVAL) {
-        PyErr_SetString(PyExc_ValueError, "predict_into: the buffer must hold exactly the model's float32 weights");
+        PyErr_SetString(PyExc_ValueError, "predict_into: the buffer must hold exactly the model's float32 weights, "
+                                          "and [lo, hi) lie within its trainable ones");
         return NULL;
     }
     if (rc)
@@ -615,7 +624,8 @@ PyMethodDef py_learner_methods[] = {
     {"wait_ssp", (PyCFunction)arena_wait_ssp, METH_VARARGS,
      "wait_ssp(slot, claim, timeout): ssp, until this learner is at most S pushes ahead of the slowest"},
     {"predict_into", (PyCFunction)arena_predict_into, METH_VARARGS,
-     "predict_into(weights, staleness): weights -= lr * staleness * the optimizer's update direction"},
+     "predict_into(weights, staleness, lo=0, hi=-1): weights[lo:hi] -= lr * staleness * the optimizer's update "
+     "direction (hi -1: the trainable weights' end)"},
     {"entry_meta", (PyCFunction)arena_entry_meta, METH_VARARGS,
      "entry_meta(slot, seq) -> clock, applied_clock, outcome of a consumed gradient, or None"},
     {"pull_changed", (PyCFunction)arena_pull_changed, METH_VARARGS,

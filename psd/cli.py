@@ -159,6 +159,9 @@ def _run(args: argparse.Namespace) -> int:
                          f"it cannot go with {'--gpus' if gpus else '--predict'}: use --pull copy")
     if args.stages < 1:
         raise SystemExit(f"psd run: --stages must be 1 or more, not {args.stages}")
+    if args.stages > 1 and gpus:
+        raise SystemExit("psd run: --stages attaches each stage with partial=True, which takes CPU modules for now: "
+                         "drop --gpus (or run whole-model learners on the GPUs without --stages)")
     cfg = _watchdog_config(args)
     cfg.serve.learners *= args.stages  # a slot for every stage of every virtual worker
     return Launcher(cfg, command, max_restarts=args.max_restarts, gpus=gpus,

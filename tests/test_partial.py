@@ -108,7 +108,7 @@ def test_a_module_that_is_not_part_of_the_job_is_refused_by_name_and_the_job_goe
         whole.step()
         whole.flush()
         with learner.attach(stage("a"), job=job, partial=True) as s:
-            assert s.clock == whole.clock
+            assert s.clock == whole.pull() == 1  # the whole learner's one update
 
 
 def test_a_partial_attach_waits_for_the_jobs_model_and_says_what_declares_it(job, serve):
@@ -140,10 +140,12 @@ def _rss_mib() -> int:
         return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
 
 
-def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve):
+@pytest.mark.parametrize("flags", [[], ["--optimizer", "adam", "--predict"]], ids=["sgd", "adam-predict"])
+def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve, flags):
     """The wide layer lives in the job (a full learner in another process declared it); the stage that
-    holds only the small one grows by far less than the wide layer's 40 MB."""
-    serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2")
+    holds only the small one grows by far less than the wide layer's 40 MB, also when it extrapolates its
+    weights (--predict: its own tensors alone)."""
+    serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2", *flags)
     sys.path.insert(0, str(HELPERS))
     from wide_learner import Wide
 
@@ -154,10 +156,15 @@ def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve):
         del part.b
         before = _rss_mib()
         with learner.attach(part, job=job, partial=True) as s:
-            ones_grad(part)
-            s.step()
+            for _ in range(6):
+                ones_grad(part)
+                s.step()
             s.flush()
             s.pull()
+            if flags:  # extrapolate as a stage 2 updates behind would (one learner's own staleness varies)
+                s._staleness.extend([2] * 16)
+                s._predict()
+                assert s.predicted_staleness == 2
             grown = _rss_mib() - before
         assert grown < 12, f"the stage grew by {grown} MiB"
     finally:

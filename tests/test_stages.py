@@ -8,13 +8,19 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import HELPERS, child_env
 from psd.watchdog import checkpoint
 
 STEPS = 30
 
 
-def test_two_virtual_workers_of_two_stages_and_a_stage_that_dies(job, tmp_path):
+@pytest.mark.parametrize("death", [["--die-at", "12"], ["--die-at-end"]], ids=["mid-run", "after-its-peer-finished"])
+def test_two_virtual_workers_of_two_stages_and_a_stage_that_dies(job, tmp_path, death):
+    """A stage of virtual worker 0 dies mid-run, or after its peer stage finished (exit 0): the whole virtual
+    worker restarts (a finished stage too: the other needs it in its pipeline), and every stage's
+    gradients are applied exactly once."""
     sys.path.insert(0, str(HELPERS))
     from safetensors.torch import save_file
     from stage_learner import Pipe
@@ -25,10 +31,10 @@ def test_two_virtual_workers_of_two_stages_and_a_stage_that_dies(job, tmp_path):
     r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--stages", "2",
                         "--init", str(init), "--lr", "0.05", "--checkpoint-dir", str(ck), "--event-log",
                         str(events), "--", sys.executable, str(HELPERS / "stage_learner.py"), "--steps",
-                        str(STEPS), "--die-at", "12"], capture_output=True, text=True, env=child_env(), timeout=240)
+                        str(STEPS), *death], capture_output=True, text=True, env=child_env(), timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(line for line in r.stdout.splitlines() if "done" in line) == sorted(
-        f"stage {s} of {v}: done {STEPS}" for v in range(2) for s in range(2)), r.stdout
+    done = {line for line in r.stdout.splitlines() if "done" in line}
+    assert done == {f"stage {s} of {v}: done {STEPS}" for v in range(2) for s in range(2)}, r.stdout
     # Exactly once per stage: every rank (virtual worker x stages + stage) applied each of its mini-batches.
     last = checkpoint.latest(ck)
     assert last is not None and last.ranks[:4] == [STEPS] * 4, last.ranks

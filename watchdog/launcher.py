@@ -265,11 +265,11 @@ class Launcher:
         return self.workers[vw * self.stages:(vw + 1) * self.stages]
 
     def _start_vw(self, vw: int, restart: bool = False) -> None:
-        """Start (or restart) every stage of virtual worker ``vw`` not yet finished, on a fresh port."""
+        """Start (or restart) every stage of virtual worker ``vw``, on a fresh port: a stage that had finished
+        starts again too, since the others need it in their pipeline (it resumes, and pushes nothing its
+        earlier lives pushed)."""
         self._vw_ports[vw] = free_port()
         for w in self._vw_members(vw):
-            if w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
-                continue
             if restart:
                 w.restarts += 1
             self._start_worker(w)
@@ -305,17 +305,17 @@ class Launcher:
                     if w.state == WorkerState.RUNNING and w.proc.poll() is None:
                         w.proc.kill()
                         w.proc.wait()
-                progressed = [self._made_progress(w) for w in members if w.state != WorkerState.SUCCEEDED]
+                progressed = [self._made_progress(w) for w in members]
                 fruitless = 0 if any(progressed) else self._vw_fruitless.get(vw, 0) + 1
                 self._vw_fruitless[vw] = fruitless
                 how = ", ".join(f"stage {w.rank % self.stages} {h}" for w, h in dead)
                 for w, h in dead:
                     self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=h)
-                left = [w for w in members if w.state != WorkerState.SUCCEEDED]
+                left = members  # the whole virtual worker goes again, stages that had finished too
                 if fruitless >= self.max_restarts:
                     for w in left:
                         w.state = WorkerState.FAILED
-                        w.exit_code = w.exit_code or 1
+                        w.exit_code = dead[0][0].exit_code  # the dead stage's status, for psd run's own
                     log.error("job %r: virtual worker %d died %d times in a row without getting further through "
                               "its data (last: %s); giving up on it (ranks %s), the others go on "
                               "(--max-restarts %d)", self.job, vw, fruitless, how,

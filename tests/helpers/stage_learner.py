@@ -1,6 +1,6 @@
 """One stage of a two-stage pipeline under `psd run --stages 2`, for tests/test_stages.py.
 
-    stage_learner.py --steps N [--die-at B]
+    stage_learner.py --steps N [--die-at B | --die-at-end]
 
 The model is ``Pipe()`` (stage 0 holds ``a``, stage 1 holds ``b``); the job's model comes from
 ``psd run --init``. Each stage attaches its part (``partial=True``) and joins its virtual worker's
@@ -9,12 +9,14 @@ computes the loss and sends their gradient back. Mini-batches are generated from
 seed. A restarted virtual worker goes on where its slower stage stopped; each stage pushes only the
 mini-batches the job had not applied from it (its own ``resume_step``): every stage's gradients are applied
 exactly once. With ``--die-at B``, stage 1 of virtual worker 0 exits (os._exit(3)) at mini-batch B in its
-first life. Prints "stage S of V: done N" at the end.
+first life; with ``--die-at-end`` it does so after its last step, once stage 0 has exited (0). Prints
+"stage S of V: done N" at the end.
 """
 
 import argparse
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--die-at-end", action="store_true")
     args = p.parse_args()
     vw, stage, stages = int(os.environ["PSD_VW"]), int(os.environ["PSD_STAGE"]), int(os.environ["PSD_STAGES"])
     assert stages == 2 and int(os.environ["WORLD_SIZE"]) == 2 and int(os.environ["RANK"]) == stage
@@ -70,8 +73,19 @@ def main() -> int:
         opt.zero_grad()
     opt.learner.flush()
     opt.close()
+    pids = [None] * stages
+    dist.all_gather_object(pids, os.getpid())
     dist.destroy_process_group()
-    print(f"stage {stage} of {vw}: done {args.steps}", flush=True)
+    os.write(1, f"stage {stage} of {vw}: done {args.steps}\n".encode())  # one write: the stages share stdout
+    if args.die_at_end and vw == 0 and stage == 1 and os.environ.get("PSD_RESTARTS") == "0":
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until stage 0 has exited (and psd run has seen it succeed)
+            try:
+                os.kill(pids[0], 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        os._exit(3)
     return 0
 
 
