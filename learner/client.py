@@ -61,6 +61,7 @@ from psd.state import (
     buffer_groups,
     buffers_view,
     model_spec,
+    pieces_view,
     split,
     state_dict_of,
     torch_dtype,
@@ -544,6 +545,7 @@ class Learner:
             self._push_ns = self._stepper.push_ns
             self._stepper.close()
             self._stepper = None
+        self._steps_view = self._steps_arena = None  # a view of the arena's piece table (_own_share)
         for p in self._params:
             p.grad = None
         if self.pull_mode == "view" and getattr(self, "_weights", None) is not None:
@@ -856,10 +858,25 @@ class Learner:
             self.predicted_staleness = float(sorted(self._staleness)[len(self._staleness) // 2])
             if self.predicted_staleness > 0 and self._present is None:
                 self._arena.predict_into(self._front_array, self.predicted_staleness)
-            elif self.predicted_staleness > 0:  # a partial learner: its own trainable tensors alone
+            elif self.predicted_staleness > 0:  # a partial learner: its own tensors, by their own staleness
+                self.predicted_staleness *= self._own_share()
                 for off, length, frozen in self._own:
                     if not frozen:
                         self._arena.predict_into(self._front_array, self.predicted_staleness, off, off + length)
+
+    def _own_share(self) -> float:
+        """A partial learner: the share of the job's updates that moved its own tensors lately (PipeOptim
+        extrapolates a stage by its own in-flight depth; the clock's staleness counts every stage's
+        updates). Measured on its first trainable tensor's step count over the last STALENESS_WINDOW pulls."""
+        k = next((i for i in range(self.n_pieces) if self._present[i]), None)
+        if k is None:
+            return 1.0
+        if getattr(self, "_steps_view", None) is None or self._steps_arena is not self._arena:
+            self._steps_view, self._steps_arena = pieces_view(self._arena, self._arena.header()), self._arena
+            self._shares = collections.deque(maxlen=STALENESS_WINDOW)
+        self._shares.append((self.clock, int(self._steps_view[k, 0])))
+        (c0, s0), (c1, s1) = self._shares[0], self._shares[-1]
+        return min(1.0, max(0.0, (s1 - s0) / (c1 - c0))) if c1 > c0 else 1.0
 
     def wait_for_peers(self, n: int, timeout: float | None = None) -> None:
         """Wait until ``n`` learners (this one included) are attached, or training has started.
