@@ -24,7 +24,8 @@ figure.
 
 Every run is appended to ``<out>/matrix.jsonl`` as it ends, and a run already there is not run again:
 an interrupted matrix goes on where it stopped (``--fresh`` starts over). ``--flags`` adds server flags to
-every psd run (a mechanism under trial), recorded under ``--label``. Results: ``<out>/matrix-LABEL.{json,md,png}``,
+every psd run (a mechanism under trial), recorded under ``--label`` (one flag alone: ``--flags=--predict``,
+or argparse takes it for an option of its own). Results: ``<out>/matrix-LABEL.{json,md,png}``,
 written beside the old ones and moved over them only once all three are done; every run line records the
 machine it ran on (``machine``), and the report lists them. ``--fresh`` writes its runs into a new log that
 replaces ``matrix.jsonl`` only when the whole matrix has run: an interrupted ``--fresh`` leaves the old log.
