@@ -68,7 +68,7 @@ from psd.state import (
     weights_view,
 )
 
-__all__ = ["DeviceLearner", "Learner", "attach", "pull_state_dict"]
+__all__ = ["Learner", "attach", "pull_state_dict"]
 
 log = logging.getLogger("psd.learner")
 
@@ -1012,174 +1012,6 @@ class Learner:
         return f"<psd.learner.Learner job={self.job!r} slot={self.slot} pushed={self.pushed} clock={self.clock}>"
 
 
-class DeviceLearner(Learner):
-    """A learner whose model stays on its device (a GPU): pushes and pulls on side streams.
-
-    ``step()`` queues the copy of the gradient (already in an on-device staging buffer) into the
-    ring on the push stream and returns; the push thread advances the ring's tail once the copy
-    completed. Weights come back on the pull stream into a second on-device buffer that ``step()``
-    swaps in when its copy has completed. See psd.learner.device. ``streams`` (tests): the stream
-    implementation, by default CUDA streams for a CUDA model and the synchronous stand-in for CPU.
-    """
-
-    def __init__(self, model: torch.nn.Module, job: str | None = None, *, streams=None, **kw) -> None:
-        from psd.learner.device import streams_for
-
-        dev = next(iter(model.parameters())).device
-        dtype = next(iter(model.parameters())).dtype
-        if dtype != torch.float32:
-            raise SpecError(f"a learner on {dev} trains a float32 model for now (this one is {dtype}): call "
-                            f"model.float() and train with torch.autocast for bfloat16 / float16 speed")
-        self._streams = streams if streams is not None else streams_for(dev)
-        self._pipe = None
-        super().__init__(model, job, **kw)
-        if self.predict:
-            log.warning("job %r: --predict is not applied by learners on %s yet; this one trains on the "
-                        "pulled weights", self.job, dev)
-            self.predict = False
-
-    def _map_buffers(self) -> None:
-        from psd.learner.device import DevicePipe
-
-        a, n = self._arena, self.n_params
-        h = self._map_shared()
-        self._entries = [torch.frombuffer(a, dtype=torch.float32, count=self.n_train,
-                                          offset=a.grad_offset(self.slot, k)) for k in range(self._k)]
-        # Buffer deltas, one per ring entry: the push thread publishes them with their gradient.
-        self._bstages = [torch.empty(self.n_buffers, dtype=torch.float64) for _ in range(self._k)]
-        self._streams.register(a, [(h["slots_off"] + self.slot * h["slot_stride"], h["slot_stride"], False),
-                                   (h["weights_off"], h["weights_bytes"], True)])
-        self._pipe = p = DevicePipe(self._streams, n, self._entries, self._weights, self._publish, self.n_train)
-        self._tail = a.tail(self.slot)
-        self.clock = a.clock()
-        p.pull_now()
-        self._pull_buffers()
-        self._staging_views = [split(g, self._wspec[:self.n_pieces]) for g in p.grad]
-        self._w_views = [split(w, self._wspec) for w in p.w]
-        self._point_device()
-        self._arm_device()
-        self._puller = None
-
-    def _publish(self, index: int, clock: int, batch: int, loss: float) -> None:
-        """Push thread: the copy into entry ``index`` is complete; advance the tail past it."""
-        delta = self._bstages[index % self._k].data_ptr() if self.n_buffers else None
-        self._arena.push(self.slot, clock, batch, loss, 1.0, delta)
-
-    def _point_device(self) -> None:
-        self._set_params(self._w_views[self._pipe.front])
-
-    def _arm_device(self) -> None:
-        for prm, v in zip(self._train, self._grad_views(), strict=True):
-            prm.grad = v
-        self.note_armed()
-
-    def note_armed(self) -> None:
-        """Remember the staging buffer's version: a step that finds it unchanged (no backward wrote
-        into it since) carries no gradient. ``Optimizer.zero_grad()`` calls it after zeroing."""
-        self._armed_version = self._pipe.grad[self._pipe.cur]._version
-
-    def _grad_views(self) -> list[torch.Tensor]:
-        """Where the next gradient goes: the current on-device staging buffer."""
-        return self._staging_views[self._pipe.cur]
-
-    def _collect(self, add: bool) -> bool:
-        """Bring gradients that are not where they go (user reset p.grad) into the staging buffer; with
-        ``add`` (a --push-every wave goes on) add them to what it holds. Returns whether there was any."""
-        got = False
-        written = self._pipe.grad[self._pipe.cur]._version != self._armed_version  # views share the version
-        for p, v in zip(self._train, self._grad_views(), strict=True):
-            g = p.grad
-            if g is None:
-                if not add:
-                    v.zero_()
-                continue
-            if g.data_ptr() == v.data_ptr():
-                got = got or written
-            else:
-                got = True
-                g = g.to_dense() if g.layout != torch.strided else g
-                v.add_(g) if add else v.copy_(g)
-        return got
-
-    def _unmap(self) -> None:
-        if self._pipe is not None:
-            self._pipe.close()
-            self._streams.unregister(self._arena)
-            self._pipe = None
-        self._staging_views = self._w_views = None
-        super()._unmap()
-
-    def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1, *,
-             only: tuple[int, ...] | None = None) -> None:
-        """As ``Learner.step``, without waiting for the copies (see the class docstring); ``only`` must
-        be None (every trained tensor) on a device learner."""
-        if only is not None:
-            raise Error("a learner on a device steps all of its model's parameters at once (only=None)")
-        if self._closing:
-            raise Error("this learner is detached; attach again to keep training")
-        if not self._collect(add=self._wave > 0):
-            return  # no gradient at all: no update
-        # A loss tensor stays on the device (float() would wait for the GPU); the push thread reads it.
-        lv = math.nan if loss is None else (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
-        wave = self._end_of_wave(lv, batch_size)
-        if wave is None:
-            # The wave's sum stays in the staging buffer: the next backward writes fresh gradients (a
-            # zero_grad() in between cannot touch the sum), and the next step adds them in.
-            for p in self._train:
-                p.grad = None
-            return
-        lv, batch_size, size = wave
-        a, pipe = self._arena, self._pipe
-        if size > 1:
-            with torch.no_grad():
-                pipe.grad[pipe.cur].mul_(1.0 / size)  # the wave's mean, on the device
-        if self._tail - a.head(self.slot) >= self._k:  # no free entry to copy into
-            pipe.drain(self.timeout)
-            self._with_server(a.wait_space, self.slot, self._claim_token, self.timeout)
-            if self._arena is not a:
-                return
-        rounds = a.rounds() if self.sync == "bsp" else 0
-        if self.n_buffers:
-            delta = self._buffer_delta()
-            self._bstages[self._tail % self._k].copy_(self._bdelta)
-            del delta
-        pipe.push(self._tail, self.clock, int(batch_size), lv)
-        self._tail += 1
-        self.pushed += 1
-        self._arm_device()
-        if self.sync in ("bsp", "ssp"):
-            pipe.drain(self.timeout)  # the server must see the gradient before anyone waits on it
-            if self.sync == "bsp":
-                self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
-                self.pull()
-                return
-            self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
-        clock = pipe.maybe_swap()
-        if clock is not None:
-            self.clock = clock
-            self._point_device()
-            self._pull_buffers()
-            a.note_pull(self.slot, clock, False)
-        current = a.clock()
-        if current != self.clock:
-            pipe.start_pull(current)
-
-    def pull(self) -> int:
-        """Copy the current shared weights into the model now; returns their clock."""
-        clock = self._arena.clock()
-        self._pipe.pull_now()
-        self.clock = clock
-        self._pull_buffers()
-        self._arena.note_pull(self.slot, clock, False)
-        return clock
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every gradient left the device and the server applied it."""
-        if self._pipe is not None:
-            self._pipe.drain(self.timeout if timeout is None else timeout)
-        super().flush(timeout)
-
-
 def pull_thread_has_a_core(learners: int, loop_threads: int, cpus: int | None = None) -> bool:
     """Whether a learner's pull thread would get a core of its own: the job's learners (its slots) and
     the update loop's threads leave at least one free. Where they do not, the thread only takes turns
@@ -1239,7 +1071,12 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
         check_device(torch.device(device))
         model.to(torch.device(device))
     dev = next(iter(model.parameters()), torch.empty(0)).device
-    cls = Learner if dev.type == "cpu" else DeviceLearner
+    if dev.type == "cpu":
+        cls = Learner
+    else:
+        from psd.learner.device import DeviceLearner
+
+        cls = DeviceLearner
     if partial and cls is not Learner:
         raise SpecError(f"a partial attach takes a module on the CPU for now (this one is on {dev}); attach the "
                         f"whole model on the GPU, or the stage's module on the CPU")

@@ -35,7 +35,8 @@ from torch.optim import optimizer as _torch_optimizer
 from psd import _native
 from psd.arena import arena_spec, default_job, first_difference, open_job
 from psd.errors import Error
-from psd.learner.client import DeviceLearner, Learner, attach
+from psd.learner.client import Learner, attach
+from psd.learner.device import DeviceLearner
 from psd.state import model_spec
 
 __all__ = ["Optimizer"]

@@ -15,8 +15,7 @@ import torch
 
 from psd import learner
 from psd.errors import Error
-from psd.learner.client import DeviceLearner
-from psd.learner.device import SyncStreams
+from psd.learner.device import DeviceLearner, SyncStreams
 
 
 class DeferredStreams(SyncStreams):

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from psd import learner
 from psd.errors import Error
-from psd.learner.client import DeviceLearner
+from psd.learner.device import DeviceLearner
 from psd.status import job_status
 from psd.workloads import evaluate, make_classification, make_mlp, train_single
 
