@@ -930,9 +930,10 @@ class Learner:
 
     def _copy_own(self, dst: torch.Tensor, trainable: bool = True, frozen: bool = False) -> int:
         """Copy this learner's weights (all, or a partial attach's own) from the job's into ``dst``; the bytes."""
-        if self._present is None and trainable and frozen:
-            dst.copy_(self._weights)
-            return 4 * self.n_params
+        if self._present is None:  # the whole model: the trainable prefix, the frozen rest, or both, in one copy
+            lo, hi = 0 if trainable else self.n_train, self.n_params if frozen else self.n_train
+            dst[lo:hi].copy_(self._weights[lo:hi])
+            return 4 * (hi - lo)
         done = 0
         for off, length, is_frozen in self._own:
             if (frozen if is_frozen else trainable):

@@ -278,6 +278,30 @@ class Launcher:
                         ", ".join(str(w.rank) for w in self._vw_members(vw)))
             self.events.emit("virtual_worker_restart", vw=vw, ranks=[w.rank for w in self._vw_members(vw)])
 
+    def _poll(self, w: Worker) -> str | None:
+        """A running learner's exit, if it ended: one that exited 0 is marked SUCCEEDED; one that died
+        returns how (its status or signal), for the supervisor to restart or give up on."""
+        code = w.proc.poll()
+        if code is None:
+            return None
+        w.exit_code = code
+        if code == 0:
+            w.state = WorkerState.SUCCEEDED
+            vw, stage = divmod(w.rank, self.stages)
+            where = f" (virtual worker {vw}, stage {stage})" if self.stages > 1 else ""
+            log.info("job %r: learner %d%s finished", self.job, w.rank, where)
+            self.events.emit("learner_finished", rank=w.rank)
+            return None
+        how = f"exit {code}" if code > 0 else signal.Signals(-code).name
+        if code == ARENA_LOST_EXIT:
+            how += ", SIGBUS: its arena was truncated or replaced"
+        return how
+
+    @staticmethod
+    def _backoff(fruitless: int) -> float:
+        """Seconds before a restart after ``fruitless`` lives in a row without progress: 0.1 s, doubling to 10."""
+        return min(10.0, 0.1 * 2 ** fruitless)
+
     def _supervise_vws(self) -> None:
         """--stages: a stage that dies takes its virtual worker down (its peers would wait on it in their
         process group), and the whole virtual worker restarts after the back-off; the others go on. Its
@@ -285,21 +309,7 @@ class Launcher:
         now = time.monotonic()
         for vw in range(self.n // self.stages):
             members = self._vw_members(vw)
-            dead = []
-            for w in members:
-                if w.state != WorkerState.RUNNING:
-                    continue
-                code = w.proc.poll()
-                if code is None:
-                    continue
-                w.exit_code = code
-                if code == 0:
-                    w.state = WorkerState.SUCCEEDED
-                    log.info("job %r: learner %d (virtual worker %d, stage %d) finished", self.job, w.rank, vw,
-                             w.rank % self.stages)
-                    self.events.emit("learner_finished", rank=w.rank)
-                else:
-                    dead.append((w, f"exit {code}" if code > 0 else signal.Signals(-code).name))
+            dead = [(w, how) for w in members if w.state == WorkerState.RUNNING and (how := self._poll(w))]
             if dead:
                 for w in members:  # the stages still running would wait on the dead one: stop them
                     if w.state == WorkerState.RUNNING and w.proc.poll() is None:
@@ -325,7 +335,7 @@ class Launcher:
                     continue
                 for w in left:
                     w.state = WorkerState.BACKOFF
-                    w.restart_at = now + min(10.0, 0.1 * 2 ** fruitless)
+                    w.restart_at = now + self._backoff(fruitless)
                 log.warning("job %r: virtual worker %d lost %s; restarting its stages", self.job, vw, how)
             elif members and all(w.state != WorkerState.RUNNING for w in members) and any(
                     w.state == WorkerState.BACKOFF and now >= w.restart_at for w in members):
@@ -339,18 +349,9 @@ class Launcher:
         died = []
         for w in self.workers:
             if w.state == WorkerState.RUNNING:
-                code = w.proc.poll()
-                if code is None:
+                how = self._poll(w)
+                if how is None:
                     continue
-                w.exit_code = code
-                if code == 0:
-                    w.state = WorkerState.SUCCEEDED
-                    log.info("job %r: learner %d finished", self.job, w.rank)
-                    self.events.emit("learner_finished", rank=w.rank)
-                    continue
-                how = f"exit {code}" if code > 0 else signal.Signals(-code).name
-                if code == ARENA_LOST_EXIT:
-                    how += ", SIGBUS: its arena was truncated or replaced"
                 w.fruitless = 0 if self._made_progress(w) else w.fruitless + 1
                 if w.fruitless >= self.max_restarts:
                     w.state = WorkerState.FAILED
@@ -361,7 +362,7 @@ class Launcher:
                     self.events.emit("learner_failed", rank=w.rank, exit=how)
                     continue
                 w.state = WorkerState.BACKOFF
-                w.restart_at = now + min(10.0, 0.1 * 2 ** w.fruitless)
+                w.restart_at = now + self._backoff(w.fruitless)
                 died.append(f"{w.rank} ({how})")
                 self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=how)
             elif w.state == WorkerState.BACKOFF and now >= w.restart_at:
