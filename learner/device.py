@@ -27,6 +27,7 @@ import logging
 import math
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +45,7 @@ class SyncStreams:
 
     device = torch.device("cpu")
     compute = push = pull = None
+    weights_pinned = True  # whether copies from the shared weights are DMA (else a pinned bounce buffer)
 
     class _Done:
         def query(self) -> bool:
@@ -80,6 +82,7 @@ class CudaStreams:
         self.push = torch.cuda.Stream(device)
         self.pull = torch.cuda.Stream(device)
         self._registered: list[int] = []
+        self.weights_pinned = True  # False once registering the weights failed: pulls then stage them
 
     def record(self, stream) -> torch.cuda.Event:
         ev = torch.cuda.Event()
@@ -98,6 +101,7 @@ class CudaStreams:
         no bounce buffer. A learner maps most of the arena read-only, so the weights are registered
         read-only (cudaHostRegisterReadOnly) and only its own slot writable."""
         base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+        self.weights_pinned = True
         for offset, size, read_only in regions:
             page = 4096
             lo, hi = offset // page * page, -(-(offset + size) // page) * page
@@ -106,8 +110,11 @@ class CudaStreams:
             if int(rc) != 0 and read_only:
                 rc = torch.cuda.cudart().cudaHostRegister(base + lo, hi - lo, 0)  # no read-only support
             if int(rc) != 0:
-                log.warning("cudaHostRegister of the arena failed (error %s); copies go through a bounce buffer",
+                log.warning("cudaHostRegister of the arena's %s (%d bytes) failed with CUDA error %d; its "
+                            "copies go through a pinned bounce buffer", "weights" if read_only else "ring", hi - lo,
                             int(rc))
+                if read_only:
+                    self.weights_pinned = False
                 continue
             self._registered.append(base + lo)
 
@@ -138,6 +145,23 @@ def streams_for(device: torch.device):
     return SyncStreams() if device.type == "cpu" else CudaStreams(device)
 
 
+class _Staged:
+    """A pull through the bounce buffer: done once the helper thread queued the copy and the copy completed."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    @property
+    def event(self):
+        return self.future.result()
+
+    def query(self) -> bool:
+        return self.future.done() and self.future.result().query()
+
+    def synchronize(self) -> None:
+        self.future.result().synchronize()
+
+
 class DevicePipe:
     """The double-buffered push and pull pipeline of one learner whose model lives on ``streams.device``.
 
@@ -161,6 +185,14 @@ class DevicePipe:
         self._front_released = None  # event: the compute stream is done with the buffer now at the back
         self._pull = None  # (event, clock) of a pull in flight into the back buffer
         self.issued = 0  # ring entries whose copy was queued
+        # Weights that could not be registered as pinned memory: a pull copies them into a pinned bounce
+        # buffer on a helper thread (a copy from pageable memory would block this thread for all of it),
+        # which then queues the copy to the device. One pull is in flight at a time, and the next starts
+        # only after the last one's copy to the device completed, so one bounce buffer does.
+        self._bounce = self._stager = None
+        if not getattr(streams, "weights_pinned", True):
+            self._bounce = torch.empty(n, pin_memory=dev.type == "cuda")
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="psd-stage")
         self._queue: queue.Queue = queue.Queue()
         self._done = threading.Condition()
         self.published = 0
@@ -226,7 +258,7 @@ class DevicePipe:
             return None
         event, clock = self._pull
         self._pull = None
-        self.s.wait(self.s.compute, event)
+        self.s.wait(self.s.compute, event.event if isinstance(event, _Staged) else event)
         self._front_released = self.s.record(self.s.compute)  # the old front's last reader
         self.front = 1 - self.front
         return clock
@@ -238,8 +270,19 @@ class DevicePipe:
         s = self.s
         if self._front_released is not None:
             s.wait(s.pull, self._front_released)  # kernels still reading it came first
-        s.copy(self.w[1 - self.front], self.weights, s.pull)
-        self._pull = (s.record(s.pull), clock)
+        dst = self.w[1 - self.front]
+        if self._bounce is None:
+            s.copy(dst, self.weights, s.pull)
+            self._pull = (s.record(s.pull), clock)
+        else:
+            self._pull = (_Staged(self._stager.submit(self._stage, dst)), clock)
+
+    def _stage(self, dst: torch.Tensor):
+        """Helper thread: the shared weights into the bounce buffer (torch's copy lets go of the GIL), then
+        the bounce buffer to ``dst`` on the pull stream; returns that copy's event."""
+        self._bounce.copy_(self.weights)
+        self.s.copy(dst, self._bounce, self.s.pull)
+        return self.s.record(self.s.pull)
 
     def pull_now(self) -> None:
         """Copy the shared weights into the front buffer, synchronously."""
@@ -250,6 +293,8 @@ class DevicePipe:
         self.w[self.front].copy_(self.weights)
 
     def close(self) -> None:
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
         self._queue.put(None)
         self._thread.join(timeout=10)
         self.s.synchronize()
@@ -372,9 +417,13 @@ class DeviceLearner(Learner):
         if size > 1:
             with torch.no_grad():
                 pipe.grad[pipe.cur].mul_(1.0 / size)  # the wave's mean, on the device
-        if self._tail - a.head(self.slot) >= self._k:  # no free entry to copy into
-            pipe.drain(self.timeout)
-            self._with_server(a.wait_space, self.slot, self._claim_token, self.timeout)
+        if self._tail - a.head(self.slot) >= self._k:  # the entry to copy into is not free yet
+            # Wait for the server to take that entry alone: its copy is the oldest in flight. Waiting for
+            # every copy to land (as a CPU learner's full ring does) would wait for the GPU to finish all
+            # the work queued ahead of it, and the GPU would then sit idle while the server catches up.
+            if pipe.error is not None:
+                raise pipe.error
+            self._with_server(a.wait_head, self.slot, self._claim_token, self._tail - self._k + 1, self.timeout)
             if self._arena is not a:
                 return
         rounds = a.rounds() if self.sync == "bsp" else 0
@@ -396,6 +445,7 @@ class DeviceLearner(Learner):
         clock = pipe.maybe_swap()
         if clock is not None:
             self.clock = clock
+            self.pulled_bytes += self._pipe.weights.numel() * 4
             self._point_device()
             self._pull_buffers()
             a.note_pull(self.slot, clock, False)
@@ -407,6 +457,7 @@ class DeviceLearner(Learner):
         """Copy the current shared weights into the model now; returns their clock."""
         clock = self._arena.clock()
         self._pipe.pull_now()
+        self.pulled_bytes += self._pipe.weights.numel() * 4
         self.clock = clock
         self._pull_buffers()
         self._arena.note_pull(self.slot, clock, False)

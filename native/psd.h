@@ -386,6 +386,10 @@ int psd_wait_ssp(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t time
  * where it does not hold this one back. */
 void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *mine, uint64_t *slowest);
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
+/* Wait until the server took the slot's ring entries up to `head` (its head reached it): a learner whose
+ * copies into the ring are still in flight (a GPU's) waits for the entry it will write next alone, not
+ * for every copy to land. */
+int psd_wait_head(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t head, uint64_t timeout_ns);
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns);
 /* Server: judge ACTIVE slots' owners, and post each claim whose owner is dead (/proc), whose lease

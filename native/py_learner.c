@@ -270,6 +270,20 @@ static PyObject *wait_common(Arena *a, PyObject *args, enum wait_kind kind) {
 
 static PyObject *arena_wait_space(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_SPACE); }
 
+static PyObject *arena_wait_head(Arena *a, PyObject *args) {
+    unsigned int slot;
+    unsigned long long claim, head;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "IKKd", &slot, &claim, &head, &timeout) || check_slot(a, slot))
+        return NULL;
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
+    int rc; /* a signal's EINTR waits on for what is left of the timeout */
+    BLOCKING(rc, psd_wait_head(&a->map, slot, claim, head, deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
+    if (rc)
+        return raise_code(rc, "wait for the server to take a ring entry", a->name);
+    Py_RETURN_NONE;
+}
+
 static PyObject *arena_wait_drained(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_DRAINED); }
 
 static PyObject *arena_wait_freed(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_FREED); }
@@ -612,6 +626,8 @@ PyMethodDef py_learner_methods[] = {
      "(store=DTYPE_BF16: the dense tensors to bfloat16), scaled and checked, and publish it; sparse: (k, rows_ptr, "
      "nnz, row_len) per sparse tensor."},
     {"wait_space", (PyCFunction)arena_wait_space, METH_VARARGS, "wait_space(slot, claim, timeout)"},
+    {"wait_head", (PyCFunction)arena_wait_head, METH_VARARGS,
+     "wait_head(slot, claim, head, timeout): until the server took the slot's entries before `head`"},
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
     {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},

@@ -819,6 +819,23 @@ int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ti
     return wait_slot(m, slot, claim, timeout_ns, has_space);
 }
 
+static bool head_reached(struct psd_map *m, uint32_t slot, uint64_t head) {
+    /* Pairs with the store-release of head in the update loop. */
+    return PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head) >= head;
+}
+
+int psd_wait_head(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t head, uint64_t timeout_ns) {
+    if (slot >= m->g.n_slots)
+        return EINVAL;
+    if (head_reached(m, slot, head))
+        return 0;
+    if (held_token(m, slot))
+        PSD_ADD_RLX(&psd_lslot_at(m, slot)->full_waits, 1);
+    return wait_until(m, slot, claim, &psd_slot_at(m, slot)->not_full,
+                      held_token(m, slot) ? &psd_lslot_at(m, slot)->waiters : NULL, PSD_WAIT_SLICE_NS, timeout_ns,
+                      head_reached, head);
+}
+
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
     return wait_slot(m, slot, claim, timeout_ns, is_drained);
 }

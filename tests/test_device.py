@@ -8,6 +8,7 @@ needs one, and its last checkpoint costs seconds at each stop.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from psd import learner
 from psd.errors import Error
-from psd.learner.device import DeviceLearner, SyncStreams
+from psd.learner.device import DeviceLearner, DevicePipe, SyncStreams
 
 
 class DeferredStreams(SyncStreams):
@@ -49,12 +50,14 @@ class DeferredStreams(SyncStreams):
             ev.done = True  # an event after no copy: complete
         return ev
 
-    def complete(self) -> None:
-        for dst, src, ev in self.pending:
+    def complete(self, count: int | None = None) -> None:
+        """Carry out the queued copies, or the oldest ``count`` of them (and the events after each)."""
+        n = len(self.pending) if count is None else count
+        for dst, src, ev in self.pending[:n]:
             dst.copy_(src)
             if ev is not None:
                 ev.done = True
-        self.pending.clear()
+        del self.pending[:n]
 
     def synchronize(self) -> None:
         self.complete()
@@ -120,14 +123,77 @@ def test_tail_waits_for_the_copy_and_weights_swap_only_when_whole(job, serve):
     served.stop()
 
 
-def test_a_device_learner_trains_a_real_model(job, serve):
+def test_a_full_ring_waits_for_the_oldest_copy_alone(job, serve):
+    """A device learner whose ring is full waits for its oldest copy to land and be taken, not for all of
+    them: copies still in flight behind it (GPU work queued ahead) do not hold the next step back."""
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", "--ring-depth", "4")
+    model, x = tiny()
+    streams = DeferredStreams()
+    ps = DeviceLearner(model, job, streams=streams, timeout=30)
+    try:
+        for _ in range(4):  # four copies queued, none landed: the ring is full from the learner's side
+            (model(x) ** 2).sum().backward()
+            ps.step()
+        assert (ps._pipe.issued, ps._pipe.published) == (4, 0)
+        done = threading.Event()
+
+        def fifth() -> None:
+            (model(x) ** 2).sum().backward()
+            ps.step()
+            done.set()
+
+        t = threading.Thread(target=fifth)
+        t.start()
+        assert not done.wait(0.3), "a step found room in a ring whose every entry is still being copied"
+        streams.complete(1)  # the oldest copy lands; the server takes it
+        assert done.wait(20), "the step waited for more than the oldest copy"
+        t.join()
+        assert (ps._pipe.issued, ps._pipe.published) == (5, 1)  # three old copies and the new one in flight
+        streams.complete()
+        ps.flush()
+        assert ps._arena.counters()["applied"] == 5
+    finally:
+        streams.complete()
+        ps.close()
+    served.stop()
+
+
+class BounceStreams(SyncStreams):
+    """Synchronous copies, as if registering the shared weights as pinned memory had failed."""
+
+    weights_pinned = False
+
+
+def test_unpinned_weights_are_pulled_through_the_bounce_buffer_whole():
+    n = 1000
+    weights = torch.arange(n, dtype=torch.float32)
+    pipe = DevicePipe(BounceStreams(), n, [torch.zeros(n)], weights, lambda *a: None)
+    try:
+        assert pipe._bounce is not None
+        pipe.start_pull(5)
+        event, clock = pipe._pull
+        event.synchronize()  # the helper thread staged the weights and copied them on
+        at_pull = weights.clone()
+        weights.add_(1)  # the server moves on: a pull that already happened does not see it
+        assert pipe.maybe_swap() == 5 and clock == 5
+        assert torch.equal(pipe.w[pipe.front], at_pull)
+        pipe.start_pull(6)
+        pipe.pull_now()  # waits for the pull in flight, then copies the current weights
+        assert torch.equal(pipe.w[pipe.front], weights)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("streams", [SyncStreams, BounceStreams])
+def test_a_device_learner_trains_a_real_model(job, serve, streams):
     from psd.workloads import evaluate, make_classification, make_mlp, shard
 
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.02", "--optimizer", "momentum")
     data = make_classification(0)
     x, y = shard(data, 0, 1)
     model = make_mlp(data.dim, data.classes)
-    with DeviceLearner(model, job) as ps:
+    with DeviceLearner(model, job, streams=streams()) as ps:
+        assert (ps._pipe._bounce is not None) == (streams is BounceStreams)
         for i in range(0, len(x), 8):
             torch.nn.functional.cross_entropy(model(x[i:i + 8]), y[i:i + 8]).backward()
             ps.step()
