@@ -313,6 +313,9 @@ def _build() -> tuple[Flag, ...]:
         Flag("--loop-sizes", "more model sizes to measure the update loop at, e.g. 10000000 100000000 (1e8 is a "
              "3.6 GB arena)", None, type=int, nargs="+", commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default=""),
+        Flag("--optimizer-sizes", "model sizes to measure the server's optimizer kernels at, against torch's fused "
+             "ones (default: 10000000; --quick 100000)", None, type=int, nargs="+", commands=("bench",),
+             env_prefix="PSD_BENCH_"),
         Flag("--no-training", "skip the training workload", False, switch=True, commands=("bench",),
              env_prefix="PSD_BENCH_"),
         Flag("--json", "print the results as strict JSON on stdout (progress goes to stderr)", False, switch=True,

@@ -30,7 +30,14 @@ def test_bench_json_has_every_field():
     assert r.returncode == 0, r.stderr
     out = strict_json(r.stdout)
     assert {"psd_version", "cpus", "llc_bytes", "llc_source", "llc_fallback", "limit", "kernels", "update_loop",
-            "idle_server_cpu", "pull_modes", "grad_dtypes", "round_trip", "training"} <= set(out)
+            "idle_server_cpu", "pull_modes", "grad_dtypes", "round_trip", "training", "optimizer_kernels"} <= set(out)
+    # Every server optimizer against torch's fused one, at one thread and at every core.
+    ok = out["optimizer_kernels"]
+    assert {(x["optimizer"], x["threads"]) for x in ok} == {(o, t) for o in ("sgd", "momentum", "nesterov", "adam",
+                                                                             "adamw", "adagrad")
+                                                            for t in {1, out["cpus"]}}
+    for x in ok:
+        assert x["psd_ms"] > 0 and x["torch_fused_ms"] > 0 and x["vs_torch_fused"] > 0 and x["stream_gbs"] > 0
     assert out["llc_bytes"] > 0 and out["llc_source"]
     assert {x["kernel"] for x in out["kernels"]} == {"scalar", "vectorised", "unrolled x4", "unrolled x8"}
     assert all(x["gbs"] > 0 for x in out["kernels"])

@@ -48,12 +48,15 @@ class BenchConfig:
     # What psd's learners push (--grad-dtype): "float32" (always measured) and "bf16" (half the bytes of a
     # gradient: the "psd_bf16" figures, and "psd_view_bf16" with the view pull).
     grad_dtypes: tuple[str, ...] = ("float32", "bf16")
+    # Sizes to measure the server's optimizer kernels at, against torch's fused CPU optimizers (and DeepSpeed's
+    # CPU Adam where installed) at one thread and at every usable core (with the peers only).
+    optimizer_sizes: tuple[int, ...] = (10_000_000,)
 
     @classmethod
     def quick(cls) -> BenchConfig:
         """Small sizes and short runs; its DRAM limit is not one (1M floats may well stay in the cache)."""
         return cls(sizes=(10_000, 100_000), learners=(1, 2), batches=(4,), duration=0.5, limit_size=1_000_000,
-                   epochs=1, reps=1, llc_multiple=0.0)
+                   epochs=1, reps=1, llc_multiple=0.0, optimizer_sizes=(100_000,))
 
     def __post_init__(self) -> None:
         from psd.server import GRAD_DTYPES

@@ -10,9 +10,12 @@ roofline). ``benchmarks/optim_kernels.py`` runs it and writes the tables and the
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -50,6 +53,21 @@ def _torch_fused(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW([p], lr=LR, weight_decay=wd, fused=True)
     return torch.optim.Adagrad([p], lr=LR, fused=True)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 to 2 meanwhile: DeepSpeed's op prints from C++ (past sys.stdout), and
+    ``psd bench --json`` keeps stdout for its JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _deepspeed_adam(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer | None:
@@ -91,8 +109,9 @@ def measure(n: int, threads: int, optimizers: tuple[str, ...] = OPTIMIZERS, reps
         for peer, make in (("torch_fused", _torch_fused), ("deepspeed", _deepspeed_adam)):
             p = torch.nn.Parameter(torch.zeros(n))
             p.grad = torch.full((n,), 1e-3)
-            opt = make(name, p)
-            peers[peer] = None if opt is None else _median_ms(opt.step, reps)
+            with _stdout_to_stderr() if peer == "deepspeed" else contextlib.nullcontext():
+                opt = make(name, p)
+                peers[peer] = None if opt is None else _median_ms(opt.step, reps)
             del opt, p
         nbytes = BYTES_PER_PARAM[name] * n
 

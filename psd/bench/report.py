@@ -8,9 +8,27 @@ import os
 from psd import __version__
 from psd.bench._common import BenchConfig
 from psd.bench.kernels import dram_params, idle_cpu, kernels, limits
+from psd.bench.optim import measure
 from psd.bench.record import machine
 from psd.bench.round_trip import gpu_round_trip, round_trip
 from psd.bench.training import training
+
+
+def optimizer_kernels(cfg: BenchConfig, log=print) -> list[dict]:
+    """psd's optimizer kernels against torch's fused ones (and DeepSpeed's CPU Adam, where installed) at each
+    of ``cfg.optimizer_sizes``, one thread and every usable core: rows of ``psd.bench.optim.measure``."""
+    import torch
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    rows: list[dict] = []
+    try:
+        for n in cfg.optimizer_sizes:
+            for threads in sorted({1, cores}):
+                rows += measure(n, threads, reps=max(3, 2 * cfg.reps + 1), log=lambda line: log("optimizer" + line))
+    finally:
+        torch.set_num_threads(before)
+    return rows
 
 
 def run(cfg: BenchConfig, log=print) -> dict:
@@ -21,6 +39,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     out["kernels"] = kernels(dram_params(cfg, out["llc_bytes"]))
     for row in out["kernels"]:
         log(f"kernel      {row['params']:>11,} params  {row['kernel']:<12} {row['gbs']:6.2f} GB/s")
+    out["optimizer_kernels"] = optimizer_kernels(cfg, log) if cfg.peers else []
     out["idle_server_cpu"] = idle_cpu()
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")
     out["pull_modes"] = ["copy", "view"] if cfg.view_pulls() else ["copy"]
