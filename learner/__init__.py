@@ -11,7 +11,8 @@ Under ``psd run``, ``ResumableSampler`` (and ``psd.learner.hf.ResumeCallback`` f
 Trainer) let a restarted learner go on without replaying the mini-batches the job already applied.
 """
 
-from psd.learner.client import Learner, attach, pull_state_dict
+from psd.learner.client import Learner, pull_state_dict
+from psd.learner.factory import attach
 from psd.learner.optim import Optimizer
 from psd.learner.resume import ResumableSampler, applied_before
 

@@ -35,8 +35,9 @@ from torch.optim import optimizer as _torch_optimizer
 from psd import _native
 from psd.arena import arena_spec, default_job, first_difference, open_job
 from psd.errors import Error
-from psd.learner.client import Learner, attach
+from psd.learner.client import Learner
 from psd.learner.device import DeviceLearner
+from psd.learner.factory import attach
 from psd.state import model_spec
 
 __all__ = ["Optimizer"]

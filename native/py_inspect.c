@@ -228,7 +228,24 @@ static PyObject *arena_server_alive(Arena *a, PyObject *args) {
     return PyBool_FromLong(psd_server_alive(&a->map, seconds_to_ns(stale)));
 }
 
+/* One header field by its name in PSD_HEADER_FIELDS (psd.h), read as arena_header reads it: what a
+ * poller that needs one field calls instead of building the whole dict. */
+static PyObject *arena_field(Arena *a, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name) || check_open(a))
+        return NULL;
+    struct psd_header *h = psd_hdr(&a->map);
+#define HEADER_FIELD(f, how)                                                                       \
+    if (strcmp(name, #f) == 0)                                                                     \
+        return READ_##how(h, f);
+    PSD_HEADER_FIELDS(HEADER_FIELD)
+#undef HEADER_FIELD
+    PyErr_Format(PyExc_KeyError, "%s is not a header field (psd_layout.h PSD_HEADER_FIELDS)", name);
+    return NULL;
+}
+
 PyMethodDef py_inspect_methods[] = {
+    {"field", (PyCFunction)arena_field, METH_VARARGS, "field(name) -> one header field (header()'s value)"},
     {"header", (PyCFunction)arena_header, METH_NOARGS, "All header fields, as a dict."},
     {"slot_info", (PyCFunction)arena_slot_info, METH_VARARGS, "One learner slot's fields, as a dict."},
     {"spec", (PyCFunction)arena_spec, METH_NOARGS, "The parameter spec bytes, or None before one was offered."},

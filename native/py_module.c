@@ -303,6 +303,9 @@ static struct PyModuleDef native_module = {
     module_methods, NULL, NULL, NULL, NULL,
 };
 
+#define HEADER_NAME_FMT(f, how) "s"
+#define HEADER_NAME_ARG(f, how) , #f
+
 /* Arena's methods: the tables of every file of the binding, joined once. */
 static PyMethodDef *join_methods(void) {
     PyMethodDef *const parts[] = {py_arena_methods, py_learner_methods, py_server_methods, py_inspect_methods};
@@ -375,6 +378,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *offs = offsets();
     if (!offs || PyModule_AddObject(m, "OFFSETS", offs) < 0) {
         Py_XDECREF(offs);
+        return NULL;
+    }
+    /* The header's fields by name, in the order of PSD_HEADER_FIELDS: what Arena.field reads (psd.arena's
+     * HeaderView is made from it). */
+    PyObject *names = Py_BuildValue("(" PSD_HEADER_FIELDS(HEADER_NAME_FMT) ")" PSD_HEADER_FIELDS(HEADER_NAME_ARG));
+    if (!names || PyModule_AddObject(m, "HEADER_FIELDS", names) < 0) {
+        Py_XDECREF(names);
         return NULL;
     }
     PyModule_AddIntConstant(m, "LAYOUT_VERSION", PSD_LAYOUT_VERSION);

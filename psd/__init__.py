@@ -7,9 +7,8 @@ per-learner rings that a native update loop applies in place.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from psd import errors
+from psd._version import __version__
 from psd.errors import *  # noqa: F403  (the exception classes are psd's public API)
 
 __all__ = [*errors.__all__, "__version__"]

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from psd import _native
+from psd.choices import DEFAULT_JOB, default_job
 from psd.errors import ArenaCorrupt, ArenaIncomplete, InvalidJobName, JobNotFound, OutOfSharedMemory, SpecMismatch
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_JOB",
     "SET_BUFFER_DTYPES",
     "SHM_DIR",
+    "HeaderView",
     "ParamSpec",
     "arena_spec",
     "buffers_set",
@@ -44,7 +46,6 @@ __all__ = [
 ]
 
 SHM_DIR = "/dev/shm"
-DEFAULT_JOB = "default"
 _PREFIX = "psd."
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _MIB = 1 << 20
@@ -67,9 +68,28 @@ _CACHELINE = 64  # PSD_CACHELINE, and sizeof(struct psd_rank)
 ARENA_LOST_EXIT = 87
 
 
-def default_job() -> str:
-    """The job name used when none is given: $PSD_JOB, else ``default``."""
-    return os.environ.get("PSD_JOB", DEFAULT_JOB)
+class HeaderView:
+    """One arena's header, a field at a time: ``HeaderView(arena).held`` reads that one field when asked
+    (``Arena.field``), where ``arena.header()`` builds the dict of all of them. Its attributes are the
+    layout's header fields (``PSD_HEADER_FIELDS`` in native/psd.h, exported as ``_native.HEADER_FIELDS``):
+    a name the layout does not have is an AttributeError at once, not a KeyError at the first poll."""
+
+    __slots__ = ("_arena",)
+
+    def __init__(self, arena: _native.Arena) -> None:
+        self._arena = arena
+
+    def __dir__(self) -> list[str]:
+        return [*_native.HEADER_FIELDS, *super().__dir__()]
+
+
+def _header_property(name: str) -> property:
+    return property(lambda self: self._arena.field(name), doc=f"the header's {name} (read when asked)")
+
+
+for _name in _native.HEADER_FIELDS:
+    setattr(HeaderView, _name, _header_property(_name))
+del _name
 
 
 def shm_name(job: str) -> str:

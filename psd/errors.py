@@ -49,7 +49,7 @@ class VersionMismatch(Error):
 
     def __init__(self, op: str, name: str, made_by: str = "?", their_layout: int = 0,
                  our_layout: int = 0) -> None:
-        from psd import __version__
+        from psd._version import __version__
 
         self.made_by = made_by
         self.their_layout = their_layout

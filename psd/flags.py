@@ -19,17 +19,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from psd.arena import default_job
+from psd.choices import (
+    ASYNC_MOMENTUM,
+    GRAD_DTYPES,
+    LEARNER_SCHED_CHOICES,
+    LIVENESS,
+    OPTIMIZERS,
+    OUTER_OPTIMIZERS,
+    PULL_MODES,
+    SCHEDULES,
+    default_job,
+)
 
 __all__ = ["FLAGS", "LEARNER_SCHED_CHOICES", "PULL_MODES", "Flag", "add_flags", "readme_table", "serve_argv",
            "serve_fields"]
 
 SERVE, RUN = "serve", "run"
 SERVE_RUN = (SERVE, RUN)
-# How learners get the weights (attach(pull=...), PSD_PULL, psd run --pull, psd bench --pull-modes).
-PULL_MODES = ("copy", "view")
-# psd run --learner-sched (watchdog/launcher.py maps each to a policy; psd bench --learner-sched).
-LEARNER_SCHED_CHOICES = ("auto", "normal", "batch", "idle")
 
 
 def on_off(raw: str) -> bool:
@@ -106,25 +112,16 @@ def _training(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
 
 
 NODES = "several nodes (see the README's \"Several machines\")"
-OUTER_OPTIMIZERS = ("avg", "sum", "nesterov")
 
 
 def _nodes(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
     return _serve(name, help, default, group=NODES, **kw)
 
 
-# Imported here, not at the top: psd.server imports this module for ServeConfig.argv().
-def _choices() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    from psd.server import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, SCHEDULES
-
-    return OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM, GRAD_DTYPES
-
-
-LIVENESS = ("auto", "lease")
 
 
 def _build() -> tuple[Flag, ...]:
-    optimizers, schedules, async_momentum, grad_dtypes = _choices()
+    optimizers, schedules, async_momentum, grad_dtypes = OPTIMIZERS, SCHEDULES, ASYNC_MOMENTUM, GRAD_DTYPES
     return (
         # -- psd serve and psd run: the job
         _serve("--job", "job name: 1-64 letters, digits, _ . -; the arena is /dev/shm/psd.NAME", default_job,

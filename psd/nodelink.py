@@ -49,11 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from psd import _native
-from psd.arena import open_job, shm_path
+from psd.arena import HeaderView, open_job, shm_path
+from psd.choices import OUTER_OPTIMIZERS  # its index travels in the join handshake
 from psd.errors import Error, JobNotFound, Timeout
-from psd.flags import OUTER_OPTIMIZERS  # its index travels in the join handshake
+from psd.server import validate_nodes
 
-__all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path", "validate_nodes"]
+__all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path"]
 
 log = logging.getLogger("psd.nodelink")
 
@@ -83,30 +84,6 @@ class LinkState(enum.Enum):
 
 class _Reform(Exception):
     """The current epoch is over (a peer died or a node asked to join): form the next one."""
-
-
-def validate_nodes(cfg: Any) -> None:
-    """Raise ValueError with a fix for each bad several-node setting of ``cfg`` (a ServeConfig)."""
-    if cfg.nnodes < 1:
-        raise ValueError(f"--nnodes must be 1 or more, not {cfg.nnodes}")
-    if not 0 <= cfg.node_rank < cfg.nnodes:
-        raise ValueError(f"--node-rank must be 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), not {cfg.node_rank}")
-    if not 1 <= cfg.master_port <= 65535:
-        raise ValueError(f"--master-port must be 1..65535, not {cfg.master_port}")
-    if cfg.sync_every < 1:
-        raise ValueError(f"--sync-every must be 1 or more local updates, not {cfg.sync_every}")
-    if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
-        raise ValueError(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
-                         f"not {cfg.outer_optimizer!r}")
-    if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
-        raise ValueError(f"--outer-lr must be positive and --outer-momentum in [0, 1), not {cfg.outer_lr} and "
-                         f"{cfg.outer_momentum}")
-    if cfg.max_node_lag < 0:
-        raise ValueError(f"--max-node-lag must be 0 (lockstep) or more, not {cfg.max_node_lag}")
-    if cfg.node_compress not in ("none", "bf16"):
-        raise ValueError(f"--node-compress must be none or bf16, not {cfg.node_compress!r}")
-    if not cfg.node_timeout > 0:
-        raise ValueError(f"--node-timeout must be a positive number of seconds, not {cfg.node_timeout}")
 
 
 def state_path(job: str) -> Path:
@@ -180,7 +157,7 @@ class NodeLink:
             except (JobNotFound, Error, OSError):
                 a = None
             if a is not None:
-                if a.state == _native.ARENA_READY and a.header()["n_params"]:
+                if a.state == _native.ARENA_READY and HeaderView(a).n_params:
                     a.remap()
                     self.arena, self._ident = a, a.identity()
                     return
@@ -231,7 +208,8 @@ class NodeLink:
                 a = link.arena
                 a.hold(link.me, link.me_start, a.clock())
                 deadline = time.monotonic() + _STOP_TIMEOUT_S
-                while not a.header()["held"]:
+                held = HeaderView(a)
+                while not held.held:
                     if not a.server_alive():
                         return  # no update loop runs: nothing writes the weights
                     if time.monotonic() > deadline:

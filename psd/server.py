@@ -39,10 +39,12 @@ from psd.arena import (
     shm_name,
     shm_path,
 )
+from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
 
-__all__ = ["DRAIN_TIMEOUT", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server", "auto_threads"]
+__all__ = ["ASYNC_MOMENTUM", "DRAIN_TIMEOUT", "GRAD_DTYPES", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server",
+           "auto_threads", "validate_nodes"]
 
 log = logging.getLogger("psd.server")
 
@@ -50,14 +52,30 @@ SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
 # Seconds a clean stop lets the update loop apply what was pushed before it; then it stops anyway, so SIGTERM
 # ends a server within a few seconds whatever its backlog (the loop finishes its pass: one entry per ring).
 DRAIN_TIMEOUT = 3.0
-# enum psd_rule: why the update loop evicted a learner.
-# enum psd_rule (native/psd_layout.h): why the update loop evicted a learner
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
-# --async-momentum, in the order of enum psd_async_momentum (psd_layout.h)
-ASYNC_MOMENTUM = ("off", "auto")
-# --grad-dtype: what a CPU learner pushes of a dense gradient (float32, or bfloat16: half the bytes).
-GRAD_DTYPES = ("float32", "bf16")
-SCHEDULES = ("constant", "step", "cosine")
+
+
+def validate_nodes(cfg: ServeConfig) -> None:
+    """Raise ValueError with a fix for each bad several-node setting of ``cfg`` (a ServeConfig)."""
+    if cfg.nnodes < 1:
+        raise ValueError(f"--nnodes must be 1 or more, not {cfg.nnodes}")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValueError(f"--node-rank must be 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), not {cfg.node_rank}")
+    if not 1 <= cfg.master_port <= 65535:
+        raise ValueError(f"--master-port must be 1..65535, not {cfg.master_port}")
+    if cfg.sync_every < 1:
+        raise ValueError(f"--sync-every must be 1 or more local updates, not {cfg.sync_every}")
+    if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
+        raise ValueError(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+                         f"not {cfg.outer_optimizer!r}")
+    if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
+        raise ValueError(f"--outer-lr must be positive and --outer-momentum in [0, 1), not {cfg.outer_lr} and "
+                         f"{cfg.outer_momentum}")
+    if cfg.max_node_lag < 0:
+        raise ValueError(f"--max-node-lag must be 0 (lockstep) or more, not {cfg.max_node_lag}")
+    if cfg.node_compress not in ("none", "bf16"):
+        raise ValueError(f"--node-compress must be none or bf16, not {cfg.node_compress!r}")
+    if not cfg.node_timeout > 0:
+        raise ValueError(f"--node-timeout must be a positive number of seconds, not {cfg.node_timeout}")
 
 
 def auto_threads() -> int:
@@ -210,8 +228,6 @@ class ServeConfig:
         if self.spin_us < 0:
             raise ValueError(f"--spin-us must be 0 or more, not {self.spin_us}")
         if self.nnodes > 1 or self.node_rank:
-            from psd.nodelink import validate_nodes
-
             validate_nodes(self)
 
 

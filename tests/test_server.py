@@ -148,3 +148,31 @@ def test_clean_keeps_an_arena_it_cannot_read_while_a_process_maps_it(job, serve)
         holder.kill()
         holder.wait()
         other.unlink(missing_ok=True)
+
+
+def test_the_header_view_reads_each_field_as_the_header_dict_does(job, serve):
+    from psd import _native
+    from psd.arena import HeaderView, open_job
+
+    s = serve(job, "--no-watchdog", "--learners", "2", "--lr", "0.25")
+    model = Flat()
+    with learner.attach(model, job=job) as ps:
+        model.w.sum().backward()
+        ps.step()
+        ps.flush()
+        a = open_job(job, role="reader")
+        try:
+            moving = {"heartbeat_ns", "loop_busy_ns", "loop_idle_ns", "loop_wakeups", "loop_naps", "doorbell_seq"}
+            view, whole = HeaderView(a), a.header()
+            assert set(_native.HEADER_FIELDS) <= set(whole) and len(_native.HEADER_FIELDS) > 50
+            for name in _native.HEADER_FIELDS:
+                if name not in moving:
+                    assert getattr(view, name) == whole[name], name
+            assert view.clock == 1 and view.n_slots == 2
+            with pytest.raises(AttributeError):
+                view.no_such_field  # noqa: B018
+            with pytest.raises(KeyError, match="not a header field"):
+                a.field("no_such_field")
+        finally:
+            a.close()
+    s.stop()

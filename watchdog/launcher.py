@@ -32,9 +32,9 @@ from pathlib import Path
 
 from psd import _native
 from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
+from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error
 from psd.events import EventLog
-from psd.flags import LEARNER_SCHED_CHOICES
 from psd.watchdog.forkserver import ForkServer, forkable
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 

@@ -10,7 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from psd.flags import PULL_MODES
+from psd.choices import PULL_MODES
 
 STREAM_BYTES = 12  # read g, read w, write w
 
@@ -59,7 +59,7 @@ class BenchConfig:
                    epochs=1, reps=1, llc_multiple=0.0, optimizer_sizes=(100_000,))
 
     def __post_init__(self) -> None:
-        from psd.server import GRAD_DTYPES
+        from psd.choices import GRAD_DTYPES
 
         unknown = set(self.pull_modes) - set(PULL_MODES)
         if unknown:
