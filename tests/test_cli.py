@@ -15,10 +15,11 @@ from psd.server import ServeConfig
 
 
 def test_the_readme_flag_table_is_the_generated_one():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "reference.md").read_text()
     assert BEGIN in text and END in text
     current = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    assert current == readme_table(), "the README's flag table is stale: run `python -m psd.flags README.md`"
+    assert current == readme_table(), ("the flag table of docs/reference.md is stale: run "
+                                       "`python -m psd.flags docs/reference.md`")
 
 
 def test_every_serve_config_field_has_one_flag():

@@ -88,7 +88,11 @@ def test_run_all_without_matplotlib_stops_before_measuring(tmp_path):
 
 
 def test_the_readme_names_commands_and_results_that_exist():
-    text = (ROOT / "README.md").read_text()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text() for p in pages)
+    for page in pages:  # every relative link of the README and the docs pages leads to a file
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
     scripts = set(re.findall(r"python (benchmarks/[\w/]+\.py)", text))
     results = set(re.findall(r"(benchmarks/results/[\w/.-]+\.(?:md|json|png))", text))
     assert scripts and results
