@@ -23,7 +23,7 @@ from pathlib import Path
 from psd import __version__, _native, chaos, events
 from psd.arena import learner_writable, list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
-from psd.flags import add_flags, serve_fields
+from psd.flags import add_flags, check_args, serve_fields
 from psd.server import ServeConfig, Server
 from psd.status import all_jobs, format_job, job_status
 
@@ -99,13 +99,8 @@ def _watchdog_config(args: argparse.Namespace):
                   event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
     serve = ServeConfig(**values)
     try:
+        check_args(args, args.command)
         serve.validate()
-        if args.keep < 1:
-            raise ValueError(f"--keep must be 1 or more, not {args.keep}")
-        if args.heartbeat_timeout <= 0 or args.checkpoint_every < 0:
-            raise ValueError("--heartbeat-timeout must be positive and --checkpoint-every 0 or more")
-        if args.server_restarts < 0:
-            raise ValueError(f"--server-restarts must be 0 or more, not {args.server_restarts}")
     except ValueError as e:
         raise SystemExit(f"psd {args.command}: {e}") from None
     cfg = WatchdogConfig(serve, Path(ckpt_dir) if ckpt_dir else None, args.checkpoint_every, args.keep,
@@ -157,8 +152,6 @@ def _run(args: argparse.Namespace) -> int:
         # Every learner would refuse it at attach and be restarted until the job fails: say so now.
         raise SystemExit(f"psd run: --pull view makes CPU learners' parameters views of the shared weights; "
                          f"it cannot go with {'--gpus' if gpus else '--predict'}: use --pull copy")
-    if args.stages < 1:
-        raise SystemExit(f"psd run: --stages must be 1 or more, not {args.stages}")
     if args.stages > 1 and gpus:
         raise SystemExit("psd run: --stages attaches each stage with partial=True, which takes CPU modules for now: "
                          "drop --gpus (or run whole-model learners on the GPUs without --stages)")

@@ -31,7 +31,8 @@ from psd.choices import (
     default_job,
 )
 
-__all__ = ["FLAGS", "LEARNER_SCHED_CHOICES", "PULL_MODES", "Flag", "add_flags", "readme_table", "serve_argv",
+__all__ = ["FLAGS", "LEARNER_SCHED_CHOICES", "PULL_MODES", "Flag", "add_flags", "check_args", "readme_table",
+           "serve_argv",
            "serve_fields"]
 
 SERVE, RUN = "serve", "run"
@@ -74,6 +75,23 @@ class Flag:
     # Flags of one command that exclude each other (psd export's --job and --checkpoint): one of them is
     # required, from the command line or the environment; see add_flags.
     exclusive: str | None = None
+    # The value's rule: ``valid(value)`` is true for a good value (None, the unset default of an optional
+    # flag, is never checked); ``rule`` says what it asks, as "--NAME must be RULE, not VALUE" (check()).
+    # Rules that involve another flag (--node-rank below --nnodes) or a limit of the native layout
+    # (--learners, --ring-depth) are ServeConfig.validate's.
+    valid: Callable[[Any], bool] | None = None
+    rule: str | None = None
+
+    def check(self, value: Any) -> None:
+        """Raise ValueError, saying what to give, when ``value`` is not one of the choices or breaks the rule."""
+        if value is None:
+            return
+        shown = " ".join(str(v) for v in value) if isinstance(value, (tuple, list)) else (
+            repr(value) if isinstance(value, str) else str(value))
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, not {shown}")
+        if self.valid is not None and not self.valid(value):
+            raise ValueError(f"{self.name} must be {self.rule}, not {shown}")
 
     @property
     def dest(self) -> str:
@@ -103,6 +121,24 @@ class Flag:
 TRAINING = "training semantics (see the README's \"Training semantics\")"
 
 
+_INF = float("inf")
+
+
+def at_least(lo: float, rule: str | None = None) -> dict[str, Any]:
+    """A flag's rule: a finite number, ``lo`` or more."""
+    return {"valid": lambda v: lo <= v < _INF, "rule": rule or f"{lo:g} or more"}
+
+
+def positive(rule: str = "a positive number") -> dict[str, Any]:
+    """A flag's rule: a finite number above 0."""
+    return {"valid": lambda v: 0 < v < _INF, "rule": rule}
+
+
+def between(lo: float, hi: float, rule: str | None = None) -> dict[str, Any]:
+    """A flag's rule: ``lo`` to ``hi``, both included."""
+    return {"valid": lambda v: lo <= v <= hi, "rule": rule or f"{lo:g}..{hi:g}"}
+
+
 def _serve(name: str, help: str, default: Any = None, **kw: Any) -> Flag:
     return Flag(name, help, default, field=kw.pop("field", name.lstrip("-").replace("-", "_")), **kw)
 
@@ -128,43 +164,47 @@ def _build() -> tuple[Flag, ...]:
                readme_default="`default`", metavar="NAME"),
         _serve("--learners", "learner slots: how many learners may be attached at once (psd run: how many it "
                "starts)", 8, type=int, metavar="N"),
-        _serve("--lr", "base learning rate of the server's optimizer", 0.01, type=float, metavar="LR"),
+        _serve("--lr", "base learning rate of the server's optimizer", 0.01, type=float, metavar="LR", **positive()),
         _serve("--ring-depth", "ring entries per learner, a power of two: gradients a learner may have in flight "
                "(--slots, its old name, still works for now, with a warning)", 4, type=int, metavar="K"),
-        _serve("--threads", "update-loop threads; 0: a quarter of the cores, 1 to 8", 0, type=int, metavar="T"),
+        _serve("--threads", "update-loop threads; 0: a quarter of the cores, 1 to 8", 0, type=int, metavar="T",
+               **at_least(0, "0 (automatic) or more")),
         _serve("--spin-us", "how long the update loop spins for more work before it sleeps, in microseconds",
-               50, type=int, metavar="US"),
+               50, type=int, metavar="US", **at_least(0)),
         # -- training semantics
         _training("--sync", "asp (fully asynchronous), ssp:S (a learner computes only while at most S pushes "
                   "ahead of the slowest live learner), bsp (average one gradient per learner, then update), "
                   "kasync:K (average every K gradients)", "asp", metavar="MODE", readme_default="`asp`"),
         _training("--push-every", "learners push the mean of W mini-batches' gradients as one gradient (a wave)",
-                  1, type=int, metavar="W"),
+                  1, type=int, metavar="W", **at_least(1)),
         _training("--optimizer", "server-side optimizer; its state lives in the arena", "sgd", choices=optimizers,
                   metavar="O", readme_default="`sgd`"),
-        _training("--momentum", "momentum / nesterov factor", None, type=float, metavar="M", readme_default="0.9"),
-        _training("--dampening", "momentum dampening", 0.0, type=float, metavar="D"),
+        _training("--momentum", "momentum / nesterov factor", None, type=float, metavar="M", readme_default="0.9",
+                  **at_least(0)),
+        _training("--dampening", "momentum dampening", 0.0, type=float, metavar="D", **at_least(0)),
         _training("--betas", "adam / adamw moment decay rates", (0.9, 0.999), type=float, nargs=2,
-                  metavar=("B1", "B2"), readme_default="0.9 0.999"),
+                  metavar=("B1", "B2"), readme_default="0.9 0.999",
+                  valid=lambda b: all(0 <= x < 1 for x in b), rule="two numbers in [0, 1)"),
         _training("--eps", "adam / adagrad epsilon", None, type=float, metavar="EPS",
-                  readme_default="1e-8; adagrad 1e-10"),
+                  readme_default="1e-8; adagrad 1e-10", **positive("positive")),
         _training("--weight-decay", "L2 penalty (adamw: decoupled)", None, type=float, metavar="WD",
-                  readme_default="0; adamw 0.01"),
-        _training("--lr-decay", "adagrad learning-rate decay", 0.0, type=float, metavar="D"),
+                  readme_default="0; adamw 0.01", **at_least(0)),
+        _training("--lr-decay", "adagrad learning-rate decay", 0.0, type=float, metavar="D", **at_least(0)),
         _training("--schedule", "learning-rate schedule over optimizer steps: constant, step (--step-size, "
                   "--gamma) or cosine (--t-max, --eta-min)", "constant", choices=schedules, metavar="S",
                   readme_default="`constant`"),
         _training("--step-size", "step schedule: multiply the lr by --gamma every N optimizer steps", 0, type=int,
                   metavar="N"),
-        _training("--gamma", "step schedule factor", 0.1, type=float, metavar="G"),
+        _training("--gamma", "step schedule factor", 0.1, type=float, metavar="G", **at_least(0)),
         _training("--t-max", "cosine schedule: optimizer steps to anneal to --eta-min, then hold", 0, type=int,
                   metavar="N"),
-        _training("--eta-min", "cosine schedule floor", 0.0, type=float, metavar="LR"),
-        _training("--warmup", "linear warm-up over the first N optimizer steps", 0, type=int, metavar="N"),
+        _training("--eta-min", "cosine schedule floor", 0.0, type=float, metavar="LR", **at_least(0)),
+        _training("--warmup", "linear warm-up over the first N optimizer steps", 0, type=int, metavar="N",
+                  **at_least(0)),
         _training("--staleness-lr", "divide the lr by each gradient's staleness (Zhang et al., IJCAI 2016)", False,
                   switch=True, readme_default="off"),
         _training("--max-staleness", "drop (and count) gradients computed on weights more than D updates old",
-                  None, type=int, metavar="D", readme_default="none"),
+                  None, type=int, metavar="D", readme_default="none", **at_least(0)),
         _training("--predict", "learners train on weights extrapolated by their staleness along the optimizer's "
                   "update direction (PipeOptim); needs momentum, nesterov, adam or adamw", False, switch=True,
                   readme_default="off"),
@@ -178,34 +218,39 @@ def _build() -> tuple[Flag, ...]:
                   choices=grad_dtypes, metavar="D", readme_default="`float32`"),
         # -- several machines (psd/nodelink.py); --nnodes 1 starts nothing of it
         _nodes("--nnodes", "nodes (machines) in the job, each running its own psd serve / psd run; 1: this "
-               "machine alone", 1, type=int, metavar="N"),
+               "machine alone", 1, type=int, metavar="N", **at_least(1)),
         _nodes("--node-rank", "this node's rank, 0..N-1; node 0 hosts the rendezvous (a TCPStore)", 0, type=int,
                metavar="R"),
         _nodes("--master-addr", "address of node 0, where the rendezvous listens", "127.0.0.1", metavar="HOST",
                readme_default="`127.0.0.1`"),
-        _nodes("--master-port", "port of the rendezvous on node 0", 29500, type=int, metavar="PORT"),
+        _nodes("--master-port", "port of the rendezvous on node 0", 29500, type=int, metavar="PORT",
+               **between(1, 65535)),
         _nodes("--sync-every", "local updates (this node's clock) between two exchanges of weights across nodes",
-               100, type=int, metavar="K"),
+               100, type=int, metavar="K", **at_least(1, "1 or more local updates")),
         _nodes("--outer-optimizer", "how the nodes' deltas move the agreed weights: avg (add their mean), sum (add "
                "their sum: every node's progress, as one node with all the learners would make) or nesterov "
                "(DiLoCo's outer SGD with Nesterov momentum on minus the mean delta)", "sum",
                choices=OUTER_OPTIMIZERS, metavar="O", readme_default="`sum`"),
-        _nodes("--outer-lr", "nesterov: the outer learning rate", 0.7, type=float, metavar="LR"),
-        _nodes("--outer-momentum", "nesterov: the outer momentum", 0.9, type=float, metavar="M"),
+        _nodes("--outer-lr", "nesterov: the outer learning rate", 0.7, type=float, metavar="LR",
+               **positive("positive")),
+        _nodes("--outer-momentum", "nesterov: the outer momentum", 0.9, type=float, metavar="M",
+               valid=lambda m: 0 <= m < 1, rule="in [0, 1)"),
         _nodes("--max-node-lag", "exchanges a node may run ahead of the last one adopted (WSP's D); 0: lockstep, "
-               "the update loop waits at each exchange point until it is done", 1, type=int, metavar="D"),
+               "the update loop waits at each exchange point until it is done", 1, type=int, metavar="D",
+               **at_least(0, "0 (lockstep) or more")),
         _nodes("--node-compress", "how deltas travel: none (float32) or bf16 (half the bytes; each node's delta and "
                "the sum are rounded to bfloat16)", "none", choices=("none", "bf16"), metavar="C",
                readme_default="`none`"),
         _nodes("--node-timeout", "seconds without an answer after which a node counts as dead (and the first "
-               "rendezvous gives up)", 30.0, type=float, metavar="S"),
+               "rendezvous gives up)", 30.0, type=float, metavar="S", **positive("a positive number of seconds")),
         # -- liveness of learners
         _serve("--liveness", "how the server tells that a learner died: auto (its pid and start time in /proc, "
                "where the server shares its PID namespace and /proc shows it; else its lease), lease (the lease "
                "only: for /proc mounted hidepid, or learners in other containers)", "auto", choices=LIVENESS,
                metavar="M", readme_default="`auto`"),
         _serve("--lease", "seconds a learner's slot outlives its last heartbeat where /proc cannot tell whether it "
-               "lives; its pushes and a native thread renew it", 5.0, type=float, metavar="S"),
+               "lives; its pushes and a native thread renew it", 5.0, type=float, metavar="S",
+               **between(0.05, 3600, "0.05 to 3600 seconds")),
         # -- where the job starts from and what the watchdog does
         _serve("--init", "start from these weights (.safetensors) instead of the first learner's", None,
                metavar="FILE"),
@@ -215,22 +260,24 @@ def _build() -> tuple[Flag, ...]:
              "~/.local/state/psd/checkpoints/JOB)", None, metavar="DIR",
              readme_default="`~/.local/state/psd/checkpoints/JOB`"),
         Flag("--checkpoint-every", "seconds between checkpoints; 0: only on demand and at stop", 60.0, type=float,
-             metavar="S"),
-        Flag("--keep", "checkpoints to keep", 3, type=int, metavar="N"),
+             metavar="S", **at_least(0)),
+        Flag("--keep", "checkpoints to keep", 3, type=int, metavar="N", **at_least(1)),
         Flag("--heartbeat-timeout", "restart a server whose heartbeat is older than this, in seconds", 2.0,
-             type=float, metavar="S"),
+             type=float, metavar="S", **positive("positive")),
         Flag("--server-restarts", "the watchdog gives up (and leaves the arena) when a restart would be the N+1-th "
-             "counted; each counts until a server has run healthy for 300 s after it", 10, type=int, metavar="N"),
+             "counted; each counts until a server has run healthy for 300 s after it", 10, type=int, metavar="N",
+             **at_least(0)),
         _serve("--event-log", "JSON-lines log of admissions, deaths, restarts, checkpoints, rejections ('' for "
                "none)", None, metavar="FILE", readme_default="`~/.local/state/psd/events/JOB.jsonl`"),
-        Flag("--metrics-port", "serve Prometheus metrics on this port (0: off)", 0, type=int, metavar="P"),
+        Flag("--metrics-port", "serve Prometheus metrics on this port (0: off)", 0, type=int, metavar="P",
+             **between(0, 65535)),
         Flag("--metrics-host", "address the metrics endpoint binds to", "127.0.0.1", metavar="H",
              readme_default="`127.0.0.1`"),
         Flag("--no-watchdog", "run the bare server in this process, without restarts or checkpoints", False,
              switch=True, commands=(SERVE,), readme_default="off"),
         Flag("--max-restarts", "a learner that dies this many times in a row without progress (no step beyond "
              "its earlier lives) is given up: the others finish, and psd run exits non-zero", 3,
-             type=int, commands=(RUN,), metavar="R"),
+             type=int, commands=(RUN,), metavar="R", **at_least(0)),
         Flag("--fork-server", "start learners (and their restarts) by forking a process that has already "
              "imported torch, so a restart costs milliseconds instead of an interpreter's start-up: on (COMMAND "
              "must be `python SCRIPT ...` or `python -m MODULE ...` with psd's Python), off (a new process each "
@@ -240,9 +287,9 @@ def _build() -> tuple[Flag, ...]:
              "(PSD_VW, PSD_STAGE, PSD_STAGES, and RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for a "
              "torch.distributed process group of its own; PSD_RANK = VW * K + STAGE), each attaching its stage "
              "with partial=True; the server gets --learners x K slots. A stage that dies restarts its whole "
-             "virtual worker; the others go on", 1, type=int, commands=(RUN,), metavar="K"),
+             "virtual worker; the others go on", 1, type=int, commands=(RUN,), metavar="K", **at_least(1)),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
-             0, type=int, commands=(RUN,), metavar="T"),
+             0, type=int, commands=(RUN,), metavar="T", **at_least(0)),
         Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "
              "copy swapped in after each step (one consistent set of weights per forward pass); view, the "
              "parameters are read-only views of the shared weights (no copy, always the newest; CPU float32 "
@@ -357,6 +404,8 @@ def _help(f: Flag) -> str:
     text = f.help.replace("%", "%%")
     if f.choices and f.metavar and not any(c in f.help for c in f.choices):
         text += f"; one of {', '.join(map(str, f.choices))}"
+    if f.rule:
+        text += f"; {f.rule.replace('%', '%%')}"
     if f.switch or "(default" in f.help:
         return f"{text} [{f.env}]"
     if f.default is None or callable(f.default):
@@ -417,6 +466,14 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument(old, dest=f.dest, type=f.type, action=_DeprecatedAlias, new=new)
 
 
+def check_args(args: argparse.Namespace, command: str) -> None:
+    """Each of ``command``'s flags' choices and rule on its parsed value: ValueError naming the first that breaks
+    its rule (ServeConfig.validate checks what involves several flags)."""
+    for f in FLAGS:
+        if command in f.commands and hasattr(args, f.dest):
+            f.check(getattr(args, f.dest))
+
+
 def serve_fields() -> tuple[Flag, ...]:
     """The flags that fill ServeConfig fields."""
     return tuple(f for f in FLAGS if f.field is not None and SERVE in f.commands)
@@ -465,7 +522,7 @@ def readme_table(commands: Iterable[str] = SERVE_RUN) -> str:
         name = f"{f.short}, {f.name}" if f.short else f.name
         only = "" if set(commands) <= set(f.commands) else f" ({', '.join(c for c in f.commands if c in commands)})"
         flag = f"`{name} {meta}`" if meta and not f.switch else f"`{name}`"
-        meaning = f.help.replace("|", "\\|")
+        meaning = (f.help + (f"; {f.rule}" if f.rule else "")).replace("|", "\\|")
         rows.append(f"| {flag}{only} | `{f.env}` | {_readme_default(f)} | {meaning} |")
     return "\n".join(rows) + "\n"
 

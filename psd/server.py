@@ -39,9 +39,10 @@ from psd.arena import (
     shm_name,
     shm_path,
 )
-from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, OUTER_OPTIMIZERS, SCHEDULES
+from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, SCHEDULES
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
+from psd.flags import NODES, serve_argv, serve_fields
 
 __all__ = ["ASYNC_MOMENTUM", "DRAIN_TIMEOUT", "GRAD_DTYPES", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server",
            "auto_threads", "validate_nodes"]
@@ -55,27 +56,13 @@ DRAIN_TIMEOUT = 3.0
 
 
 def validate_nodes(cfg: ServeConfig) -> None:
-    """Raise ValueError with a fix for each bad several-node setting of ``cfg`` (a ServeConfig)."""
-    if cfg.nnodes < 1:
-        raise ValueError(f"--nnodes must be 1 or more, not {cfg.nnodes}")
+    """Raise ValueError with a fix for each bad several-node setting of ``cfg`` (a ServeConfig): each flag's own
+    rule, and the node's rank within --nnodes."""
+    for f in serve_fields():
+        if f.group == NODES:
+            f.check(getattr(cfg, f.field))
     if not 0 <= cfg.node_rank < cfg.nnodes:
         raise ValueError(f"--node-rank must be 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), not {cfg.node_rank}")
-    if not 1 <= cfg.master_port <= 65535:
-        raise ValueError(f"--master-port must be 1..65535, not {cfg.master_port}")
-    if cfg.sync_every < 1:
-        raise ValueError(f"--sync-every must be 1 or more local updates, not {cfg.sync_every}")
-    if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
-        raise ValueError(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
-                         f"not {cfg.outer_optimizer!r}")
-    if not cfg.outer_lr > 0 or not 0 <= cfg.outer_momentum < 1:
-        raise ValueError(f"--outer-lr must be positive and --outer-momentum in [0, 1), not {cfg.outer_lr} and "
-                         f"{cfg.outer_momentum}")
-    if cfg.max_node_lag < 0:
-        raise ValueError(f"--max-node-lag must be 0 (lockstep) or more, not {cfg.max_node_lag}")
-    if cfg.node_compress not in ("none", "bf16"):
-        raise ValueError(f"--node-compress must be none or bf16, not {cfg.node_compress!r}")
-    if not cfg.node_timeout > 0:
-        raise ValueError(f"--node-timeout must be a positive number of seconds, not {cfg.node_timeout}")
 
 
 def auto_threads() -> int:
@@ -173,60 +160,27 @@ class ServeConfig:
 
     def argv(self) -> list[str]:
         """These settings as ``psd serve`` flags (for the processes the watchdog and launcher start)."""
-        from psd.flags import serve_argv
-
         return serve_argv(self)
 
     def validate(self) -> None:
-        """Raise ValueError with a fix for each bad value."""
+        """Raise ValueError with a fix for each bad value: each flag's own choices and rule (the flag table,
+        psd.flags), then what involves several flags or the native layout's limits."""
         shm_name(self.job)
-        mode, _ = self.sync_mode()
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, not {self.schedule!r}")
+        for f in serve_fields():
+            f.check(getattr(self, f.field))
+        self.sync_mode()
         if self.schedule == "step" and self.step_size < 1:
             raise ValueError("--schedule step needs --step-size N (optimizer steps between lr drops)")
         if self.schedule == "cosine" and self.t_max < 1:
             raise ValueError("--schedule cosine needs --t-max N (optimizer steps to reach --eta-min)")
-        if self.push_every < 1:
-            raise ValueError(f"--push-every must be 1 or more, not {self.push_every}")
         if self.predict and self.optimizer not in ("momentum", "nesterov", "adam", "adamw"):
             raise ValueError(f"--predict needs an optimizer with an update direction to extrapolate: momentum, "
                              f"nesterov, adam or adamw (not {self.optimizer})")
-        if self.async_momentum not in ASYNC_MOMENTUM:
-            raise ValueError(f"--async-momentum must be one of {', '.join(ASYNC_MOMENTUM)}, "
-                             f"not {self.async_momentum!r}")
-        if self.grad_dtype not in GRAD_DTYPES:
-            raise ValueError(f"--grad-dtype must be one of {', '.join(GRAD_DTYPES)}, not {self.grad_dtype!r}")
-        if self.liveness not in ("auto", "lease"):
-            raise ValueError(f"--liveness must be auto or lease, not {self.liveness!r}")
-        if not 0.05 <= self.lease <= 3600:
-            raise ValueError(f"--lease must be 0.05 to 3600 seconds, not {self.lease}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"--max-staleness must be 0 or more, not {self.max_staleness}")
-        b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"--betas must both be in [0, 1), not {b1} {b2}")
-        for name, v in (("--momentum", self.momentum), ("--weight-decay", self.weight_decay),
-                        ("--dampening", self.dampening), ("--lr-decay", self.lr_decay), ("--warmup", self.warmup),
-                        ("--eta-min", self.eta_min), ("--gamma", self.gamma)):
-            if v is not None and not (0 <= v < float("inf")):
-                raise ValueError(f"{name} must be 0 or more, not {v}")
-        if self.eps is not None and not self.eps > 0:
-            raise ValueError(f"--eps must be positive, not {self.eps}")
-        del mode
         if not 1 <= self.learners <= _native.MAX_SLOTS:
             raise ValueError(f"--learners must be 1..{_native.MAX_SLOTS}, not {self.learners}")
         k = self.ring_depth
         if not (1 <= k <= _native.MAX_RING and k & (k - 1) == 0):
             raise ValueError(f"--ring-depth must be a power of two from 1 to {_native.MAX_RING}, not {k}")
-        if not (self.lr > 0 and self.lr < float("inf")):
-            raise ValueError(f"--lr must be a positive number, not {self.lr}")
-        if self.threads < 0:
-            raise ValueError(f"--threads must be 0 (automatic) or more, not {self.threads}")
-        if self.spin_us < 0:
-            raise ValueError(f"--spin-us must be 0 or more, not {self.spin_us}")
         if self.nnodes > 1 or self.node_rank:
             validate_nodes(self)
 

@@ -162,3 +162,38 @@ def test_chaos_needs_its_job_on_the_command_line(monkeypatch):
     monkeypatch.setenv("PSD_JOB", "some-job")
     with pytest.raises(SystemExit):
         get_args_parser().parse_args(["chaos"])
+
+
+def test_every_flags_default_keeps_its_own_rule_and_the_config_checks_each_rule():
+    ruled = [f for f in FLAGS if f.valid is not None or f.choices is not None]
+    assert len(ruled) > 30
+    for f in ruled:
+        f.check(f.default() if callable(f.default) else f.default)
+    ServeConfig().validate()  # the defaults, together
+    # ServeConfig.validate asks each serve flag's rule: a bad value in any field is refused, naming its flag.
+    for f in serve_fields():
+        if f.valid is None or f.nargs == 2:
+            continue
+        bad = -1 if f.type in (int, float) else None
+        if bad is None or f.valid(bad):
+            continue
+        with pytest.raises(ValueError, match=f"^{f.name} must be "):
+            dataclasses.replace(ServeConfig(), **{f.field: f.type(bad)}).validate()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["serve", "--keep", "0"], "psd serve: --keep must be 1 or more, not 0"),
+    (["serve", "--betas", "0.9", "1"], "psd serve: --betas must be two numbers in [0, 1), not 0.9 1.0"),
+    (["serve", "--metrics-port", "70000"], "psd serve: --metrics-port must be 0..65535, not 70000"),
+    (["serve", "--nnodes", "2", "--node-timeout", "0"], "--node-timeout must be a positive number of seconds"),
+    (["run", "--stages", "0", "--", "python", "x.py"], "psd run: --stages must be 1 or more, not 0"),
+])
+def test_a_value_that_breaks_its_flags_rule_is_refused_naming_the_rule(argv, said):
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    r = subprocess.run([sys.executable, "-m", "psd.cli", *argv, "--job", "rules"], capture_output=True, text=True,
+                       env=child_env(), timeout=60)
+    assert r.returncode != 0 and said in r.stderr, r.stderr
