@@ -31,9 +31,8 @@ from psd.choices import (
     default_job,
 )
 
-__all__ = ["FLAGS", "LEARNER_SCHED_CHOICES", "PULL_MODES", "Flag", "add_flags", "check_args", "readme_table",
-           "serve_argv",
-           "serve_fields"]
+__all__ = ["FLAGS", "LEARNER_SCHED_CHOICES", "PULL_MODES", "Flag", "add_flags", "check_args", "declared",
+           "readme_table", "serve_argv", "serve_fields"]
 
 SERVE, RUN = "serve", "run"
 SERVE_RUN = (SERVE, RUN)
@@ -477,6 +476,13 @@ def check_args(args: argparse.Namespace, command: str) -> None:
 def serve_fields() -> tuple[Flag, ...]:
     """The flags that fill ServeConfig fields."""
     return tuple(f for f in FLAGS if f.field is not None and SERVE in f.commands)
+
+
+def declared(field: str) -> Any:
+    """The flag table's default for the ServeConfig field ``field``, as declared (not $PSD_<FLAG>'s): what
+    ServeConfig's fields default to, so that a default is written once."""
+    (flag,) = [f for f in serve_fields() if f.field == field]
+    return flag.default
 
 
 # Filled by the watchdog itself, not passed through argv: where the weights come from and the log.

@@ -31,7 +31,6 @@ from psd.arena import (
     buffers_set,
     check_space,
     decode_spec,
-    default_job,
     encode_spec,
     model_sizes,
     open_job,
@@ -42,7 +41,7 @@ from psd.arena import (
 from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, SCHEDULES
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
-from psd.flags import NODES, serve_argv, serve_fields
+from psd.flags import NODES, declared, serve_argv, serve_fields
 
 __all__ = ["ASYNC_MOMENTUM", "DRAIN_TIMEOUT", "GRAD_DTYPES", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server",
            "auto_threads", "validate_nodes"]
@@ -77,53 +76,53 @@ def auto_threads() -> int:
 @dataclass
 class ServeConfig:
     """What ``psd serve`` is asked to do. Every field but poll_interval has a flag and a PSD_<FLAG> variable,
-    declared in psd.flags.FLAGS."""
+    declared in psd.flags.FLAGS, whose declared default is the field's (``declared``)."""
 
-    job: str = field(default_factory=default_job)
-    learners: int = 8
-    lr: float = 0.01
-    ring_depth: int = 4
-    threads: int = 0
-    spin_us: int = 50
-    init: str | None = None
-    resume: str | None = None
-    event_log: str | None = None
+    job: str = field(default_factory=declared("job"))
+    learners: int = declared("learners")
+    lr: float = declared("lr")
+    ring_depth: int = declared("ring_depth")
+    threads: int = declared("threads")
+    spin_us: int = declared("spin_us")
+    init: str | None = declared("init")
+    resume: str | None = declared("resume")
+    event_log: str | None = declared("event_log")
     poll_interval: float = 0.1
-    liveness: str = "auto"
-    lease: float = 5.0
+    liveness: str = declared("liveness")
+    lease: float = declared("lease")
     # -- training semantics (see the README's "Training semantics")
-    sync: str = "asp"
-    push_every: int = 1
-    optimizer: str = "sgd"
-    momentum: float | None = None
-    dampening: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float | None = None
-    weight_decay: float | None = None
-    lr_decay: float = 0.0
-    schedule: str = "constant"
-    step_size: int = 0
-    gamma: float = 0.1
-    t_max: int = 0
-    eta_min: float = 0.0
-    warmup: int = 0
-    staleness_lr: bool = False
-    max_staleness: int | None = None
-    predict: bool = False
-    async_momentum: str = "auto"
-    grad_dtype: str = "float32"
+    sync: str = declared("sync")
+    push_every: int = declared("push_every")
+    optimizer: str = declared("optimizer")
+    momentum: float | None = declared("momentum")
+    dampening: float = declared("dampening")
+    betas: tuple[float, float] = declared("betas")
+    eps: float | None = declared("eps")
+    weight_decay: float | None = declared("weight_decay")
+    lr_decay: float = declared("lr_decay")
+    schedule: str = declared("schedule")
+    step_size: int = declared("step_size")
+    gamma: float = declared("gamma")
+    t_max: int = declared("t_max")
+    eta_min: float = declared("eta_min")
+    warmup: int = declared("warmup")
+    staleness_lr: bool = declared("staleness_lr")
+    max_staleness: int | None = declared("max_staleness")
+    predict: bool = declared("predict")
+    async_momentum: str = declared("async_momentum")
+    grad_dtype: str = declared("grad_dtype")
     # -- several nodes (psd/nodelink.py; see the README's "Several machines")
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    sync_every: int = 100
-    outer_optimizer: str = "sum"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    max_node_lag: int = 1
-    node_timeout: float = 30.0
-    node_compress: str = "none"
+    nnodes: int = declared("nnodes")
+    node_rank: int = declared("node_rank")
+    master_addr: str = declared("master_addr")
+    master_port: int = declared("master_port")
+    sync_every: int = declared("sync_every")
+    outer_optimizer: str = declared("outer_optimizer")
+    outer_lr: float = declared("outer_lr")
+    outer_momentum: float = declared("outer_momentum")
+    max_node_lag: int = declared("max_node_lag")
+    node_timeout: float = declared("node_timeout")
+    node_compress: str = declared("node_compress")
 
     def sync_mode(self) -> tuple[str, int]:
         """``--sync`` parsed: ('asp', 0), ('ssp', S), ('bsp', 0) or ('kasync', K)."""
