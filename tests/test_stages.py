@@ -43,3 +43,48 @@ def test_two_virtual_workers_of_two_stages_and_a_stage_that_dies(job, tmp_path, 
     assert [e["vw"] for e in restarts] == [0], restarts  # virtual worker 1 went on untouched
     died = {e["rank"] for e in seen if e["event"] == "learner_died"}
     assert 1 in died and not died & {2, 3}, died
+
+
+def test_ssp_bounds_the_distance_between_virtual_workers_in_waves(job, tmp_path):
+    """WSP (HetPipe): with --push-every W each stage pushes one wave of W mini-batches, and --sync ssp:D
+    bounds how many waves a virtual worker's stages run ahead of the slowest stage of any virtual worker.
+    Virtual worker 1 is 5x slower; the gap in pushes (waves) is sampled while the job runs: it never exceeds
+    D + 1 (a stage computes only while at most D ahead, and its push makes it D + 1), the fast virtual worker
+    does reach it (so the bound was what held it), nothing deadlocks, and every wave is applied once."""
+    sys.path.insert(0, str(HELPERS))
+    sys.path.insert(0, str(HELPERS.parent))
+    from safetensors.torch import save_file
+    from stage_learner import Pipe
+    from test_sync import ssp_gap
+
+    from psd.arena import open_job, wait_for_job
+
+    init = tmp_path / "pipe.safetensors"
+    save_file(Pipe().state_dict(), str(init))
+    steps, wave, bound = 24, 2, 1
+    proc = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--stages",
+                             "2", "--init", str(init), "--lr", "0.05", "--sync", f"ssp:{bound}", "--push-every",
+                             str(wave), "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable,
+                             str(HELPERS / "stage_learner.py"), "--steps", str(steps), "--slow-vw", "1", "--delay",
+                             "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    worst = samples = 0
+    try:
+        wait_for_job(job, 60)
+        a = open_job(job, role="reader")
+        try:
+            while proc.poll() is None:
+                gap, active = ssp_gap(a)
+                if active == 4:
+                    samples += 1
+                    worst = max(worst, gap)
+                assert gap <= bound + 1, f"a stage ran {gap} waves ahead of the slowest (ssp:{bound})"
+        finally:
+            a.close()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert samples > 50 and worst == bound + 1, (samples, worst)
+    last = checkpoint.latest(tmp_path / "ck")
+    assert last is not None and last.ranks[:4] == [steps // wave] * 4, last.ranks  # waves, each applied once

@@ -1,6 +1,6 @@
 """One stage of a two-stage pipeline under `psd run --stages 2`, for tests/test_stages.py.
 
-    stage_learner.py --steps N [--die-at B | --die-at-end]
+    stage_learner.py --steps N [--die-at B | --die-at-end] [--slow-vw V --delay S]
 
 The model is ``Pipe()`` (stage 0 holds ``a``, stage 1 holds ``b``); the job's model comes from
 ``psd run --init``. Each stage attaches its part (``partial=True``) and joins its virtual worker's
@@ -9,7 +9,8 @@ computes the loss and sends their gradient back. Mini-batches are generated from
 seed. A restarted virtual worker goes on where its slower stage stopped; each stage pushes only the
 mini-batches the job had not applied from it (its own ``resume_step``): every stage's gradients are applied
 exactly once. With ``--die-at B``, stage 1 of virtual worker 0 exits (os._exit(3)) at mini-batch B in its
-first life; with ``--die-at-end`` it does so after its last step, once stage 0 has exited (0). Prints
+first life; with ``--die-at-end`` it does so after its last step, once stage 0 has exited (0). With
+``--slow-vw V --delay S`` both stages of virtual worker V sleep S seconds a mini-batch (the WSP test). Prints
 "stage S of V: done N" at the end.
 """
 
@@ -37,6 +38,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--die-at-end", action="store_true")
+    p.add_argument("--slow-vw", type=int, default=-1)
+    p.add_argument("--delay", type=float, default=0.0)
     args = p.parse_args()
     vw, stage, stages = int(os.environ["PSD_VW"]), int(os.environ["PSD_STAGE"]), int(os.environ["PSD_STAGES"])
     assert stages == 2 and int(os.environ["WORLD_SIZE"]) == 2 and int(os.environ["RANK"]) == stage
@@ -55,6 +58,8 @@ def main() -> int:
             continue
         if i == args.die_at and vw == 0 and stage == 1 and os.environ.get("PSD_RESTARTS") == "0":
             os._exit(3)
+        if vw == args.slow_vw:
+            time.sleep(args.delay)  # a slower virtual worker (a stand-in for a slower device)
         if stage == 0:
             h = part.a(x)
             dist.send(h.detach(), 1)
