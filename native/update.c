@@ -41,6 +41,10 @@ struct psd_loop {
     uint64_t n_pieces;
     struct psd_piece_geom *pieces;
     uint8_t *round_map;
+    /* Per tensor, the share of recent updates that moved it (a running mean over about
+     * PSD_STALENESS_WINDOW updates; 1 while every update moves every tensor): what turns an entry's
+     * clock distance into the updates that moved its own tensors (entry_staleness). */
+    double *moved;
     uint64_t buffers_set; /* leading buffer elements an entry sets; the rest it adds to */
     uint64_t clock;       /* the weights clock: the loop's own, stored out after each update */
     /* Per slot, the head this loop stored last (0 for a free slot): the loop never takes a head
@@ -241,6 +245,8 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
         note_staleness(L, staleness);
     }
     apply_pieces(L, g, map, gscale, lr);
+    for (uint64_t k = 0; k < L->n_pieces; k++)
+        L->moved[k] += ((map[k] != PSD_PIECE_ABSENT ? 1.0 : 0.0) - L->moved[k]) / PSD_STALENESS_WINDOW;
     /* Pairs with a learner's load-acquire of rowlog_head (after its load of clock): the entries
      * and the weights they name are written. */
     PSD_STORE_REL(&h->rowlog_head, L->log.head);
@@ -370,13 +376,34 @@ static bool no_gradient(const struct psd_loop *L, const uint8_t *map) {
     return true;
 }
 
+/* An entry's staleness: the updates since its weights that moved its own tensors, estimated as the clock
+ * distance times the mean share of recent updates that moved them. A whole model's entry: every update
+ * moved it, share 1, the clock distance exactly. A pipeline stage's (partial attach): the other stages'
+ * updates, which the clock also counts, moved none of its tensors, so it counts its waves, not the job's
+ * clock ticks (HetPipe's WSP). */
+static double entry_staleness(const struct psd_loop *L, const uint8_t *map, uint64_t ticks) {
+    double share = 0.0;
+    uint64_t n = 0;
+    for (uint64_t k = 0; k < L->n_pieces; k++)
+        if (map[k] != PSD_PIECE_ABSENT) {
+            share += L->moved[k];
+            n++;
+        }
+    if (n == 0 || share >= (double)n)
+        return (double)ticks;
+    return (double)ticks * share / (double)n;
+}
+
 static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head,
                        const struct psd_entry *eh) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     struct psd_entry *e = psd_entry_at(m, i, head);
     uint64_t clock = L->clock;
-    uint64_t staleness = clock - eh->clock; /* eh->clock <= clock: checked by slot_rule */
+    /* eh->clock <= clock: checked by slot_rule. The counters, the histogram, --max-staleness and the
+     * rounds' sum take the estimate rounded; the update itself the estimate. */
+    double stale = entry_staleness(L, L->entry_map, clock - eh->clock);
+    uint64_t staleness = (uint64_t)(stale + 0.5);
     bool summed = L->cfg.sync_mode == PSD_SYNC_BSP || L->cfg.sync_mode == PSD_SYNC_KASYNC;
     uint32_t outcome = PSD_OUTCOME_APPLIED;
     const float *g = psd_entry_grad(e);
@@ -405,7 +432,7 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
          * backward, say) is taken, and counts as the learner's step, but is no update: the clock does
          * not move, and it is no kasync gradient (bsp: the learner has joined the round, with nothing). */
     } else if (!summed) {
-        update_weights(L, g, map, 1.0f, (double)staleness);
+        update_weights(L, g, map, 1.0f, stale);
     } else {
         accumulate(L, g, map);
         PSD_ADD_RLX(&h->acc_staleness, staleness);
@@ -729,6 +756,7 @@ static void loop_free(struct psd_loop *L) {
     free(L->entry_map);
     free(L->pieces);
     free(L->round_map);
+    free(L->moved);
     free(L);
 }
 
@@ -773,13 +801,16 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     memset(L, 0, bytes);
     L->pieces = malloc(n_pieces * sizeof *L->pieces);
     L->round_map = malloc(n_pieces);
+    L->moved = malloc(n_pieces * sizeof *L->moved);
     L->entry_map = malloc(n_pieces);
     L->heads = calloc(m->g.n_slots, sizeof *L->heads);
-    if (!L->pieces || !L->round_map || !L->entry_map || !L->heads) {
+    if (!L->pieces || !L->round_map || !L->moved || !L->entry_map || !L->heads) {
         loop_free(L);
         return ENOMEM;
     }
     memcpy(L->pieces, pieces, n_pieces * sizeof *L->pieces);
+    for (uint64_t k = 0; k < n_pieces; k++)
+        L->moved[k] = 1.0;
     L->n_pieces = n_pieces;
     L->buffers_set = buffers_set;
     L->map = *m;
