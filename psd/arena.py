@@ -17,13 +17,22 @@ from dataclasses import dataclass
 
 from psd import _native
 from psd.choices import DEFAULT_JOB, default_job
-from psd.errors import ArenaCorrupt, ArenaIncomplete, InvalidJobName, JobNotFound, OutOfSharedMemory, SpecMismatch
+from psd.errors import (
+    ArenaCorrupt,
+    ArenaIncomplete,
+    Error,
+    InvalidJobName,
+    JobNotFound,
+    OutOfSharedMemory,
+    SpecMismatch,
+)
 
 __all__ = [
     "ARENA_LOST_EXIT",
     "DEFAULT_JOB",
     "SET_BUFFER_DTYPES",
     "SHM_DIR",
+    "ArenaWatch",
     "HeaderView",
     "ParamSpec",
     "arena_spec",
@@ -223,6 +232,54 @@ def shrunk(arena: _native.Arena, file_size: int) -> bool:
     touching the mapping past the file's end would raise SIGBUS, so the caller must drop it unread."""
     with memoryview(arena) as mapped:
         return file_size < mapped.nbytes
+
+
+class ArenaWatch:
+    """A process's mapping of a job's arena, kept current (the watchdog's and ``psd run``'s): ``current()`` is
+    the mapping of the arena the job's file holds now, opened again once the file was replaced (a new
+    server's), dropped unread once it was truncated under the mapping (touching it would fault with
+    SIGBUS), and None while there is none to open. ``opened`` says whether that call mapped it anew."""
+
+    def __init__(self, job: str, role: str = "full") -> None:
+        self.job, self.role = job, role
+        self.arena: _native.Arena | None = None
+        self._ident: tuple[int, int] | None = None
+        self.opened = False
+
+    def current(self) -> _native.Arena | None:
+        self.opened = False
+        try:
+            st = os.stat(shm_path(self.job))
+        except FileNotFoundError:
+            self.close()
+            return None
+        if self.arena is not None and self._ident == (st.st_dev, st.st_ino):
+            if not shrunk(self.arena, st.st_size):
+                return self.arena
+            self.close()  # the same arena, truncated under us (its server dies of SIGBUS): nothing to reopen
+            return None
+        self.close()
+        try:
+            a = open_job(self.job, role=self.role)
+        except (Error, OSError):
+            return None
+        self.arena, self._ident, self.opened = a, a.identity(), True
+        return a
+
+    def release(self) -> _native.Arena | None:
+        """The current mapping (or None), now the caller's to close: this watch forgets it."""
+        a = self.current()
+        self.arena = self._ident = None
+        return a
+
+    def close(self) -> None:
+        """Drop the mapping (a tensor that still maps it keeps it until the tensor goes)."""
+        if self.arena is not None:
+            try:
+                self.arena.close()
+            except Error:
+                pass
+            self.arena = self._ident = None
 
 
 def _page_up(v: int) -> int:

@@ -176,3 +176,24 @@ def test_the_header_view_reads_each_field_as_the_header_dict_does(job, serve):
         finally:
             a.close()
     s.stop()
+
+
+def test_an_arena_watch_follows_the_job_from_server_to_server(job, serve):
+    from psd.arena import ArenaWatch
+    from psd.watchdog.restarts import Backoff
+
+    watch = ArenaWatch(job, role="reader")
+    assert watch.current() is None and not watch.opened  # no job yet
+    s = serve(job, "--no-watchdog", "--learners", "1")
+    first = watch.current()
+    assert first is not None and watch.opened
+    assert watch.current() is first and not watch.opened  # the same arena: the same mapping
+    ident = first.identity()
+    s.stop()
+    assert watch.current() is None  # its file is gone: the mapping is dropped
+    s = serve(job, "--no-watchdog", "--learners", "1")
+    second = watch.current()
+    assert second is not None and watch.opened and second.identity() != ident  # a new server's arena
+    watch.close()
+    s.stop()
+    assert [Backoff(0.1, 1.0).delay(n) for n in range(6)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0]

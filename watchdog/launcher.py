@@ -31,15 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shrunk, wait_for_job
+from psd.arena import ARENA_LOST_EXIT, ArenaWatch, shm_name, wait_for_job
 from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error
 from psd.events import EventLog
 from psd.watchdog.forkserver import ForkServer, forkable
+from psd.watchdog.restarts import Backoff
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
 
+LEARNER_BACKOFF = Backoff(0.1, 10.0)  # a learner's (or virtual worker's) restarts
 log = logging.getLogger("psd.run")
 
 _PR_SET_PDEATHSIG = 1
@@ -150,8 +152,7 @@ class Launcher:
         self._tty = sys.stderr.isatty()
         self._progress_every = progress_every if progress_every is not None else (1.0 if self._tty else 10.0)
         self._next_progress = 0.0
-        self._arena: _native.Arena | None = None
-        self._arena_id = None
+        self._watch = ArenaWatch(self.job)
         self._last = (time.monotonic(), 0)
         self.events = EventLog(config.serve.event_log, self.job, "run")
         self._run_dir = tempfile.TemporaryDirectory(prefix=f"psd-run-{self.job}-")
@@ -300,7 +301,7 @@ class Launcher:
     @staticmethod
     def _backoff(fruitless: int) -> float:
         """Seconds before a restart after ``fruitless`` lives in a row without progress: 0.1 s, doubling to 10."""
-        return min(10.0, 0.1 * 2 ** fruitless)
+        return LEARNER_BACKOFF.delay(fruitless + 1)
 
     def _supervise_vws(self) -> None:
         """--stages: a stage that dies takes its virtual worker down (its peers would wait on it in their
@@ -394,26 +395,10 @@ class Launcher:
     # -- progress -----------------------------------------------------------
 
     def _arena_or_none(self) -> _native.Arena | None:
-        try:
-            st = os.stat("/dev/shm" + shm_name(self.job))
-        except FileNotFoundError:
-            return None
-        # A file shorter than our mapping was truncated under us: reading it would fault (SIGBUS).
-        if self._arena is None or self._arena_id != (st.st_dev, st.st_ino) or shrunk(self._arena, st.st_size):
-            self._close_arena()
-            try:
-                self._arena = open_job(self.job)
-                self._arena_id = self._arena.identity()
-            except (Error, OSError):
-                return None
-        if self._arena.state == _native.ARENA_READY:
-            self._arena.remap()
-        return self._arena
-
-    def _close_arena(self) -> None:
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        a = self._watch.current()
+        if a is not None and a.state == _native.ARENA_READY:
+            a.remap()
+        return a
 
     def _progress(self, final: bool = False) -> None:
         now = time.monotonic()
@@ -499,8 +484,9 @@ class Launcher:
                 terminate(w.proc, deadline=10.0)
         if self._forks is not None:
             self._forks.close()
-        a = self._arena_or_none()  # our mapping outlives the arena's name
-        self._arena = None
+        a = self._watch.release()  # our mapping outlives the arena's name
+        if a is not None and a.state == _native.ARENA_READY:
+            a.remap()
         clean = False
         if self.watchdog is not None:
             terminate(self.watchdog, deadline=60.0)

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, open_job, shm_name, shm_path, shrunk
+from psd.arena import ARENA_LOST_EXIT, ArenaWatch, open_job, shm_name, shm_path
 from psd.errors import Error
 from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
+from psd.watchdog.restarts import Backoff
 
 __all__ = ["GIVE_UP_EXIT", "ServerState", "Watchdog", "WatchdogConfig", "terminate"]
 
@@ -151,8 +152,7 @@ class Watchdog:
         self.last_error = ""  # why the last server died, as the give-up message says it
         self._restart_at = 0.0  # when RESTARTING: the monotonic time the back-off ends
         self._arena_lost = False  # when RESTARTING: the dead server's arena is lost (start from a checkpoint)
-        self._arena: _native.Arena | None = None
-        self._arena_id: tuple[int, int] | None = None
+        self._watch = ArenaWatch(config.serve.job)
         self._next_checkpoint = 0.0
         self._last_ckpt_clock = -1
         self.checkpoint_requested = threading.Event()
@@ -189,28 +189,12 @@ class Watchdog:
                  " (resuming from checkpoint)" if resume else "")
 
     def _open_arena(self, announce: bool = True) -> _native.Arena | None:
-        """Our mapping of the job's arena, reopened if the object was replaced.
+        """Our mapping of the job's arena, reopened if the object was replaced (psd.arena.ArenaWatch).
 
         A new mapping records this process as the arena's watchdog, unless ``announce`` is false.
         """
-        try:
-            st = os.stat(shm_path(self.config.serve.job))
-        except FileNotFoundError:
-            self._drop_arena()
-            return None
-        if self._arena is not None and self._arena_id == (st.st_dev, st.st_ino):
-            if not shrunk(self._arena, st.st_size):
-                return self._arena
-            # Truncated under us (its server dies of SIGBUS): touching our mapping would fault here too.
-            self._drop_arena()
-            return None
-        self._drop_arena()
-        try:
-            a = open_job(self.config.serve.job)
-        except (Error, OSError):
-            return None
-        self._arena, self._arena_id = a, a.identity()
-        if announce:
+        a = self._watch.current()
+        if a is not None and self._watch.opened and announce:
             me = os.getpid()
             a.note_watchdog(me, _native.proc_start_time(me))
             if not self._importing:
@@ -223,13 +207,7 @@ class Watchdog:
         return a
 
     def _drop_arena(self) -> None:
-        if self._arena is not None:
-            try:
-                self._arena.close()
-            except Error:
-                pass  # a snapshot tensor still maps it; it goes with the tensor
-            self._arena = None
-            self._arena_id = None
+        self._watch.close()  # a snapshot tensor that still maps it keeps it until the tensor goes
 
     def _server_alive(self) -> bool:
         if self.proc is not None and self.proc.pid == self.server_pid:
@@ -399,7 +377,7 @@ class Watchdog:
 
     def _backoff(self, base: float, n: int) -> float:
         """The wait before the n-th (from 1) restart of a crash loop: ``base`` doubling, at most ``backoff_cap``."""
-        return min(self.config.backoff_cap, base * 2 ** (n - 1))
+        return Backoff(base, self.config.backoff_cap).delay(n)
 
     def _supervise_link(self) -> None:
         """Start the node link, and restart it (after a back-off) if it died alone."""
