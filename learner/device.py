@@ -110,9 +110,10 @@ class CudaStreams:
             if int(rc) != 0 and read_only:
                 rc = torch.cuda.cudart().cudaHostRegister(base + lo, hi - lo, 0)  # no read-only support
             if int(rc) != 0:
-                log.warning("cudaHostRegister of the arena's %s (%d bytes) failed with CUDA error %d; its "
-                            "copies go through a pinned bounce buffer", "weights" if read_only else "ring", hi - lo,
-                            int(rc))
+                log.warning("cudaHostRegister of the arena's %s (%d bytes) failed with CUDA error %d; %s",
+                            "weights" if read_only else "ring", hi - lo, int(rc),
+                            "pulls stage them through a pinned bounce buffer" if read_only else
+                            "gradient copies into it block the push thread (pageable memory)")
                 if read_only:
                     self.weights_pinned = False
                 continue
@@ -242,10 +243,12 @@ class DevicePipe:
         with torch.no_grad():
             self.grad[self.cur].zero_()  # queued on the compute stream, after that wait
 
-    def drain(self, timeout: float) -> None:
-        """Wait until every queued gradient was copied and published."""
+    def drain(self, timeout: float, upto: int | None = None) -> None:
+        """Wait until every queued gradient (or the first ``upto`` of them) was copied and published; raise
+        what the push thread met."""
+        n = self.issued if upto is None else upto
         with self._done:
-            if not self._done.wait_for(lambda: self.published >= self.issued, timeout):
+            if not self._done.wait_for(lambda: self.published >= n or self.error is not None, timeout):
                 raise Error(f"gradients were not copied off the device within {timeout:g} s")
         if self.error is not None:
             raise self.error
@@ -254,8 +257,14 @@ class DevicePipe:
 
     def maybe_swap(self) -> int | None:
         """If a pull finished, make its buffer the front; returns its clock (else None)."""
-        if self._pull is None or not self._pull[0].query():
+        if self._pull is None:
             return None
+        try:
+            if not self._pull[0].query():
+                return None
+        except BaseException:
+            self._pull = None  # a staged pull that failed: raised once, and the next pull starts afresh
+            raise
         event, clock = self._pull
         self._pull = None
         self.s.wait(self.s.compute, event.event if isinstance(event, _Staged) else event)
@@ -421,8 +430,9 @@ class DeviceLearner(Learner):
             # Wait for the server to take that entry alone: its copy is the oldest in flight. Waiting for
             # every copy to land (as a CPU learner's full ring does) would wait for the GPU to finish all
             # the work queued ahead of it, and the GPU would then sit idle while the server catches up.
-            if pipe.error is not None:
-                raise pipe.error
+            # First that copy's publication (what the push thread met on the way is raised here, not
+            # left to look like a server that never took the entry).
+            pipe.drain(self.timeout, upto=pipe.issued - self._k + 1)  # entry tail - k: push issued - k + 1
             self._with_server(a.wait_head, self.slot, self._claim_token, self._tail - self._k + 1, self.timeout)
             if self._arena is not a:
                 return

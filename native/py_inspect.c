@@ -240,7 +240,7 @@ static PyObject *arena_field(Arena *a, PyObject *args) {
         return READ_##how(h, f);
     PSD_HEADER_FIELDS(HEADER_FIELD)
 #undef HEADER_FIELD
-    PyErr_Format(PyExc_KeyError, "%s is not a header field (psd_layout.h PSD_HEADER_FIELDS)", name);
+    PyErr_Format(PyExc_KeyError, "%s is not a header field (native/psd.h PSD_HEADER_FIELDS)", name);
     return NULL;
 }
 

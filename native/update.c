@@ -376,22 +376,21 @@ static bool no_gradient(const struct psd_loop *L, const uint8_t *map) {
     return true;
 }
 
-/* An entry's staleness: the updates since its weights that moved its own tensors, estimated as the clock
- * distance times the mean share of recent updates that moved them. A whole model's entry: every update
- * moved it, share 1, the clock distance exactly. A pipeline stage's (partial attach): the other stages'
- * updates, which the clock also counts, moved none of its tensors, so it counts its waves, not the job's
- * clock ticks (HetPipe's WSP). */
+/* An entry's staleness: the updates since its weights that moved any of its tensors, estimated as the
+ * clock distance times the largest share of recent updates that moved one of them. A whole model's entry:
+ * some tensor of it moved with every update (its own pushes move them all), share 1, the clock distance
+ * exactly, whatever other learners' partial pushes do. A pipeline stage's (partial attach): the other
+ * stages' updates, which the clock also counts, moved none of its tensors, so it counts its waves, not the
+ * job's clock ticks (HetPipe's WSP). Until the running means settle (about PSD_STALENESS_WINDOW updates
+ * after a server starts) a stage's count errs high, toward the clock distance. */
 static double entry_staleness(const struct psd_loop *L, const uint8_t *map, uint64_t ticks) {
     double share = 0.0;
-    uint64_t n = 0;
     for (uint64_t k = 0; k < L->n_pieces; k++)
-        if (map[k] != PSD_PIECE_ABSENT) {
-            share += L->moved[k];
-            n++;
-        }
-    if (n == 0 || share >= (double)n)
+        if (map[k] != PSD_PIECE_ABSENT && L->moved[k] > share)
+            share = L->moved[k];
+    if (share == 0.0 || share >= 1.0)
         return (double)ticks;
-    return (double)ticks * share / (double)n;
+    return (double)ticks * share;
 }
 
 static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head,

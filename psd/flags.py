@@ -82,9 +82,12 @@ class Flag:
     rule: str | None = None
 
     def check(self, value: Any) -> None:
-        """Raise ValueError, saying what to give, when ``value`` is not one of the choices or breaks the rule."""
+        """Raise ValueError, saying what to give, when ``value`` is not one of the choices or breaks the rule.
+        None is a value only of a flag whose default is None (unset: not checked)."""
         if value is None:
-            return
+            if self.default is None:
+                return
+            raise ValueError(f"{self.name} needs a value")
         shown = " ".join(str(v) for v in value) if isinstance(value, (tuple, list)) else (
             repr(value) if isinstance(value, str) else str(value))
         if self.choices is not None and value not in self.choices:
@@ -183,7 +186,7 @@ def _build() -> tuple[Flag, ...]:
         _training("--dampening", "momentum dampening", 0.0, type=float, metavar="D", **at_least(0)),
         _training("--betas", "adam / adamw moment decay rates", (0.9, 0.999), type=float, nargs=2,
                   metavar=("B1", "B2"), readme_default="0.9 0.999",
-                  valid=lambda b: all(0 <= x < 1 for x in b), rule="two numbers in [0, 1)"),
+                  valid=lambda b: len(b) == 2 and all(0 <= x < 1 for x in b), rule="two numbers in [0, 1)"),
         _training("--eps", "adam / adagrad epsilon", None, type=float, metavar="EPS",
                   readme_default="1e-8; adagrad 1e-10", **positive("positive")),
         _training("--weight-decay", "L2 penalty (adamw: decoupled)", None, type=float, metavar="WD",
@@ -202,7 +205,8 @@ def _build() -> tuple[Flag, ...]:
                   **at_least(0)),
         _training("--staleness-lr", "divide the lr by each gradient's staleness (Zhang et al., IJCAI 2016)", False,
                   switch=True, readme_default="off"),
-        _training("--max-staleness", "drop (and count) gradients computed on weights more than D updates old",
+        _training("--max-staleness", "drop (and count) gradients computed on weights more than D updates old (a "
+                  "pipeline stage's: updates of its own tensors)",
                   None, type=int, metavar="D", readme_default="none", **at_least(0)),
         _training("--predict", "learners train on weights extrapolated by their staleness along the optimizer's "
                   "update direction (PipeOptim); needs momentum, nesterov, adam or adamw", False, switch=True,
@@ -466,10 +470,10 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def check_args(args: argparse.Namespace, command: str) -> None:
-    """Each of ``command``'s flags' choices and rule on its parsed value: ValueError naming the first that breaks
-    its rule (ServeConfig.validate checks what involves several flags)."""
+    """Each of ``command``'s flags' choices and rule on its parsed value, but those that fill a ServeConfig field
+    (ServeConfig.validate checks them, and what involves several flags): ValueError naming the first."""
     for f in FLAGS:
-        if command in f.commands and hasattr(args, f.dest):
+        if command in f.commands and f.field is None and hasattr(args, f.dest):
             f.check(getattr(args, f.dest))
 
 

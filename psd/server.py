@@ -165,8 +165,9 @@ class ServeConfig:
         """Raise ValueError with a fix for each bad value: each flag's own choices and rule (the flag table,
         psd.flags), then what involves several flags or the native layout's limits."""
         shm_name(self.job)
-        for f in serve_fields():
-            f.check(getattr(self, f.field))
+        for f in serve_fields():  # several-node settings: checked where there are several nodes (validate_nodes)
+            if f.group != NODES or f.field == "nnodes":
+                f.check(getattr(self, f.field))
         self.sync_mode()
         if self.schedule == "step" and self.step_size < 1:
             raise ValueError("--schedule step needs --step-size N (optimizer steps between lr drops)")

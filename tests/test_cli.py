@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 from psd.cli import _watchdog_config, get_args_parser
-from psd.flags import BEGIN, END, FLAGS, readme_table, serve_fields
+from psd.flags import BEGIN, END, FLAGS, NODES, readme_table, serve_fields
 from psd.server import ServeConfig
 
 
@@ -75,7 +75,7 @@ def test_the_deprecated_slots_flag_fills_ring_depth_and_names_it(capsys):
     assert args.ring_depth == 16 and "--ring-depth" in capsys.readouterr().err
 
 
-# psd chaos signals processes: what it kills comes from its command line alone (README, "Commands").
+# psd chaos signals processes: what it kills comes from its command line alone (docs/reference.md, "Commands").
 COMMAND_LINE_ONLY = {"chaos"}
 ENV_PREFIX = {"bench": "PSD_BENCH_"}
 # What a command needs on its command line besides the flag under test, by the dests that stand in for it.
@@ -177,8 +177,11 @@ def test_every_flags_default_keeps_its_own_rule_and_the_config_checks_each_rule(
         bad = -1 if f.type in (int, float) else None
         if bad is None or f.valid(bad):
             continue
+        several = {"nnodes": 2} if f.group == NODES and f.field != "nnodes" else {}  # checked for several nodes
         with pytest.raises(ValueError, match=f"^{f.name} must be "):
-            dataclasses.replace(ServeConfig(), **{f.field: f.type(bad)}).validate()
+            dataclasses.replace(ServeConfig(), **{f.field: f.type(bad)}, **several).validate()
+    # A one-node job does not check the several-node settings (--nnodes 1 starts nothing of them).
+    ServeConfig(master_port=0, sync_every=0).validate()
 
 
 @pytest.mark.parametrize("argv, said", [
@@ -194,6 +197,7 @@ def test_a_value_that_breaks_its_flags_rule_is_refused_naming_the_rule(argv, sai
 
     from conftest import child_env
 
-    r = subprocess.run([sys.executable, "-m", "psd.cli", *argv, "--job", "rules"], capture_output=True, text=True,
-                       env=child_env(), timeout=60)
+    command, *rest = argv  # the job's name before any `--` (after it, it would be the learner command's)
+    r = subprocess.run([sys.executable, "-m", "psd.cli", command, "--job", "rules", *rest], capture_output=True,
+                       text=True, env=child_env(), timeout=60)
     assert r.returncode != 0 and said in r.stderr, r.stderr

@@ -158,6 +158,35 @@ def test_a_full_ring_waits_for_the_oldest_copy_alone(job, serve):
     served.stop()
 
 
+def test_a_full_ring_raises_what_the_push_thread_met_at_once(job, serve):
+    """The oldest copy's publication failed (a CUDA error, say): the step that waits for its entry raises
+    that error, instead of waiting out the timeout for a server that can never take the entry."""
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", "--ring-depth", "4")
+    model, x = tiny()
+    streams = DeferredStreams()
+    ps = DeviceLearner(model, job, streams=streams, timeout=30)
+    try:
+        for _ in range(4):
+            (model(x) ** 2).sum().backward()
+            ps.step()
+
+        def broken(*args) -> None:
+            raise RuntimeError("the copy's event reported an error")
+
+        ps._pipe._publish = broken
+        streams.complete(1)  # the oldest copy lands; publishing it fails
+        (model(x) ** 2).sum().backward()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="event reported an error"):
+            ps.step()
+        assert time.monotonic() - t0 < 10, "the error waited for the timeout"
+    finally:
+        streams.complete()
+        ps._pipe.error = None
+        ps.close(flush=False)
+    served.stop()
+
+
 class BounceStreams(SyncStreams):
     """Synchronous copies, as if registering the shared weights as pinned memory had failed."""
 
@@ -178,7 +207,10 @@ def test_unpinned_weights_are_pulled_through_the_bounce_buffer_whole():
         assert pipe.maybe_swap() == 5 and clock == 5
         assert torch.equal(pipe.w[pipe.front], at_pull)
         pipe.start_pull(6)
-        pipe.pull_now()  # waits for the pull in flight, then copies the current weights
+        pipe._pull[0].synchronize()
+        weights.add_(1)
+        pipe.pull_now()  # takes the pull in flight off the books, then copies the current weights
+        assert pipe._pull is None and pipe.maybe_swap() is None  # the staged pull is not swapped in later
         assert torch.equal(pipe.w[pipe.front], weights)
     finally:
         pipe.close()

@@ -172,14 +172,15 @@ def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve, f
         holder.wait()
 
 
-def _turns(job: str, serve, first: torch.nn.Module, second: torch.nn.Module, partial: bool, rounds: int) -> float:
+def _turns(job: str, serve, first: torch.nn.Module, second: torch.nn.Module, partial: tuple[bool, bool],
+           rounds: int) -> float:
     """Two learners push in turn, each one gradient a turn; the server's running mean of staleness after."""
     from psd.arena import open_job
 
     served = serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.001", "--optimizer", "momentum")
     with learner.attach(Net(), job=job):  # declares the job's model
-        with learner.attach(first, job=job, partial=partial) as s1, \
-                learner.attach(second, job=job, partial=partial) as s2:
+        with learner.attach(first, job=job, partial=partial[0]) as s1, \
+                learner.attach(second, job=job, partial=partial[1]) as s2:
             for _ in range(rounds):
                 for model, ps in ((first, s1), (second, s2)):
                     ones_grad(model)
@@ -199,8 +200,12 @@ def test_a_stage_counts_as_stale_only_the_updates_that_moved_its_own_tensors(job
     clock, but none of its tensors. The server's staleness (its running mean: what --async-momentum auto
     and --staleness-lr read) counts the updates that moved the entry's own tensors, so the stages' entries
     count about half what two whole-model learners taking turns the same way count."""
-    whole = _turns(job, serve, Net(), Net(), partial=False, rounds=150)
-    staged = _turns(job, serve, stage("a"), stage("b", "c"), partial=True, rounds=150)
+    whole = _turns(job, serve, Net(), Net(), partial=(False, False), rounds=150)
+    staged = _turns(job, serve, stage("a"), stage("b", "c"), partial=(True, True), rounds=150)
+    # A whole model beside a stage: every update moved some tensor of the whole model's entries (its own
+    # pushes move them all), and the stage's layer `a` too, so both count the clock distance exactly.
+    mixed = _turns(job, serve, Net(), stage("a"), partial=(False, True), rounds=150)
+    print(f"staleness: whole {whole:.3f}, stages {staged:.3f}, whole beside a stage {mixed:.3f}")
     assert whole >= 0.9, whole  # the other learner's update: at least one tick each
-    print(f"staleness: whole {whole:.3f}, stages {staged:.3f}")
     assert staged <= 0.65 * whole, (staged, whole)
+    assert abs(mixed - whole) <= 0.05 * whole, (mixed, whole)

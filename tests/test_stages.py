@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,7 +58,9 @@ def test_ssp_bounds_the_distance_between_virtual_workers_in_waves(job, tmp_path)
     from stage_learner import Pipe
     from test_sync import ssp_gap
 
-    from psd.arena import open_job, wait_for_job
+    from psd import _native
+    from psd.arena import ArenaWatch
+    from psd.errors import StateError
 
     init = tmp_path / "pipe.safetensors"
     save_file(Pipe().state_dict(), str(init))
@@ -68,18 +71,25 @@ def test_ssp_bounds_the_distance_between_virtual_workers_in_waves(job, tmp_path)
                              str(HELPERS / "stage_learner.py"), "--steps", str(steps), "--slow-vw", "1", "--delay",
                              "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     worst = samples = 0
+    watch = ArenaWatch(job, role="reader")
     try:
-        wait_for_job(job, 60)
-        a = open_job(job, role="reader")
         try:
             while proc.poll() is None:
-                gap, active = ssp_gap(a)
+                a = watch.current()
+                if a is None or a.state != _native.ARENA_READY:
+                    time.sleep(0.001)  # a poll's pace, not a synchronisation: the loop samples until the job ends
+                    continue  # not there yet, or its weights not yet in (--init)
+                a.remap()  # a mapping made before the model was declared covers the header alone
+                try:
+                    gap, active = ssp_gap(a)
+                except StateError:  # the job is stopping
+                    continue
                 if active == 4:
                     samples += 1
                     worst = max(worst, gap)
                 assert gap <= bound + 1, f"a stage ran {gap} waves ahead of the slowest (ssp:{bound})"
         finally:
-            a.close()
+            watch.close()
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
