@@ -270,18 +270,25 @@ static PyObject *wait_common(Arena *a, PyObject *args, enum wait_kind kind) {
 
 static PyObject *arena_wait_space(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_SPACE); }
 
-static PyObject *arena_wait_head(Arena *a, PyObject *args) {
+/* The waits for a count to reach a target (slot, claim, target, timeout): a signal's EINTR waits on for
+ * what is left of the timeout. */
+static PyObject *wait_target(Arena *a, PyObject *args,
+                             int (*wait)(struct psd_map *, uint32_t, uint64_t, uint64_t, uint64_t), const char *what) {
     unsigned int slot;
-    unsigned long long claim, head;
+    unsigned long long claim, target;
     double timeout;
-    if (!PyArg_ParseTuple(args, "IKKd", &slot, &claim, &head, &timeout) || check_slot(a, slot))
+    if (!PyArg_ParseTuple(args, "IKKd", &slot, &claim, &target, &timeout) || check_slot(a, slot))
         return NULL;
     uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
-    int rc; /* a signal's EINTR waits on for what is left of the timeout */
-    BLOCKING(rc, psd_wait_head(&a->map, slot, claim, head, deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
+    int rc;
+    BLOCKING(rc, wait(&a->map, slot, claim, target, deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
     if (rc)
-        return raise_code(rc, "wait for the server to take a ring entry", a->name);
+        return raise_code(rc, what, a->name);
     Py_RETURN_NONE;
+}
+
+static PyObject *arena_wait_head(Arena *a, PyObject *args) {
+    return wait_target(a, args, psd_wait_head, "wait for the server to take a ring entry");
 }
 
 static PyObject *arena_wait_drained(Arena *a, PyObject *args) { return wait_common(a, args, WAIT_DRAINED); }
@@ -298,16 +305,7 @@ static PyObject *arena_has_space(Arena *a, PyObject *args) {
 }
 
 static PyObject *arena_wait_round(Arena *a, PyObject *args) {
-    unsigned int slot;
-    unsigned long long claim, rounds;
-    double timeout;
-    if (!PyArg_ParseTuple(args, "IKKd", &slot, &claim, &rounds, &timeout) || check_slot(a, slot))
-        return NULL;
-    int rc;
-    BLOCKING(rc, psd_wait_round(&a->map, slot, claim, rounds, seconds_to_ns(timeout)));
-    if (rc)
-        return raise_code(rc, "wait for the bsp round", a->name);
-    Py_RETURN_NONE;
+    return wait_target(a, args, psd_wait_round, "wait for the bsp round");
 }
 
 static PyObject *arena_predict_into(Arena *a, PyObject *args) {

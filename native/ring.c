@@ -804,19 +804,21 @@ static bool is_freed(struct psd_map *m, uint32_t slot, uint64_t claim) {
     return st == PSD_SLOT_FREE || st == PSD_SLOT_EVICTED || PSD_LOAD_RLX(&s->claims) != claim;
 }
 
-static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns, ready_fn ready) {
+/* Wait on the slot's not_full condition until ready(m, slot, arg). */
+static int wait_slot(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns, ready_fn ready,
+                     uint64_t arg) {
     if (slot >= m->g.n_slots)
         return EINVAL;
     /* The freed-slot wait may outlive the claim (claims moves on): it then holds, and never waits. */
     return wait_until(m, slot, claim, &psd_slot_at(m, slot)->not_full,
                       held_token(m, slot) ? &psd_lslot_at(m, slot)->waiters : NULL, PSD_WAIT_SLICE_NS, timeout_ns,
-                      ready, claim);
+                      ready, arg);
 }
 
 int psd_wait_space(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
     if (slot < m->g.n_slots && !has_space(m, slot, claim) && held_token(m, slot))
         PSD_ADD_RLX(&psd_lslot_at(m, slot)->full_waits, 1);
-    return wait_slot(m, slot, claim, timeout_ns, has_space);
+    return wait_slot(m, slot, claim, timeout_ns, has_space, claim);
 }
 
 static bool head_reached(struct psd_map *m, uint32_t slot, uint64_t head) {
@@ -831,19 +833,17 @@ int psd_wait_head(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t hea
         return 0;
     if (held_token(m, slot))
         PSD_ADD_RLX(&psd_lslot_at(m, slot)->full_waits, 1);
-    return wait_until(m, slot, claim, &psd_slot_at(m, slot)->not_full,
-                      held_token(m, slot) ? &psd_lslot_at(m, slot)->waiters : NULL, PSD_WAIT_SLICE_NS, timeout_ns,
-                      head_reached, head);
+    return wait_slot(m, slot, claim, timeout_ns, head_reached, head);
 }
 
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
-    return wait_slot(m, slot, claim, timeout_ns, is_drained);
+    return wait_slot(m, slot, claim, timeout_ns, is_drained, claim);
 }
 
 int psd_wait_freed(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
     if (slot < m->g.n_slots && is_freed(m, slot, claim))
         return 0;
-    return wait_slot(m, slot, claim, timeout_ns, is_freed);
+    return wait_slot(m, slot, claim, timeout_ns, is_freed, claim);
 }
 
 void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *mine, uint64_t *slowest) {
