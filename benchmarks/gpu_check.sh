@@ -6,7 +6,10 @@
 # (default 540) seconds; everything is logged under $OUT (default /tmp/psd-gpu-check).
 #
 #     bash benchmarks/gpu_check.sh            # from the repository root
+#     STEPS="tests job suite" LEARNERS=1,2,8 bash benchmarks/gpu_check.sh   # some steps only (install always)
 set -u
+STEPS=" ${STEPS:-tests register job bench suite} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/psd-gpu-check}
 PY=${PY:-python3}
 mkdir -p "$OUT/results"
@@ -23,9 +26,12 @@ step "install psd against this torch (no index, no build isolation)"
 timeout 150 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 command -v psd
 
+if want tests; then
 step "tests/test_device.py on the GPU"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rA -s tests/test_device.py 2>&1 | tail -25
 
+fi
+if want register; then
 step "cudaHostRegister of a /dev/shm mapping: error codes and copy bandwidth"
 timeout 120 "$PY" - <<'EOF'
 import mmap, os, time, torch
@@ -80,16 +86,23 @@ pinned = torch.empty(size // 4).pin_memory()
 print(f"torch pinned memory: d2h {gbs(pinned, dev):.1f} GB/s, h2d {gbs(dev, pinned):.1f} GB/s")
 EOF
 
+fi
+if want job; then
 step "a real job: psd run --gpus 0 --learners 1,2,4,8 against one process alone"
 timeout 240 "$PY" benchmarks/gpu_job.py --learners "${LEARNERS:-1,2,4,8}" --timeout 100 --out "$OUT/results"
 
+fi
+if want bench; then
 step "psd bench: the GPU round trip"
 timeout 120 "$PY" -m psd.cli bench --sizes 1000000 10000000 --learners 1 2 4 8 --no-peers --no-training --reps 1 \
     --pull-modes copy --grad-dtypes float32 --json > "$OUT/results/bench.json" 2> "$OUT/bench.log"
 grep -E "gpu round trip|host" "$OUT/bench.log"
 
+fi
+if want suite; then
 step "the whole suite, 14 workers (interrupted, with its summary, at DEADLINE_S)"
 timeout -s INT "$(( ${DEADLINE_S:-540} - SECONDS > 30 ? ${DEADLINE_S:-540} - SECONDS : 30 ))" "$PY" -m pytest -v \
     -p no:cacheprovider -p no:benchmark -n 14 --timeout 240 -rfE --maxfail 20 > "$OUT/suite.log" 2>&1
 grep -E "FAILED|ERROR|passed|failed" "$OUT/suite.log" | grep -v "^\[gw" | tail -30
+fi
 step done

@@ -31,6 +31,7 @@ import torch
 
 from psd import _native
 from psd.arena import (
+    SET_BUFFER_DTYPES,
     ParamSpec,
     arena_spec,
     buffers_set,
@@ -166,11 +167,7 @@ class Learner:
         self._present: list[bool] | None = None  # partial: which of the job's weight tensors the model holds
         if partial:
             self._mine = model_spec(model)  # laid out over the job's spec once it is read (_connect)
-            if self._mine[2]:
-                raise SpecError(f"a partial attach takes parameters only for now, and this module has buffers "
-                                f"({', '.join(repr(p.name) for p in self._mine[0] if p.kind == 'buffer')}): "
-                                f"the job merges its buffers whole with every push; attach the whole model, or "
-                                f"make these non-persistent (register_buffer(..., persistent=False))")
+            self._buf_range: tuple[int, int] | None = None  # the job's real-valued buffers this one sets
         else:
             self._layout(model_spec(model))
         self.pushed = 0
@@ -278,7 +275,7 @@ class Learner:
         """The address of this learner's buffers as pushed (None: no buffers): the values of the
         real-valued ones (they become the job's), then how far the counters moved since they were
         last pulled (the job adds that, so counters count every learner's batches)."""
-        if not self.n_buffers or self.partial:  # a partial learner holds none of the job's buffers
+        if not self.n_buffers or (self.partial and self._buf_range is None):  # a stage without buffers
             return None
         torch.sub(self._buffers_now(), self._bbase, out=self._bdelta)
         self._bdelta[:self._bset].copy_(self._bcur[:self._bset])
@@ -332,6 +329,8 @@ class Learner:
                 raise mismatch
             self._check_sparse(arena)
             self._check_pull(arena)
+            if self.partial and self._buf_range is not None:
+                arena.set_push_buffers(*self._buf_range)
             self._arena = arena
             self._claim(slot_timeout)
         except BaseException:
@@ -375,8 +374,9 @@ class Learner:
         """The layout state (``model_spec``'s form) of a partial attach: the job's spec, with this module's
         tensors where it holds them (matched by full name, shape, dtype and kind) and empty stand-ins for
         the rest, which this learner never copies in and never pushes a gradient for."""
-        spec_m, params_m, _ = self._mine
+        spec_m, params_m, owners_m = self._mine
         mine = {p.name: (p, t) for p, t in zip(spec_m, params_m, strict=False)}
+        my_buffers = dict(zip((p.name for p in spec_m if p.kind == "buffer"), owners_m, strict=True))
         job = {p.name: p for p in theirs}
         for p in spec_m:
             q = job.get(p.name)
@@ -389,11 +389,19 @@ class Learner:
                 raise SpecError(f"{p.name!r} is {list(p.shape)} {p.dtype} ({p.kind}) in this module but "
                                 f"{list(q.shape)} {q.dtype} ({q.kind}) in job {self.job!r}'s model")
         params, owners, present = [], [], []
+        boff, mine_set, where = 0, [], {}  # mine_set: where this module's real-valued buffers lie among the job's
         for q in theirs:
-            if q.kind == "buffer":  # the job's buffers: a stand-in module holds each (never pushed)
-                holder = torch.nn.Module()
-                holder.register_buffer("b", torch.zeros(q.shape, dtype=torch_dtype(q.dtype)))
-                owners.append((holder, "b"))
+            if q.kind == "buffer":
+                where[q.name] = boff
+                if q.name in my_buffers:
+                    owners.append(my_buffers[q.name])
+                    if q.dtype in SET_BUFFER_DTYPES:
+                        mine_set.append((boff, boff + q.numel, q.name))
+                else:  # the job's other buffers: a stand-in holds each (its counters never move, its
+                    holder = torch.nn.Module()  # values are never taken: outside the pushed range)
+                    holder.register_buffer("b", torch.zeros(q.shape, dtype=torch_dtype(q.dtype)))
+                    owners.append((holder, "b"))
+                boff += q.numel
                 continue
             held = mine.get(q.name)
             present.append(held is not None)
@@ -403,6 +411,17 @@ class Learner:
                 params.append(torch.nn.Parameter(torch.zeros((), dtype=torch_dtype(q.dtype)).expand(q.shape),
                                                  requires_grad=q.kind != "frozen"))
         self._present = present
+        self._buf_range = None
+        if my_buffers:  # its real-valued buffers must be one run of the job's, which its pushes set
+            lo, hi = (min(a for a, _, _ in mine_set), max(b for _, b, _ in mine_set)) if mine_set else (0, 0)
+            if sum(b - a for a, b, _ in mine_set) != hi - lo:
+                others = [q.name for q in theirs if q.kind == "buffer" and q.dtype in SET_BUFFER_DTYPES
+                          and q.name not in my_buffers and lo <= where[q.name] < hi]
+                raise SpecError(f"this module's real-valued buffers ({', '.join(repr(n) for *_, n in mine_set)}) are not "
+                                f"one run of job {self.job!r}'s: {others[0]!r} of another stage lies between them. "
+                                f"A stage holds consecutive layers of the model (a pipeline split); or make the "
+                                f"buffers non-persistent (register_buffer(..., persistent=False))")
+            self._buf_range = (lo, hi)
         return theirs, params, owners
 
     @property
@@ -867,14 +886,24 @@ class Learner:
     def _own_share(self) -> float:
         """A partial learner: the share of the job's updates that moved its own tensors lately (PipeOptim
         extrapolates a stage by its own in-flight depth; the clock's staleness counts every stage's
-        updates). Measured on its first trainable tensor's step count over the last STALENESS_WINDOW pulls."""
+        updates). Measured on its first trainable tensor's step count over the last STALENESS_WINDOW pulls,
+        each count paired with the clock read around it (the update loop may apply more while this runs)."""
         k = next((i for i in range(self.n_pieces) if self._present[i]), None)
         if k is None:
             return 1.0
         if getattr(self, "_steps_view", None) is None or self._steps_arena is not self._arena:
             self._steps_view, self._steps_arena = pieces_view(self._arena, self._arena.header()), self._arena
             self._shares = collections.deque(maxlen=STALENESS_WINDOW)
-        self._shares.append((self.clock, int(self._steps_view[k, 0])))
+        for _ in range(8):  # a pair from one moment: the clock the same before and after the count
+            clock = self._arena.clock()
+            steps = int(self._steps_view[k, 0])
+            if self._arena.clock() == clock:
+                break
+        else:
+            return 1.0  # the job moves too fast to pair them: no correction this time
+        # The loop counts a tensor's step before it stores the clock: an update in flight may be counted
+        # already, and no tensor moved more often than the clock.
+        self._shares.append((clock, min(steps, clock)))
         (c0, s0), (c1, s1) = self._shares[0], self._shares[-1]
         return min(1.0, max(0.0, (s1 - s0) / (c1 - c0))) if c1 > c0 else 1.0
 

@@ -151,15 +151,7 @@ static int reserve(int fd, uint64_t size) {
 }
 
 static void map_init(struct psd_map *m) {
-    m->fd = -1;
-    m->base = NULL;
-    m->size = 0;
-    m->role = PSD_ROLE_FULL;
-    m->offering = 0;
-    m->n_held = 0;
-    m->held = NULL;
-    m->lease = NULL;
-    memset(&m->g, 0, sizeof m->g);
+    *m = (struct psd_map){.fd = -1, .role = PSD_ROLE_FULL}; /* every other field 0 (a new one too) */
 }
 
 /* [off, off + len) rounded out to pages, if it lies within the mapping: offsets read from

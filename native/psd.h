@@ -84,6 +84,9 @@ struct psd_map {
     _Atomic uint64_t *held;  /* per slot, the claim token this mapping holds (0: none); its slots
                               * are mapped writable and renewed by its lease thread */
     struct psd_lease *lease; /* the lease thread, started at the first claim */
+    /* learner, a partial attach (push_buf_partial): the real-valued buffers its pushes set,
+     * [push_buf_lo, push_buf_hi) of the job's; otherwise all of them */
+    uint32_t push_buf_partial, push_buf_lo, push_buf_hi;
 };
 
 static inline struct psd_header *psd_hdr(const struct psd_map *m) {
@@ -206,7 +209,8 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(req_rank, req_rank, SIGNED) X(req_start_time, req_start_time, ATOMIC) X(req_pid_ns, req_pid_ns, ATOMIC)   \
     X(req_check, req_check, ATOMIC) X(release, release, ATOMIC)
 /* The fields of a ring entry's header (struct psd_entry), for the offsets the binding exports. */
-#define PSD_ENTRY_FIELDS(X) X(seq) X(clock) X(batch_size) X(flags) X(loss) X(claim) X(applied_clock) X(outcome)
+#define PSD_ENTRY_FIELDS(X)                                                                                            \
+    X(seq) X(clock) X(batch_size) X(flags) X(loss) X(claim) X(applied_clock) X(outcome) X(buf_lo) X(buf_hi)
 
 /* sync.c: clocks and process identity */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */

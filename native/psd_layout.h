@@ -73,7 +73,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 7
+#define PSD_LAYOUT_VERSION 8
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -477,8 +477,10 @@ struct psd_lslot {
  *               (PSD_PIECE_DENSE_BF16) its dense gradient as bfloat16 in the
  *               first half of the span
  *   buffers     n_buffers float64 (8-aligned, PSD_ENTRY_BUFFERS): the learner's
- *               real-valued buffers (they replace the job's), then how far its
- *               integer buffers (counters) moved since it last pulled them (added)
+ *               real-valued buffers (they replace the job's; with
+ *               PSD_ENTRY_BUF_RANGE only those in [buf_lo, buf_hi), a partial
+ *               attach's own), then how far its integer buffers (counters) moved
+ *               since it last pulled them (added)
  *   piece map   n_pieces bytes, enum psd_piece_kind: which tensors have a
  *               gradient in this entry, and how it is stored */
 struct psd_entry {
@@ -495,7 +497,9 @@ struct psd_entry {
      * applied_clock - clock). */
     uint64_t applied_clock;
     uint32_t outcome;    /* enum psd_outcome */
-    uint32_t pad;
+    /* PSD_ENTRY_BUF_RANGE: the real-valued buffers this entry sets, [buf_lo, buf_hi) of the job's
+     * (a partial attach holds some of the model's buffers); checked against the job's. */
+    uint32_t buf_lo, buf_hi;
 };
 
 /* What the update loop checks of a slot a learner writes; breaking a rule evicts the learner. */
@@ -510,12 +514,14 @@ enum psd_rule {
     PSD_RULE_CLOCK = 7, /* an entry's clock must not be ahead of the weights clock */
     PSD_RULE_PIECES = 8, /* an entry's piece map must hold known kinds, its sparse pieces rows of their tensor */
     PSD_RULE_VALUES = 9, /* a gradient the learner marked finite must be finite where the loop reads it */
+    PSD_RULE_BUFFERS = 10, /* an entry's buffer range must lie within the job's real-valued buffers */
 };
 #define PSD_MAX_BATCH (UINT32_C(1) << 24) /* samples in one gradient; more is a stray write */
 
 /* psd_entry.flags, set by the learner. */
 #define PSD_ENTRY_NONFINITE 1u /* the gradient holds a NaN or an infinity: never applied */
 #define PSD_ENTRY_BUFFERS 2u   /* the buffers are filled in: merge them into the job's */
+#define PSD_ENTRY_BUF_RANGE 4u /* with BUFFERS: only the real-valued buffers in [buf_lo, buf_hi) are set */
 
 /* The piece map: what one entry holds for each trainable tensor. A tensor
  * without a gradient (frozen this step, or unused) gets no update at all. */
@@ -566,7 +572,7 @@ enum psd_dtype {
 /* psd_entry.outcome, set by the update loop. */
 enum psd_outcome {
     PSD_OUTCOME_PENDING = 0,
-    PSD_OUTCOME_APPLIED = 1,  /* applied (asp, ssp) or summed into the round's average */
+    PSD_OUTCOME_APPLIED = 1,  /* applied (asp, ssp) or added to the round's sum (bsp, kasync) */
     PSD_OUTCOME_REJECTED = 2, /* non-finite */
     PSD_OUTCOME_DROPPED = 3,  /* staler than --max-staleness */
     PSD_OUTCOME_IGNORED = 4,  /* pushed under a claim token that is not the slot's current claim */
@@ -602,7 +608,7 @@ enum psd_sync {
     PSD_SYNC_SSP = 1,    /* as asp; a learner computes only while at most sync_param pushes
                           * ahead of the slowest live learner */
     PSD_SYNC_BSP = 2,    /* one gradient per live learner, averaged, applied once */
-    PSD_SYNC_KASYNC = 3, /* the average of every sync_param gradients */
+    PSD_SYNC_KASYNC = 3, /* the sum of every sync_param gradients */
 };
 
 enum psd_schedule {

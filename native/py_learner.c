@@ -304,6 +304,20 @@ static PyObject *arena_has_space(Arena *a, PyObject *args) {
     return PyBool_FromLong(ring_has_space(&a->map, slot));
 }
 
+/* set_push_buffers(lo, hi): the real-valued buffers this mapping's pushes set (a partial attach). */
+static PyObject *arena_set_push_buffers(Arena *a, PyObject *args) {
+    unsigned long long lo, hi;
+    if (!PyArg_ParseTuple(args, "KK", &lo, &hi))
+        return NULL;
+    if (lo > hi || hi > a->map.g.n_buffers || hi > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "buffer range [%llu, %llu) is not within the job's %llu buffers", lo,
+                            hi, (unsigned long long)a->map.g.n_buffers);
+    a->map.push_buf_partial = 1;
+    a->map.push_buf_lo = (uint32_t)lo;
+    a->map.push_buf_hi = (uint32_t)hi;
+    Py_RETURN_NONE;
+}
+
 static PyObject *arena_wait_round(Arena *a, PyObject *args) {
     return wait_target(a, args, psd_wait_round, "wait for the bsp round");
 }
@@ -629,6 +643,9 @@ PyMethodDef py_learner_methods[] = {
     {"wait_drained", (PyCFunction)arena_wait_drained, METH_VARARGS, "wait_drained(slot, claim, timeout)"},
     {"wait_freed", (PyCFunction)arena_wait_freed, METH_VARARGS, "wait_freed(slot, claim, timeout)"},
     {"has_space", (PyCFunction)arena_has_space, METH_VARARGS, "has_space(slot) -> bool"},
+    {"set_push_buffers", (PyCFunction)arena_set_push_buffers, METH_VARARGS,
+     "set_push_buffers(lo, hi): this mapping's pushes set only the job's real-valued buffers [lo, hi) (a partial "
+     "attach)"},
     {"stepper", (PyCFunction)arena_stepper, METH_VARARGS,
      "stepper(slot, params, dtype, dtype_code, strided, front, store=0) -> Stepper: the whole step in one call"},
     {"seen_clock", (PyCFunction)arena_seen_clock, METH_VARARGS,

@@ -418,6 +418,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "SLOT_EVICTED", PSD_SLOT_EVICTED);
     PyModule_AddIntConstant(m, "OUTCOME_PENDING", PSD_OUTCOME_PENDING);
     PyModule_AddIntConstant(m, "OUTCOME_APPLIED", PSD_OUTCOME_APPLIED);
+    PyModule_AddIntConstant(m, "ENTRY_BUFFERS", PSD_ENTRY_BUFFERS);
+    PyModule_AddIntConstant(m, "ENTRY_BUF_RANGE", PSD_ENTRY_BUF_RANGE);
     PyModule_AddIntConstant(m, "OUTCOME_REJECTED", PSD_OUTCOME_REJECTED);
     PyModule_AddIntConstant(m, "OUTCOME_DROPPED", PSD_OUTCOME_DROPPED);
     PyModule_AddIntConstant(m, "OUTCOME_IGNORED", PSD_OUTCOME_IGNORED);

@@ -629,11 +629,15 @@ static int publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint64
     return 0;
 }
 
-/* Copy the buffer deltas (if any) into the entry; the entry flags they add. */
+/* Copy the buffer deltas (if any) into the entry, with a partial attach's range; the entry flags they add. */
 static uint32_t put_buffers(const struct psd_map *m, struct psd_entry *e, const double *bufdelta) {
+    e->buf_lo = m->push_buf_lo;
+    e->buf_hi = m->push_buf_hi;
     if (!bufdelta || !m->g.n_buffers)
         return 0;
-    return PSD_ENTRY_BUFFERS | (copy_check_f64(psd_entry_bufdelta(m, e), bufdelta, m->g.n_buffers) ? PSD_ENTRY_NONFINITE : 0);
+    uint32_t range = m->push_buf_partial ? PSD_ENTRY_BUF_RANGE : 0;
+    return PSD_ENTRY_BUFFERS | range |
+           (copy_check_f64(psd_entry_bufdelta(m, e), bufdelta, m->g.n_buffers) ? PSD_ENTRY_NONFINITE : 0);
 }
 
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,

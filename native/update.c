@@ -5,8 +5,9 @@
  * takes one gradient per ring per round (so a fast learner cannot starve a
  * slow one). In asp and ssp each gradient is one update of the configured
  * optimizer, applied in place, Hogwild style, with OpenMP across the vector;
- * in bsp and kasync gradients are summed into the accumulator and their
- * average is applied once per round (one per live learner, or every K).
+ * in bsp and kasync gradients are summed into the accumulator and applied
+ * once per round: bsp their average (one per live learner), kasync their sum
+ * (every K).
  * Non-finite gradients (flagged by the learner's push) and gradients staler
  * than --max-staleness are counted and never applied. It spins for a short
  * while after the last gradient it found, then sleeps on the doorbell, so an
@@ -333,7 +334,9 @@ static bool joined_this_round(const struct psd_header *h, struct psd_slot *s) {
     return PSD_LOAD_RLX(&s->round_joined) == PSD_LOAD_RLX(&h->rounds) + 1;
 }
 
-/* bsp / kasync: apply the average of the round's gradients, start the next round. */
+/* bsp: apply the average of the round's gradients (one per learner, as DDP's all-reduce); kasync: their
+ * sum (each gradient one process's step at the lr, as asp applies it: the average made K times fewer
+ * steps of the same size). Then start the next round. */
 static void finish_round(struct psd_loop *L) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
@@ -343,7 +346,8 @@ static void finish_round(struct psd_loop *L) {
         uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
         for (uint64_t k = 0; k < L->n_pieces; k++)
             L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
-        update_weights(L, psd_accumulator(m), L->round_map, 1.0f / (float)count, staleness);
+        float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
+        update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness);
     }
     PSD_STORE_RLX(&h->acc_count, 0);
     PSD_STORE_RLX(&h->acc_members, 0);
@@ -446,7 +450,13 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
             double *b = psd_buffers(m);
             const double *d = psd_entry_bufdelta(m, e);
             uint64_t set = L->buffers_set < m->g.n_buffers ? L->buffers_set : m->g.n_buffers, bad = 0;
+            /* A partial attach sets only its own real-valued buffers (the range slot_rule checked). */
+            uint64_t lo = 0, hi = set;
+            if (eh->flags & PSD_ENTRY_BUF_RANGE)
+                lo = eh->buf_lo, hi = eh->buf_hi;
             for (uint64_t j = 0; j < m->g.n_buffers; j++) {
+                if (j < set && (j < lo || j >= hi))
+                    continue; /* the job's value stays */
                 double x = d[j]; /* loaded once: a non-finite value leaves the job's as it was */
                 uint64_t bits;
                 memcpy(&bits, &x, sizeof bits);
@@ -534,8 +544,12 @@ static uint32_t slot_rule(struct psd_loop *L, uint32_t i, uint64_t head, uint64_
     memcpy(eh, e, sizeof *eh);
     if (eh->seq != head)
         return PSD_RULE_SEQ;
-    if (eh->flags & ~(PSD_ENTRY_NONFINITE | PSD_ENTRY_BUFFERS))
+    if (eh->flags & ~(PSD_ENTRY_NONFINITE | PSD_ENTRY_BUFFERS | PSD_ENTRY_BUF_RANGE))
         return PSD_RULE_FLAGS;
+    if ((eh->flags & PSD_ENTRY_BUF_RANGE) &&
+        (!(eh->flags & PSD_ENTRY_BUFFERS) || eh->buf_lo > eh->buf_hi || eh->buf_hi > L->buffers_set ||
+         eh->buf_hi > m->g.n_buffers))
+        return PSD_RULE_BUFFERS;
     if (eh->batch_size > PSD_MAX_BATCH)
         return PSD_RULE_BATCH;
     if (eh->clock > L->clock) /* computed on weights the server never had */
@@ -769,8 +783,9 @@ static bool take_config(struct psd_header *cfg, const struct psd_map *m) {
     double avg;
     memcpy(&avg, &bits, sizeof avg);
     PSD_STORE_RLX(&cfg->staleness_avg_bits, avg >= 0.0 && avg < 1e18 ? bits : 0);
-    return cfg->optimizer <= PSD_OPT_ADAGRAD && cfg->sync_mode <= PSD_SYNC_KASYNC &&
-           cfg->schedule <= PSD_SCHED_COSINE && psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;
+    return cfg->async_momentum <= PSD_ASYNC_MOMENTUM_AUTO && cfg->optimizer <= PSD_OPT_ADAGRAD &&
+           cfg->sync_mode <= PSD_SYNC_KASYNC && cfg->schedule <= PSD_SCHED_COSINE &&
+           psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;
 }
 
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,

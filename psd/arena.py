@@ -68,7 +68,8 @@ EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of th
                   6: "a ring entry's batch size was beyond any real batch",
                   7: "a ring entry claimed weights newer than the server's",
                   8: "a ring entry's piece map or sparse rows did not fit the model",
-                  9: "a gradient it marked finite held a NaN or an infinity where the server read it"}
+                  9: "a gradient it marked finite held a NaN or an infinity where the server read it",
+                  10: "a ring entry's buffer range was outside the job's real-valued buffers"}
 
 _CACHELINE = 64  # PSD_CACHELINE, and sizeof(struct psd_rank)
 # The exit status of a process that died of SIGBUS on an arena (its file was truncated or replaced): the

@@ -260,7 +260,7 @@ def test_push_every_sums_in_psds_buffer_whatever_zeroes_p_grad(job, serve, devic
 
 
 def test_empty_steps_are_no_update_under_kasync(job, serve):
-    """kasync:2 averages two gradients per update: empty steps between them must not count as one."""
+    """kasync:2 sums two gradients per update: empty steps between them must not count as one."""
     serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--sync", "kasync:2")
     m = Flat()
     with learner.Optimizer(m, job=job) as opt:
@@ -269,7 +269,7 @@ def test_empty_steps_are_no_update_under_kasync(job, serve):
             (m.w * v).sum().backward()
             opt.step()
             opt.step()
-    assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((16,), -3.0))  # one update, their mean
+    assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((16,), -6.0))  # one update, their sum
     st = job_status(job)
     assert st["pushed"] == st["applied"] == 2, st
 

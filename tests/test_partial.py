@@ -99,7 +99,7 @@ def test_a_module_that_is_not_part_of_the_job_is_refused_by_name_and_the_job_goe
             learner.attach(wrong_dtype, job=job, partial=True)
         with_buffers = stage("a")
         with_buffers.register_buffer("seen", torch.zeros(1))
-        with pytest.raises(SpecError, match=r"parameters only for now.*'seen'"):
+        with pytest.raises(SpecError, match=r"'seen' \[1\] float32 of this module is not in job"):
             learner.attach(with_buffers, job=job, partial=True)
         # Without partial=True a strict subset of the job's model is a mismatch, named.
         with pytest.raises(SpecError, match="this model has 2 tensors and the job 6"):
@@ -109,6 +109,66 @@ def test_a_module_that_is_not_part_of_the_job_is_refused_by_name_and_the_job_goe
         whole.flush()
         with learner.attach(stage("a"), job=job, partial=True) as s:
             assert s.clock == whole.pull() == 1  # the whole learner's one update
+
+
+class BNNet(torch.nn.Module):
+    """Three blocks with BatchNorm: a pipeline split gives each stage its own blocks' statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.a_bn = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
+        self.b, self.b_bn = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+        self.c, self.c_bn = torch.nn.Linear(8, 2), torch.nn.BatchNorm1d(2)
+
+
+def bn_stage(*keep: str) -> BNNet:
+    net = BNNet()
+    for name in ("a", "a_bn", "b", "b_bn", "c", "c_bn"):
+        if name not in keep:
+            delattr(net, name)
+    return net
+
+
+def test_stages_with_buffers_set_their_own_statistics_alone(job, serve):
+    """Each stage's pushes set its own BatchNorm statistics and add its own batch counts; the other stages'
+    stay as their own pushes left them: the first stage pulls, the second moves its statistics, then the
+    first pushes (a push that set every statistic would put back what the first stage had pulled)."""
+    serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.1")
+    stats = ("running_mean", "running_var")
+    with learner.attach(BNNet(), job=job):  # declares the job's model
+        first, second = bn_stage("a", "a_bn"), bn_stage("b", "b_bn", "c", "c_bn")
+        with learner.attach(first, job=job, partial=True) as s1, \
+                learner.attach(second, job=job, partial=True) as s2:
+            for i in range(3):
+                s1.pull()  # its stand-ins for the second stage's statistics: the job's now
+                second.c_bn(second.c(second.b_bn(second.b(torch.randn(16, 8) + i)))).sum().backward()
+                s2.step()
+                s2.flush()
+                theirs = learner.pull_state_dict(job)
+                seconds = {f"{n}.{st}": theirs[f"{n}.{st}"] for n in ("b_bn", "c_bn") for st in stats}
+                first.a_bn(first.a(torch.randn(16, 4) - i)).sum().backward()
+                pushed = {f"a_bn.{st}": getattr(first.a_bn, st).clone() for st in stats}
+                s1.step()
+                s1.flush()
+                theirs = learner.pull_state_dict(job)
+                for k, v in {**seconds, **pushed}.items():
+                    assert torch.equal(theirs[k], v), (i, k)
+            initial = BNNet().state_dict()
+            assert all(not torch.equal(theirs[k], initial[k]) for k in (*seconds, *pushed))  # they all moved
+            assert [int(theirs[f"{n}.num_batches_tracked"]) for n in ("a_bn", "b_bn", "c_bn")] == [3, 3, 3]
+            s1.pull()  # a stage takes the job's statistics of its own blocks
+            assert torch.equal(first.a_bn.running_mean, theirs["a_bn.running_mean"])
+
+
+def test_a_stage_whose_statistics_are_not_one_run_of_the_jobs_is_refused_by_name(job, serve):
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "0.1")
+    with learner.attach(BNNet(), job=job):
+        with pytest.raises(SpecError, match=r"'a_bn.running_mean'.*'c_bn.running_mean'.*'b_bn.running_mean' of "
+                                            r"another stage lies between them"):
+            learner.attach(bn_stage("a", "a_bn", "c", "c_bn"), job=job, partial=True)
+        with learner.attach(bn_stage("b", "b_bn"), job=job, partial=True) as s:  # the job goes on
+            s.flush()
 
 
 def test_a_partial_attach_waits_for_the_jobs_model_and_says_what_declares_it(job, serve):

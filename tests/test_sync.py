@@ -145,8 +145,8 @@ def run_steps(ps, model, x, y, steps):
         ps.pull()  # deterministic: the next gradient sees every update that is due
 
 
-def reference(groups: list[int], lr: float):
-    """SGD where each update is the mean of len(group) gradients all computed on the same weights."""
+def reference(groups: list[int], lr: float, reduce: str = "mean"):
+    """SGD where each update is the mean (or sum) of len(group) gradients all computed on the same weights."""
     model, x, y = linear_problem()
     i = 0
     for size in groups:
@@ -158,22 +158,23 @@ def reference(groups: list[int], lr: float):
             i += 1
         with torch.no_grad():
             for j, p in enumerate(model.parameters()):
-                p -= lr * torch.stack([g[j] for g in grads]).mean(0)
+                stacked = torch.stack([g[j] for g in grads])
+                p -= lr * (stacked.sum(0) if reduce == "sum" else stacked.mean(0))
     return model.state_dict()
 
 
-@pytest.mark.parametrize("flags, groups, clock", [
-    (["--sync", "kasync:3"], [3, 3], 2),
-    (["--push-every", "2"], [2, 2, 2], 3),
+@pytest.mark.parametrize("flags, groups, clock, reduce", [
+    (["--sync", "kasync:3"], [3, 3], 2, "sum"),  # each gradient one process's step, as asp
+    (["--push-every", "2"], [2, 2, 2], 3, "mean"),  # a wave: the mean of its mini-batches, as accumulation
 ])
-def test_averaged_updates_match_the_reference(job, serve, flags, groups, clock):
+def test_grouped_updates_match_the_reference(job, serve, flags, groups, clock, reduce):
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", *flags)
     model, x, y = linear_problem()
     with learner.attach(model, job=job) as ps:
         run_steps(ps, model, x, y, sum(groups))
         assert ps.clock == clock
         ours = learner.pull_state_dict(job)
-    ref = reference(groups, 0.1)
+    ref = reference(groups, 0.1, reduce)
     for k, v in ref.items():
         assert torch.allclose(ours[k], v, rtol=1e-6, atol=1e-7), k
     served.stop()
@@ -183,7 +184,7 @@ def test_averaged_updates_match_the_reference(job, serve, flags, groups, clock):
 def test_a_step_without_gradients_is_no_update(job, serve, flags):
     """A step that carries no gradient (every p.grad None: a framework's step after a skipped backward) is no
     update: the clock does not move, and under kasync it is not one of the K gradients of a round (else
-    kasync:3 would average two real gradients with an empty one). Under asp and kasync it pushes nothing;
+    kasync:3 would sum two real gradients with an empty one and make a round of two). Under asp and kasync it pushes nothing;
     under bsp it is pushed empty (the round waits on every learner's step) and applied as no update."""
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", *flags)
     model, x, y = linear_problem()
@@ -206,7 +207,7 @@ def test_a_step_without_gradients_is_no_update(job, serve, flags):
         assert c["applied"] == c["pushed"] == pushes and ps.pushed == pushes
         ours = learner.pull_state_dict(job)
         assert ps.clock == (2 if "kasync:3" in flags else 6)
-    ref = reference([3, 3] if "kasync:3" in flags else [1] * 6, 0.1)
+    ref = reference([3, 3] if "kasync:3" in flags else [1] * 6, 0.1, "sum")
     for k, v in ref.items():
         assert torch.allclose(ours[k], v, rtol=1e-6, atol=1e-7), k
     served.stop()

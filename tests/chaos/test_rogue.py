@@ -119,8 +119,9 @@ def publish_crafted(raw: RawArena, h: dict, slot: int, tail: int, **fields) -> N
     claim = raw.read(h["slotrec_off"] + slot * _native.SLOT_RECORD_SIZE + _native.OFFSETS["slot"]["claims"],
                      np.uint64)
     header = {"seq": tail, "clock": 0, "batch_size": 1, "flags": 0, "claim": claim}
-    types = {"seq": np.uint64, "clock": np.uint64, "batch_size": np.uint32, "flags": np.uint32, "claim": np.uint64}
-    for f, v in {**header, **{k: v for k, v in fields.items() if k in header}}.items():
+    types = {"seq": np.uint64, "clock": np.uint64, "batch_size": np.uint32, "flags": np.uint32, "claim": np.uint64,
+             "buf_lo": np.uint32, "buf_hi": np.uint32}
+    for f, v in {**header, **{k: v for k, v in fields.items() if k in types}}.items():
         raw.write(e + offs[f], v, types[f])
     grad = e + 64
     raw.view[grad:grad + 4 * h["n_train"]].view(np.float32)[:] = fields.get("grad", 1000.0)
@@ -157,6 +158,12 @@ ROGUE_FAULTS = {  # what lands in the rogue's block, and the rule (EVICTION_RULE
     "sparse row": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot), kind=_native.PIECE_SPARSE,
                                                         payload=sparse_piece(1, [5])),
                    "piece map or sparse rows"),
+    # A partial attach's buffer range beyond the job's real-valued buffers (this job has none).
+    "buffer range": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot), buf_lo=0, buf_hi=3,
+                                                          flags=_native.ENTRY_BUFFERS | _native.ENTRY_BUF_RANGE),
+                     "buffer range"),
+    "buffer range alone": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot),
+                                                                flags=_native.ENTRY_BUF_RANGE), "buffer range"),
     # A gradient marked finite (flags 0) that is not: what a learner's write after its own check leaves.
     # Taken as zeros (it is applied and moves nothing), then the learner is evicted.
     "values": (lambda raw, h, slot: publish_crafted(raw, h, slot, _tail(raw, h, slot), grad=np.nan),
