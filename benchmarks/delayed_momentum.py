@@ -83,7 +83,8 @@ class Watch:
         return self.fast - self.slow > self.log_ratio
 
 
-OPTS = {"ratio": 4.0, "angular": False, "signal": "grad", "progress": 0.0}
+OPTS = {"ratio": 4.0, "angular": False, "signal": "grad", "progress": 0.0, "cut": 0.5, "slow_down": 0.5,
+        "cap": 0.0}
 
 
 def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> dict:
@@ -106,7 +107,8 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
             return auto_rule(tau)
         if rule == "probe":
             (ma, fa), (mk, fk) = auto_rule(tau), keep_rule(tau)
-            return (1 - level) * ma + level * mk, (1 - level) * fa + level * fk
+            mu, f = (1 - level) * ma + level * mk, (1 - level) * fa + level * fk
+            return mu, min(f, OPTS["cap"]) if OPTS["cap"] else f
         return keep_rule(tau)
 
     gen = torch.Generator().manual_seed(seed)
@@ -148,7 +150,7 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
             if fired:
                 cuts.append(t)
                 if rule == "probe":
-                    level, rate = level / 2, rate / 2
+                    level, rate = level * OPTS["cut"], rate * OPTS["slow_down"]
                     watch.slow, turn.slow = watch.fast, turn.fast  # the lower level's own baselines
             elif rule == "probe" and watch.warm and watch.fast <= watch.slow and (
                     not OPTS["progress"] or watch.fast <= watch.first - OPTS["progress"]):
@@ -201,6 +203,9 @@ def main() -> int:
     p.add_argument("--trace", type=int, default=0, help="print the loss every N updates")
     p.add_argument("--ratio", type=float, default=4.0, help="the watch fires at its fast mean this x its slow one")
     p.add_argument("--angular", action="store_true", help="the watch also follows the angular step |dw|^2 / |w|^2")
+    p.add_argument("--cut", type=float, default=0.5, help="the probe's level times this when the watch fires")
+    p.add_argument("--slow-down", type=float, default=0.5, help="the probe's ramp times this when the watch fires")
+    p.add_argument("--cap", type=float, default=0.0, help="the probe's lr factor at most this (0: keep's)")
     p.add_argument("--progress", type=float, default=0.0,
                    help="the probe raises the gain only once the signal's log is this far below its first 32's")
     p.add_argument("--signal", choices=("grad", "loss"), default="grad",
@@ -209,7 +214,8 @@ def main() -> int:
     p.add_argument("--name", default="delayed_momentum", help="the results' file name (.md, .json)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    OPTS.update(ratio=args.ratio, angular=args.angular, signal=args.signal, progress=args.progress)
+    OPTS.update(ratio=args.ratio, angular=args.angular, signal=args.signal, progress=args.progress, cut=args.cut,
+                slow_down=args.slow_down, cap=args.cap)
     if args.only:
         wl, rule, tau = args.only.split(":")
         print(json.dumps(run(wl, rule, int(tau), trace=args.trace)))

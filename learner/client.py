@@ -417,9 +417,9 @@ class Learner:
             if sum(b - a for a, b, _ in mine_set) != hi - lo:
                 others = [q.name for q in theirs if q.kind == "buffer" and q.dtype in SET_BUFFER_DTYPES
                           and q.name not in my_buffers and lo <= where[q.name] < hi]
-                raise SpecError(f"this module's real-valued buffers ({', '.join(repr(n) for *_, n in mine_set)}) are not "
-                                f"one run of job {self.job!r}'s: {others[0]!r} of another stage lies between them. "
-                                f"A stage holds consecutive layers of the model (a pipeline split); or make the "
+                names = ", ".join(repr(n) for *_, n in mine_set)
+                raise SpecError(f"this module's real-valued buffers ({names}) are not one run of job {self.job!r}'s: "
+                                f"{others[0]!r} of another stage lies between them. A stage holds consecutive layers of the model (a pipeline split); or make the "
                                 f"buffers non-persistent (register_buffer(..., persistent=False))")
             self._buf_range = (lo, hi)
         return theirs, params, owners

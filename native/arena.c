@@ -120,7 +120,7 @@ static int adopt_once(struct psd_map *m, struct psd_geom *out) {
         return 0;
     const struct psd_model model = {h->n_params, h->n_train, h->n_buffers, h->n_pieces};
     int rc = psd_geometry(fixed.n_slots, fixed.ring_k, fixed.spec_cap, &model,
-                          psd_state_vectors(h->optimizer, h->sync_mode), &full);
+                          psd_state_vectors(h->cfg.optimizer, h->cfg.sync_mode), &full);
     if (PSD_LOAD_ACQ(&h->state) != state) /* pairs with the store-release in psd_arena_set_state */
         return EAGAIN;
     if (rc || !header_matches(h, &full))
@@ -279,8 +279,8 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     psd_cond_init(&h->sync_cond);
     for (uint32_t i = 0; i < n_slots; i++)
         atomic_init(&psd_slot_at(m, i)->rank, -1); /* fresh pages are zero: every slot FREE */
-    h->push_every = 1;
-    h->max_staleness = UINT64_MAX;
+    h->cfg.push_every = 1;
+    h->cfg.max_staleness = UINT64_MAX;
     atomic_init(&h->state, PSD_ARENA_WAITING_SPEC);
     /* Publish: pairs with the load-acquire of magic in psd_arena_open_as. */
     PSD_STORE_REL(&h->magic, PSD_MAGIC);
@@ -435,7 +435,7 @@ int psd_arena_grow(struct psd_map *m) {
     struct psd_geom g;
     /* The model's sizes, as the offerer wrote them, read once: everything below uses g. */
     const struct psd_model model = {h->n_params, h->n_train, h->n_buffers, h->n_pieces};
-    uint32_t vectors = psd_state_vectors(h->optimizer, h->sync_mode);
+    uint32_t vectors = psd_state_vectors(h->cfg.optimizer, h->cfg.sync_mode);
     int rc = psd_geometry(m->g.n_slots, m->g.ring_k, m->g.spec_cap, &model, vectors, &g);
     if (rc)
         return rc;

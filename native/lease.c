@@ -32,7 +32,7 @@ uint64_t psd_pid_ns(void) {
 }
 
 bool psd_proc_usable(const struct psd_header *h) {
-    if (h && (h->cfg_flags & PSD_CFG_LEASE_ONLY))
+    if (h && (h->cfg.cfg_flags & PSD_CFG_LEASE_ONLY))
         return false;
     const char *env = getenv("PSD_LIVENESS");
     return !(env && strcmp(env, "lease") == 0);
@@ -61,7 +61,7 @@ enum psd_live psd_liveness(const struct psd_header *h, pid_t pid, uint64_t start
 }
 
 uint64_t psd_lease_ns(const struct psd_header *h) {
-    uint32_t ms = h->lease_ms ? h->lease_ms : PSD_LEASE_MS_DEFAULT;
+    uint32_t ms = h->cfg.lease_ms ? h->cfg.lease_ms : PSD_LEASE_MS_DEFAULT;
     return (uint64_t)ms * 1000 * 1000;
 }
 

@@ -2,7 +2,9 @@
  * optim.c -- the server-side optimizers, learning-rate schedules and weight
  * prediction.
  *
- * Each optimizer follows the arithmetic of PyTorch's single-tensor
+ * Every kernel of the update loop lives here (sgd's in AVX2 where the CPU has it), each run over
+ * PSD_CHUNK-float work items by run_chunks, the one loop that spreads them over OpenMP threads and
+ * beats the heartbeat. Each optimizer follows the arithmetic of PyTorch's single-tensor
  * implementation (torch/optim/{sgd,adam,adagrad}.py, foreach=False) operation
  * by operation in float32, with the scalars computed in double as Python does,
  * so that a single learner in bsp mode matches torch.optim to float rounding.
@@ -18,6 +20,10 @@
 #include "kernels.h"
 #include "psd.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 /* The scalars of one update, computed once per step. */
 struct step_scalars {
     float lr, neg_lr, wd, mom, one_minus_damp, b1_weight, b2, one_minus_b2, eps;
@@ -26,25 +32,34 @@ struct step_scalars {
     int first; /* the momentum buffer starts as the first gradient */
 };
 
-double psd_scheduled_lr(const struct psd_header *h, uint64_t t) {
-    double lr = h->lr;
-    switch (h->schedule) {
+double psd_scheduled_lr(const struct psd_config *c, uint64_t t) {
+    double lr = c->lr;
+    switch (c->schedule) {
     case PSD_SCHED_STEP:
-        if (h->step_size)
-            lr *= pow(h->gamma, (double)(t / h->step_size));
+        if (c->step_size)
+            lr *= pow(c->gamma, (double)(t / c->step_size));
         break;
     case PSD_SCHED_COSINE: {
-        uint64_t tt = h->t_max && t > h->t_max ? h->t_max : t;
-        if (h->t_max)
-            lr = h->eta_min + (lr - h->eta_min) * (1.0 + cos(M_PI * (double)tt / (double)h->t_max)) / 2.0;
+        uint64_t tt = c->t_max && t > c->t_max ? c->t_max : t;
+        if (c->t_max)
+            lr = c->eta_min + (lr - c->eta_min) * (1.0 + cos(M_PI * (double)tt / (double)c->t_max)) / 2.0;
         break;
     }
     default:
         break;
     }
-    if (h->warmup && t < h->warmup)
-        lr *= (double)(t + 1) / (double)h->warmup;
+    if (c->warmup && t < c->warmup)
+        lr *= (double)(t + 1) / (double)c->warmup;
     return lr;
+}
+
+/* The running mean of staleness in the header (staleness_avg_bits): what the loop started with, and
+ * what psd status shows. */
+double psd_staleness_avg(const struct psd_header *h) {
+    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits); /* only the update loop writes it */
+    double tau;
+    memcpy(&tau, &bits, sizeof tau);
+    return tau >= 0.0 && tau < 1e18 ? tau : 0.0;
 }
 
 /* The momentum factor of the next update. With --async-momentum auto, the implicit momentum that
@@ -54,19 +69,10 @@ double psd_scheduled_lr(const struct psd_header *h, uint64_t t) {
  * update loop measured (staleness_avg_bits); it is 0 without staleness (one learner, bsp), and then
  * this is the configured momentum exactly. (Measured against 1 - (1 - mu) / (1 - implicit), and
  * against either with the lr scaled to keep lr / (1 - mu): this form alone stayed stable; README.) */
-/* tau: the update loop's running mean of measured staleness (note_staleness, update.c). */
-static double staleness_avg(const struct psd_header *h) {
-    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits); /* only the update loop writes it */
-    double tau;
-    memcpy(&tau, &bits, sizeof tau);
-    return tau;
-}
-
-double psd_async_momentum(const struct psd_header *h) {
-    double mu = h->momentum;
-    if (h->async_momentum != PSD_ASYNC_MOMENTUM_AUTO)
+double psd_async_momentum(const struct psd_config *c, double tau) {
+    double mu = c->momentum;
+    if (c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO)
         return mu;
-    double tau = staleness_avg(h);
     if (!(tau > 0.0))
         return mu;
     double eff = mu - tau / (1.0 + tau);
@@ -79,14 +85,114 @@ double psd_async_momentum(const struct psd_header *h) {
  * (an oversubscribed or noisy machine) comes back with gradients far staler than that mean, and at
  * one process's learning rate those alone could throw a momentum job off (measured: README). Only
  * momentum and nesterov, as for the momentum itself. */
-double psd_async_lr_factor(const struct psd_header *h, double staleness) {
-    if (h->async_momentum != PSD_ASYNC_MOMENTUM_AUTO ||
-        (h->optimizer != PSD_OPT_MOMENTUM && h->optimizer != PSD_OPT_NESTEROV))
+double psd_async_lr_factor(const struct psd_config *c, double tau, double staleness) {
+    if (c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO ||
+        (c->optimizer != PSD_OPT_MOMENTUM && c->optimizer != PSD_OPT_NESTEROV))
         return 1.0;
-    double tau = staleness_avg(h);
     if (!(tau >= 0.0) || staleness <= tau)
         return 1.0;
     return (1.0 + tau) / (1.0 + staleness);
+}
+
+/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), each value of g loaded once and
+ * checked (kernels.h psd_take1: a non-finite one moves nothing); nonzero if any was not finite. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PSD_HAVE_AVX2_TAKE 1
+/* sgd_chunk's float32 body in AVX2 (chosen at run time): the check is an and, a compare, an and-not and an
+ * or a vector, 16 floats an iteration. */
+__attribute__((target("avx2"))) static uint32_t sgd_take_avx2(float *restrict w, const float *restrict g, uint64_t n,
+                                                              float lr) {
+    const __m256 k = _mm256_set1_ps(lr);
+    const __m256i e = _mm256_set1_epi32((int)PSD_EXP32);
+    __m256i any = _mm256_setzero_si256();
+    uint64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)(const void *)(g + i)); /* the one load of each */
+        __m256i b1 = _mm256_loadu_si256((const __m256i *)(const void *)(g + i + 8));
+        __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b0, e), e); /* all ones: a NaN or an infinity */
+        __m256i m1 = _mm256_cmpeq_epi32(_mm256_and_si256(b1, e), e);
+        any = _mm256_or_si256(any, _mm256_or_si256(m0, m1));
+        __m256 g0 = _mm256_castsi256_ps(_mm256_andnot_si256(m0, b0));
+        __m256 g1 = _mm256_castsi256_ps(_mm256_andnot_si256(m1, b1));
+        _mm256_storeu_ps(w + i, _mm256_sub_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(k, g0)));
+        _mm256_storeu_ps(w + i + 8, _mm256_sub_ps(_mm256_loadu_ps(w + i + 8), _mm256_mul_ps(k, g1)));
+    }
+    uint32_t bad = !_mm256_testz_si256(any, any);
+    for (; i < n; i++)
+        w[i] -= lr * psd_take1(g[i], &bad);
+    return bad;
+}
+#endif
+
+static uint32_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo, uint64_t hi,
+                          float lr) {
+    if (gdtype == PSD_DTYPE_BF16)
+        return psd_sgd_take_bf16(w + lo, (const uint16_t *)g + lo, hi - lo, lr);
+    const float *restrict gf = (const float *)g;
+#ifdef PSD_HAVE_AVX2_TAKE
+    static _Atomic int avx2 = -1; /* the kernel threads may all ask first: each stores the same answer */
+    int have = PSD_LOAD_RLX(&avx2);
+    if (have < 0) {
+        have = __builtin_cpu_supports("avx2") ? 1 : 0;
+        PSD_STORE_RLX(&avx2, have);
+    }
+    if (have)
+        return sgd_take_avx2(w + lo, gf + lo, hi - lo, lr);
+#endif
+    uint32_t bad = 0;
+    for (uint64_t i = lo; i < hi; i++) /* the compiler's vectors */
+        w[i] -= lr * psd_take1(gf[i], &bad);
+    return bad;
+}
+
+/* Run `chunk` over [0, n) in PSD_CHUNK-float work items, on `threads` OpenMP threads for a long vector
+ * (small ones are not worth waking a team), beating `beat` after each item of the calling thread's: the
+ * one chunked heartbeat loop of every kernel. Nonzero if any item met a non-finite value, which is then
+ * added to *nonfinite (only the loop's thread reads it, after the call). */
+typedef uint32_t (*chunk_fn)(const void *ctx, uint64_t lo, uint64_t hi);
+
+static void run_chunks(uint64_t n, int threads, struct psd_beat *beat, _Atomic uint64_t *nonfinite, chunk_fn chunk,
+                       const void *ctx) {
+    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
+    uint32_t bad = 0;
+    if (threads <= 1 || n < (UINT64_C(1) << 16)) {
+        for (int64_t j = 0; j < chunks; j++) {
+            uint64_t lo = (uint64_t)j * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
+            bad |= chunk(ctx, lo, hi);
+            psd_beat(beat);
+        }
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+        for (int64_t j = 0; j < chunks; j++) {
+            uint64_t lo = (uint64_t)j * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
+            bad |= chunk(ctx, lo, hi);
+            if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
+                psd_beat(beat);
+        }
+    }
+    if (bad && nonfinite)
+        PSD_ADD_RLX(nonfinite, bad);
+}
+
+struct sgd_args {
+    float *w;
+    const void *g;
+    uint32_t gdtype;
+    float lr;
+};
+
+static uint32_t sgd_item(const void *ctx, uint64_t lo, uint64_t hi) {
+    const struct sgd_args *a = ctx;
+    return sgd_chunk(a->w, a->g, a->gdtype, lo, hi, a->lr);
+}
+
+/* The update loop's sgd kernel: sgd_chunk over PSD_CHUNK-float work items, each value of g checked as it
+ * is read (the unchecked variants it is measured against are in bench_kernels.c: `psd bench`,
+ * benchmarks/values_check.py); a bfloat16 gradient is widened as it is read. */
+void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
+                   struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
+    const struct sgd_args a = {w, g, gdtype, lr};
+    run_chunks(n, threads, beat, nonfinite, sgd_item, &a);
 }
 
 /* The range kernels below read each value of g once (psd_take1: a NaN or an infinity is taken as 0 and
@@ -205,15 +311,15 @@ PSD_KERNEL static uint32_t adagrad_range(const struct step_scalars *k, float *re
     return k->wd != 0.0f ? adagrad_body(k, 1, w, g, sum, lo, hi) : adagrad_body(k, 0, w, g, sum, lo, hi);
 }
 
-static uint32_t step_range(const struct psd_header *h, const struct step_scalars *k, float *w, const float *g,
+static uint32_t step_range(const struct psd_config *c, const struct step_scalars *k, float *w, const float *g,
                            float *s0, float *s1, uint64_t lo, uint64_t hi) {
-    switch (h->optimizer) {
+    switch (c->optimizer) {
     case PSD_OPT_MOMENTUM:
     case PSD_OPT_NESTEROV:
-        return momentum_range(k, h->optimizer == PSD_OPT_NESTEROV, w, g, s0, lo, hi);
+        return momentum_range(k, c->optimizer == PSD_OPT_NESTEROV, w, g, s0, lo, hi);
     case PSD_OPT_ADAM:
     case PSD_OPT_ADAMW:
-        return adam_range(k, h->optimizer == PSD_OPT_ADAMW, w, g, s0, s1, lo, hi);
+        return adam_range(k, c->optimizer == PSD_OPT_ADAMW, w, g, s0, s1, lo, hi);
     case PSD_OPT_ADAGRAD:
         return adagrad_range(k, w, g, s0, lo, hi);
     default:
@@ -224,58 +330,55 @@ static uint32_t step_range(const struct psd_header *h, const struct step_scalars
 /* step_range over [lo, hi) with a float32 or a bfloat16 gradient: a bfloat16 chunk is widened (each
  * value loaded once) into a buffer of the calling thread's first (at most PSD_CHUNK floats: it stays in
  * cache). Nonzero if any value was not finite (each moved nothing, as a zero gradient would). */
-static uint32_t step_chunk(const struct psd_header *h, const struct step_scalars *k, float *w, const void *g,
+static uint32_t step_chunk(const struct psd_config *c, const struct step_scalars *k, float *w, const void *g,
                            uint32_t gdtype, float *s0, float *s1, uint64_t lo, uint64_t hi) {
     if (gdtype != PSD_DTYPE_BF16)
-        return step_range(h, k, w, g, s0, s1, lo, hi);
+        return step_range(c, k, w, g, s0, s1, lo, hi);
     float wide[PSD_CHUNK];
     psd_bf16_widen(wide, (const uint16_t *)g + lo, hi - lo);
-    return step_range(h, k, w + lo, wide, s0 + lo, s1 + lo, 0, hi - lo);
+    return step_range(c, k, w + lo, wide, s0 + lo, s1 + lo, 0, hi - lo);
 }
 
-void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
-                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat,
-                        _Atomic uint64_t *nonfinite) {
+struct step_args {
+    const struct psd_config *c;
+    const struct step_scalars *k;
+    float *w;
+    const void *g;
+    uint32_t gdtype;
+    float *s0, *s1;
+};
+
+static uint32_t step_item(const void *ctx, uint64_t lo, uint64_t hi) {
+    const struct step_args *a = ctx;
+    return step_chunk(a->c, a->k, a->w, a->g, a->gdtype, a->s0, a->s1, lo, hi);
+}
+
+void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, const void *g, uint32_t gdtype,
+                        float gscale, float *s0, float *s1, uint64_t n, double lr, uint64_t t, int threads,
+                        struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
     struct step_scalars k = {0};
     k.gscale = gscale;
     k.lr = (float)lr;
     k.neg_lr = (float)-lr;
-    k.wd = (float)h->weight_decay;
-    k.mom = (float)psd_async_momentum(h);
-    k.one_minus_damp = (float)(1.0 - h->dampening);
+    k.wd = (float)c->weight_decay;
+    k.mom = (float)momentum;
+    k.one_minus_damp = (float)(1.0 - c->dampening);
     k.first = t == 1;
-    k.b1_weight = (float)(1.0 - h->beta1);
-    k.b2 = (float)h->beta2;
-    k.one_minus_b2 = (float)(1.0 - h->beta2);
-    k.eps = (float)h->eps;
-    double bc1 = 1.0 - pow(h->beta1, (double)t), bc2 = 1.0 - pow(h->beta2, (double)t);
+    k.b1_weight = (float)(1.0 - c->beta1);
+    k.b2 = (float)c->beta2;
+    k.one_minus_b2 = (float)(1.0 - c->beta2);
+    k.eps = (float)c->eps;
+    double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
     k.neg_step_size = (float)-(lr / bc1);
     k.bc2_sqrt = (float)sqrt(bc2);
-    k.decay_mul = (float)(1.0 - lr * h->weight_decay);
-    k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay));
-    if (h->optimizer == PSD_OPT_SGD && h->weight_decay == 0.0 && gscale == 1.0f) {
+    k.decay_mul = (float)(1.0 - lr * c->weight_decay);
+    k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * c->lr_decay));
+    if (c->optimizer == PSD_OPT_SGD && c->weight_decay == 0.0 && gscale == 1.0f) {
         psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat, nonfinite); /* the plain, fastest path */
         return;
     }
-    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
-    uint32_t bad = 0;
-    if (threads <= 1 || n < (UINT64_C(1) << 16)) {
-        for (int64_t c = 0; c < chunks; c++) {
-            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad |= step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
-            psd_beat(beat);
-        }
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
-        for (int64_t c = 0; c < chunks; c++) {
-            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad |= step_chunk(h, &k, w, g, gdtype, s0, s1, lo, hi);
-            if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
-                psd_beat(beat);
-        }
-    }
-    if (bad && nonfinite)
-        PSD_ADD_RLX(nonfinite, bad);
+    const struct step_args a = {c, &k, w, g, gdtype, s0, s1};
+    run_chunks(n, threads, beat, nonfinite, step_item, &a);
 }
 
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, uint64_t hi, double staleness) {
@@ -291,11 +394,11 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, ui
     const float *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
     /* The optimizer is read from the header: its direction must lie in the state this mapping
      * was grown with (momentum: one vector, Adam: two). */
-    uint32_t needs = h->optimizer == PSD_OPT_ADAM || h->optimizer == PSD_OPT_ADAMW ? 2 : 1;
+    uint32_t needs = h->cfg.optimizer == PSD_OPT_ADAM || h->cfg.optimizer == PSD_OPT_ADAMW ? 2 : 1;
     if (m->g.state_vectors < needs)
         return PSD_ESTATE;
     /* [lo, hi) within the trainable weights (the optimizer state covers them; frozen ones never move). */
-    switch (h->optimizer) {
+    switch (h->cfg.optimizer) {
     case PSD_OPT_MOMENTUM:
     case PSD_OPT_NESTEROV: {
         /* Momentum SGD moves lr * buf per step once the buffer settles. */
@@ -307,8 +410,8 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, ui
     case PSD_OPT_ADAM:
     case PSD_OPT_ADAMW: {
         /* Adam moves lr * m_hat / (sqrt(v_hat) + eps) per step. */
-        double bc1 = 1.0 - pow(h->beta1, (double)t), bc2 = 1.0 - pow(h->beta2, (double)t);
-        float scale = (float)(lr * staleness / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->eps;
+        double bc1 = 1.0 - pow(h->cfg.beta1, (double)t), bc2 = 1.0 - pow(h->cfg.beta2, (double)t);
+        float scale = (float)(lr * staleness / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->cfg.eps;
         for (uint64_t i = lo; i < hi; i++)
             dst[i] -= scale * (s0[i] / (sqrtf(s1[i]) / bc2_sqrt + eps));
         return 0;
@@ -318,8 +421,8 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, ui
     }
 }
 
-bool psd_sparse_ok(const struct psd_header *h) {
-    return (h->optimizer == PSD_OPT_SGD || h->optimizer == PSD_OPT_ADAGRAD) && h->weight_decay == 0.0;
+bool psd_sparse_ok(const struct psd_config *c) {
+    return (c->optimizer == PSD_OPT_SGD || c->optimizer == PSD_OPT_ADAGRAD) && c->weight_decay == 0.0;
 }
 
 /* A sparse piece: a uint64 row count, the int64 row indices, then the rows
@@ -364,7 +467,7 @@ static uint64_t sparse_count_within(const void *span, uint64_t len, uint64_t row
 /* A sparse row's value, loaded once: a NaN or an infinity raises *bad and reads as 0. */
 static inline float sparse_value(const float *v, uint64_t at, uint32_t *bad) { return psd_take1(v[at], bad); }
 
-void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_header *h, float *w,
+void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_config *c, float *w,
                      const void *span, uint64_t len, uint64_t row_len, float gscale, float *s0, double lr,
                      uint64_t t, _Atomic uint64_t *nonfinite) {
     uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
@@ -374,9 +477,9 @@ void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct
         psd_rowlog_put(log, piece, PSD_ROWLOG_WHOLE);
         log = NULL;
     }
-    if (h->optimizer == PSD_OPT_ADAGRAD) {
+    if (c->optimizer == PSD_OPT_ADAGRAD) {
         /* torch's sparse Adagrad: sum[rows] += g^2; w[rows] -= clr * g / (sqrt(sum[rows]) + eps). */
-        float neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * h->lr_decay)), eps = (float)h->eps;
+        float neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * c->lr_decay)), eps = (float)c->eps;
         for (uint64_t k = 0; k < nnz; k++) {
             uint64_t r = (uint64_t)sparse_row(span, k), base = r * row_len;
             if (log && r < rows)

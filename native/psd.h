@@ -164,7 +164,8 @@ static inline float *psd_accumulator(const struct psd_map *m) {
  * how to read it, FIXED (the fixed geometry: this mapping's checked copy),
  * MODEL (model geometry: the checked copy once the mapping holds the model,
  * else what the header says), PLAIN (fixed before a store-release of state),
- * ATOMIC, PID (an atomic pid, shown unsigned), PLAIN_PID, REAL (a double).
+ * ATOMIC, PID (an atomic pid, shown unsigned), PLAIN_PID, REAL (a double), CFG and CFG_REAL (a
+ * field of the configuration, struct psd_config `cfg`).
  * Slots: X(key, field, how), also SIGNED and BITS (a double's bits). */
 #define PSD_HEADER_FIELDS(X)                                                                                     \
     X(layout_version, PLAIN) X(fingerprint, PLAIN) X(n_slots, FIXED) X(ring_k, FIXED) X(spec_cap, FIXED)        \
@@ -173,12 +174,12 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(rowlog_off, MODEL) X(rowlog_head, ATOMIC) X(weights_epoch, ATOMIC)                                          \
     X(weights_off, MODEL) X(weights_bytes, MODEL) X(optstate_off, MODEL) X(optstate_bytes, MODEL)                \
     X(slots_off, MODEL) X(slot_stride, MODEL) X(entry_stride, MODEL) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
-    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, PLAIN)                \
-    X(sync_mode, PLAIN)                                                                                          \
-    X(threads, PLAIN) X(spin_us, PLAIN) X(sync_param, PLAIN) X(push_every, PLAIN) X(schedule, PLAIN)             \
-    X(cfg_flags, PLAIN) X(step_size, PLAIN) X(t_max, PLAIN) X(warmup, PLAIN) X(max_staleness, PLAIN)             \
-    X(async_momentum, PLAIN) X(lease_ms, PLAIN) X(lr, REAL) X(momentum, REAL) X(dampening, REAL) X(beta1, REAL) X(beta2, REAL)      \
-    X(eps, REAL) X(weight_decay, REAL) X(lr_decay, REAL) X(gamma, REAL) X(eta_min, REAL)                         \
+    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, CFG)                \
+    X(sync_mode, CFG)                                                                                          \
+    X(threads, CFG) X(spin_us, CFG) X(sync_param, CFG) X(push_every, CFG) X(schedule, CFG)             \
+    X(cfg_flags, CFG) X(step_size, CFG) X(t_max, CFG) X(warmup, CFG) X(max_staleness, CFG)             \
+    X(async_momentum, CFG) X(lease_ms, CFG) X(lr, CFG_REAL) X(momentum, CFG_REAL) X(dampening, CFG_REAL) X(beta1, CFG_REAL) X(beta2, CFG_REAL)      \
+    X(eps, CFG_REAL) X(weight_decay, CFG_REAL) X(lr_decay, CFG_REAL) X(gamma, CFG_REAL) X(eta_min, CFG_REAL)                         \
     X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
     X(acc_staleness, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
     X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(heartbeat_ns, ATOMIC)      \
@@ -359,6 +360,8 @@ uint32_t psd_admit(struct psd_map *m);
  * piece dense). The gradient is first multiplied by `scale` (unless 1) and
  * checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and the update
  * loop rejects it. `bufdelta` (n_buffers doubles, or NULL) is copied along. */
+/* Whether the slot's ring has a free entry (pairs with the store-release of head in the update loop). */
+bool psd_ring_has_space(const struct psd_map *m, uint32_t slot);
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
              const double *bufdelta);
 /* One trainable tensor's gradient, for psd_push_from. */
@@ -437,6 +440,14 @@ uint64_t psd_pull_changed(struct psd_map *m, uint32_t slot, float *dst, uint64_t
  * that a later psd_pull_changed takes everything changed from then on. */
 void psd_rowlog_mark(const struct psd_map *m, uint64_t *pos, uint64_t *epoch);
 void psd_puller_set_front_clock(struct psd_puller *P, uint64_t clock);
+/* The weights as of the clock now, for slot's learner: the trainable ones copied into dst (n_train
+ * float32) unless the learner already holds that clock (`known`), or with dst NULL (pull="view": the
+ * learner computes on the shared weights) only recorded as the slot's learner clock. The frozen weights
+ * are not copied: nothing moves them once the job is READY (the update loop and the node link write the
+ * trainable prefix alone), and the learner filled them in when it mapped the job. Returns the clock. */
+uint64_t psd_take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known);
+/* Record a pull of the weights as of `clock` in the slot's figures (skipped: the learner held them). */
+void psd_note_pull(struct psd_map *m, uint32_t slot, uint64_t clock, bool skipped);
 void psd_puller_stop(struct psd_puller *P);
 
 /* update.c: the server's update loop */
@@ -453,11 +464,11 @@ struct psd_piece_geom {
 int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const struct psd_piece_geom *pieces,
                    uint64_t n_pieces, uint64_t buffers_set, struct psd_loop **out);
 int psd_loop_stop(struct psd_loop *loop);
-#define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels */
+#define PSD_CHUNK (UINT64_C(1) << 14) /* floats per OpenMP work item of the update kernels (optim.c) */
 /* The update kernels read a gradient in a learner's ring one value at a time, each loaded once into
  * a register, checked and used (psd_take1, kernels.h): a NaN or an infinity moves nothing and is
  * counted into *nonfinite (unless NULL), which the update loop reads after the call (rule VALUES). */
-/* w -= lr * g, g n float32 or bfloat16 (gdtype, enum psd_dtype), on `threads` threads. */
+/* optim.c: w -= lr * g, g n float32 or bfloat16 (gdtype, enum psd_dtype), on `threads` threads. */
 void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
                    struct psd_beat *beat, _Atomic uint64_t *nonfinite);
 /* bench_kernels.c: one thread, one way of writing the loop (psd bench's unrolling measure). */
@@ -465,28 +476,31 @@ enum psd_kernel { PSD_KERNEL_SCALAR, PSD_KERNEL_VECTOR, PSD_KERNEL_UNROLL4, PSD_
 int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n, float lr, int kernel);
 
 /* optim.c: optimizers, schedules, weight prediction */
-double psd_scheduled_lr(const struct psd_header *h, uint64_t t);
-/* The explicit momentum of the next update: --async-momentum (see optim.c). */
-double psd_async_momentum(const struct psd_header *h);
+double psd_scheduled_lr(const struct psd_config *c, uint64_t t);
+/* The explicit momentum of the next update under --async-momentum, tau the running mean staleness
+ * (see optim.c). */
+double psd_async_momentum(const struct psd_config *c, double tau);
 /* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
-double psd_async_lr_factor(const struct psd_header *h, double staleness);
+double psd_async_lr_factor(const struct psd_config *c, double tau, double staleness);
+/* The running mean of staleness the update loop stored in the header (0 if it holds no valid one). */
+double psd_staleness_avg(const struct psd_header *h);
 /* One update of the configured optimizer with gradient g * gscale (n float32, or bfloat16 when
- * gdtype is PSD_DTYPE_BF16: widened a chunk at a time); t is the 1-based step (Adam's bias
- * correction, the momentum buffer's first step). Beats `beat` every PSD_CHUNK floats (of the
- * master thread's share) at most. */
-void psd_optimizer_step(const struct psd_header *h, float *w, const void *g, uint32_t gdtype, float gscale, float *s0,
-                        float *s1, uint64_t n, double lr, uint64_t t, int threads, struct psd_beat *beat,
-                        _Atomic uint64_t *nonfinite);
+ * gdtype is PSD_DTYPE_BF16: widened a chunk at a time) and momentum `momentum` (momentum / nesterov:
+ * psd_async_momentum's); t is the 1-based step (Adam's bias correction, the momentum buffer's first
+ * step). Beats `beat` every PSD_CHUNK floats (of the master thread's share) at most. */
+void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, const void *g, uint32_t gdtype,
+                        float gscale, float *s0, float *s1, uint64_t n, double lr, uint64_t t, int threads,
+                        struct psd_beat *beat, _Atomic uint64_t *nonfinite);
 /* Whether the configured optimizer takes sparse gradients (as torch.optim:
  * sgd and adagrad, without weight decay). */
-bool psd_sparse_ok(const struct psd_header *h);
+bool psd_sparse_ok(const struct psd_config *c);
 /* Check a sparse piece stored in `span` (cap float32 of room) of a tensor of
  * rows x row_len; returns its row count, or -1 if it is malformed. */
 int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t row_len);
 /* One update of the rows given in a sparse piece (tensor `piece`) of len elements (checked; a count
  * or row that no longer fits is skipped), each row it moves logged in `log` (the piece whole when
  * the rows would fill a quarter of the log). */
-void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_header *h, float *w,
+void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_config *c, float *w,
                      const void *span, uint64_t len, uint64_t row_len, float gscale, float *s0, double lr,
                      uint64_t t, _Atomic uint64_t *nonfinite);
 /* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows. */

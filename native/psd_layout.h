@@ -154,6 +154,27 @@ struct psd_cond {
     _Atomic uint32_t waiters; /* waiters announced; read by signallers to skip futex_wake */
 };
 
+/* The job's configuration (the server's flags), a line of the header: the update loop takes its own
+ * copy at start (take_config) and checks it; the optimizers read only that copy. */
+struct psd_config {
+    double lr;                          /* base learning rate, before the schedule */
+    uint32_t optimizer;                 /* enum psd_optimizer */
+    uint32_t sync_mode;                 /* enum psd_sync */
+    uint32_t threads;
+    uint32_t spin_us;
+    uint32_t sync_param;                /* S of ssp:S, K of kasync:K */
+    uint32_t push_every;                /* W: mini-batches a learner sums into one push (>= 1) */
+    uint32_t schedule;                  /* enum psd_schedule */
+    uint32_t cfg_flags;                 /* PSD_CFG_* */
+    double momentum, dampening, beta1, beta2, eps, weight_decay, lr_decay;
+    double gamma, eta_min;              /* step: lr *= gamma every step_size; cosine: floor */
+    uint64_t step_size, t_max, warmup;  /* in optimizer steps */
+    uint64_t max_staleness;             /* drop gradients staler than this; UINT64_MAX: never */
+    uint32_t async_momentum;            /* enum psd_async_momentum */
+    uint32_t lease_ms;                  /* a learner whose liveness /proc cannot tell is dead once
+                                         * its slot's lease_beat stood still this long (0: default) */
+};
+
 /* Header. Each line written by a different party sits on its own cache line. */
 struct psd_header {
     /* -- identity line: written once by the creating server, then `magic`
@@ -198,23 +219,8 @@ struct psd_header {
 
     /* -- configuration: written by the server before it starts the update
      *    loop (and before it grows the arena: optimizer and sync_mode size
-     *    the optimizer state); read by anyone. */
-    alignas(PSD_CACHELINE) double lr;   /* base learning rate, before the schedule */
-    uint32_t optimizer;                 /* enum psd_optimizer */
-    uint32_t sync_mode;                 /* enum psd_sync */
-    uint32_t threads;
-    uint32_t spin_us;
-    uint32_t sync_param;                /* S of ssp:S, K of kasync:K */
-    uint32_t push_every;                /* W: mini-batches a learner sums into one push (>= 1) */
-    uint32_t schedule;                  /* enum psd_schedule */
-    uint32_t cfg_flags;                 /* PSD_CFG_* */
-    double momentum, dampening, beta1, beta2, eps, weight_decay, lr_decay;
-    double gamma, eta_min;              /* step: lr *= gamma every step_size; cosine: floor */
-    uint64_t step_size, t_max, warmup;  /* in optimizer steps */
-    uint64_t max_staleness;             /* drop gradients staler than this; UINT64_MAX: never */
-    uint32_t async_momentum;            /* enum psd_async_momentum */
-    uint32_t lease_ms;                  /* a learner whose liveness /proc cannot tell is dead once
-                                         * its slot's lease_beat stood still this long (0: default) */
+     *    the optimizer state); read by anyone; the loop copies it as one unit. */
+    alignas(PSD_CACHELINE) struct psd_config cfg;
 
     /* -- optimizer progress, written only by the update loop (or by a server
      *    restoring a checkpoint before READY); in checkpoints, except
@@ -665,7 +671,7 @@ static inline uint32_t psd_fingerprint(void) {
         offsetof(struct psd_header, admission), sizeof(struct psd_lslot),
         offsetof(struct psd_slot, head),   sizeof(struct psd_piece),
         offsetof(struct psd_header, n_pieces), offsetof(struct psd_entry, claim),
-        offsetof(struct psd_lslot, lease_beat), offsetof(struct psd_header, lease_ms),
+        offsetof(struct psd_lslot, lease_beat), offsetof(struct psd_header, cfg.lease_ms),
         offsetof(struct psd_slot, evicted_entries), offsetof(struct psd_header, slotrec_off),
         offsetof(struct psd_header, rowlog_head), sizeof(struct psd_rowlog_entry),
     };

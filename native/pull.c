@@ -201,3 +201,23 @@ void psd_rowlog_mark(const struct psd_map *m, uint64_t *pos, uint64_t *epoch) {
     *epoch = PSD_LOAD_ACQ(&h->weights_epoch); /* pairs with the release of a weights writer */
     *pos = PSD_LOAD_ACQ(&h->rowlog_head);     /* pairs with the store-release in update_weights */
 }
+
+void psd_note_pull(struct psd_map *m, uint32_t slot, uint64_t clock, bool skipped) {
+    struct psd_lslot *s = psd_lslot_at(m, slot);
+    PSD_STORE_RLX(&s->learner_clock, clock);
+    PSD_ADD_RLX(skipped ? &s->pulls_skipped : &s->pulls, 1);
+}
+
+uint64_t psd_take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
+    /* Pairs with the store-release of clock in the update loop: the weights hold at least every
+     * update up to it. */
+    uint64_t clock = PSD_LOAD_ACQ(&psd_hdr(m)->clock);
+    if (!dst) {
+        PSD_STORE_RLX(&psd_lslot_at(m, slot)->learner_clock, clock);
+        return clock;
+    }
+    if (clock != known)
+        memcpy(dst, psd_weights(m), (size_t)(m->g.n_train * sizeof(float)));
+    psd_note_pull(m, slot, clock, clock == known);
+    return clock;
+}

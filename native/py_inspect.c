@@ -30,6 +30,8 @@
 #define READ_SIGNED(o, f) PyLong_FromLong(atomic_load(&(o)->f))
 #define READ_REAL(o, f) PyFloat_FromDouble((o)->f)
 #define READ_BITS(o, f) PyFloat_FromDouble(bits_to_double(atomic_load(&(o)->f)))
+#define READ_CFG(o, f) READ_PLAIN(&(o)->cfg, f)
+#define READ_CFG_REAL(o, f) READ_REAL(&(o)->cfg, f)
 
 static double bits_to_double(uint64_t bits) {
     double v;
@@ -47,7 +49,7 @@ static PyObject *text_field(const char *field, size_t cap) {
 static double current_lr(struct psd_header *h) {
     /* Pairs with the store-release of opt_steps in update_weights, which follows that of lr_bits. */
     if (PSD_LOAD_ACQ(&h->opt_steps) == 0)
-        return psd_scheduled_lr(h, 0);
+        return psd_scheduled_lr(&h->cfg, 0);
     return bits_to_double(PSD_LOAD_RLX(&h->lr_bits));
 }
 
@@ -67,9 +69,9 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     uint64_t beat = atomic_load(&h->heartbeat_ns);
     SET(d, "heartbeat_age_s", PyFloat_FromDouble(beat ? (double)(psd_now_ns() - beat) / 1e9 : -1.0));
     SET(d, "mapped_size", PyLong_FromSize_t(a->map.size));
-    SET(d, "state_vectors", PyLong_FromUnsignedLong(psd_state_vectors(h->optimizer, h->sync_mode)));
+    SET(d, "state_vectors", PyLong_FromUnsignedLong(psd_state_vectors(h->cfg.optimizer, h->cfg.sync_mode)));
     SET(d, "lr_now", PyFloat_FromDouble(current_lr(h)));
-    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(h)));
+    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(&h->cfg, psd_staleness_avg(h))));
     SET(d, "staleness_avg", READ_BITS(h, staleness_avg_bits));
     PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
     for (int i = 0; hist && i < PSD_HIST_BUCKETS; i++) {
@@ -121,9 +123,9 @@ static PyObject *arena_training(Arena *a, PyObject *noargs) {
     if (check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
-    return Py_BuildValue("{s:s,s:s,s:s}", "optimizer", h->optimizer < N_OPTIMIZERS ? optimizer_names[h->optimizer] : "?",
-                         "sync", h->sync_mode < N_SYNCS ? sync_names[h->sync_mode] : "?", "schedule",
-                         h->schedule < N_SCHEDULES ? schedule_names[h->schedule] : "?");
+    return Py_BuildValue("{s:s,s:s,s:s}", "optimizer", h->cfg.optimizer < N_OPTIMIZERS ? optimizer_names[h->cfg.optimizer] : "?",
+                         "sync", h->cfg.sync_mode < N_SYNCS ? sync_names[h->cfg.sync_mode] : "?", "schedule",
+                         h->cfg.schedule < N_SCHEDULES ? schedule_names[h->cfg.schedule] : "?");
 }
 
 static PyObject *arena_rounds(Arena *a, PyObject *noargs) {

@@ -155,11 +155,6 @@ static int push_gradient(Arena *a, const char *op, uint32_t slot, uint64_t clock
     return rc ? -1 : 0;
 }
 
-/* Whether the slot's ring has a free entry. Pairs with the store-release of head in the update loop. */
-static bool ring_has_space(struct psd_map *m, uint32_t slot) {
-    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) - PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head) < m->g.ring_k;
-}
-
 /* push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None, store=0):
  * copy the gradient from the tensors at the addresses `ptrs` (0: no gradient) of
  * `lens` elements of `dtype` (enum psd_dtype) into the entry at the tail, as
@@ -301,7 +296,7 @@ static PyObject *arena_has_space(Arena *a, PyObject *args) {
     unsigned int slot;
     if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
         return NULL;
-    return PyBool_FromLong(ring_has_space(&a->map, slot));
+    return PyBool_FromLong(psd_ring_has_space(&a->map, slot));
 }
 
 /* set_push_buffers(lo, hi): the real-valued buffers this mapping's pushes set (a partial attach). */
@@ -367,34 +362,15 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
                          "outcome", e->outcome, "flags", e->flags);
 }
 
-/* The weights as of the clock now, for slot's learner: the trainable ones copied into dst (n_params
- * float32, trainable first) unless the learner already holds that clock (`known`), or with dst NULL
- * (pull="view": the learner computes on the shared weights) only recorded as the slot's learner clock.
- * The frozen weights are not copied: nothing moves them once the job is READY (the update loop and
- * the node link write the trainable prefix alone), and the learner filled them in when it mapped the
- * job. Called with the GIL; it lets go of it for a large copy. Returns the clock. */
+/* psd_take_weights with the GIL let go for a large copy. */
 static uint64_t take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
-    struct psd_lslot *s = psd_lslot_at(m, slot);
-    /* Pairs with the store-release of clock in the update loop: the weights hold at least every
-     * update up to it. */
-    uint64_t clock = PSD_LOAD_ACQ(&psd_hdr(m)->clock);
-    if (!dst) {
-        PSD_STORE_RLX(&s->learner_clock, clock);
-        return clock;
-    }
-    if (clock == known) {
-        PSD_ADD_RLX(&s->pulls_skipped, 1);
-        return clock;
-    }
-    size_t len = (size_t)(m->g.n_train * sizeof(float));
-    if (m->g.n_train < (UINT64_C(1) << 16)) {
-        memcpy(dst, psd_weights(m), len);
+    uint64_t clock;
+    if (!dst || m->g.n_train < (UINT64_C(1) << 16)) {
+        clock = psd_take_weights(m, slot, dst, known);
     } else {
-        Py_BEGIN_ALLOW_THREADS memcpy(dst, psd_weights(m), len);
+        Py_BEGIN_ALLOW_THREADS clock = psd_take_weights(m, slot, dst, known);
         Py_END_ALLOW_THREADS
     }
-    PSD_ADD_RLX(&s->pulls, 1);
-    PSD_STORE_RLX(&s->learner_clock, clock);
     return clock;
 }
 
@@ -483,9 +459,7 @@ static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     unsigned long long clock;
     if (!PyArg_ParseTuple(args, "IKp", &slot, &clock, &skipped) || check_slot(a, slot))
         return NULL;
-    struct psd_lslot *s = psd_lslot_at(&a->map, slot);
-    PSD_STORE_RLX(&s->learner_clock, clock);
-    PSD_ADD_RLX(skipped ? &s->pulls_skipped : &s->pulls, 1);
+    psd_note_pull(&a->map, slot, clock, skipped);
     Py_RETURN_NONE;
 }
 
@@ -832,7 +806,7 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
     S->push_ns = psd_now_ns() - t0;
     if (failed)
         goto out;
-    if (!ring_has_space(m, S->slot)) {
+    if (!psd_ring_has_space(m, S->slot)) {
         result = PyLong_FromLong(-1);
         goto out;
     }

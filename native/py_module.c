@@ -104,8 +104,8 @@ static PyObject *mod_liveness(PyObject *self, PyObject *args) {
     unsigned long long start, pid_ns;
     if (!PyArg_ParseTuple(args, "LKK|p", &pid, &start, &pid_ns, &lease_only))
         return NULL;
-    struct psd_header h; /* only cfg_flags is read */
-    h.cfg_flags = lease_only ? PSD_CFG_LEASE_ONLY : 0;
+    struct psd_header h; /* only cfg.cfg_flags is read */
+    h.cfg.cfg_flags = lease_only ? PSD_CFG_LEASE_ONLY : 0;
     static const char *const names[] = {"unknown", "alive", "dead"};
     pid_t p = pid > 0 && pid <= INT32_MAX ? (pid_t)pid : 0;
     return PyUnicode_FromString(names[psd_liveness(&h, p, start, pid_ns)]);
@@ -206,7 +206,7 @@ static PyObject *mod_apply_sgd_kernel(PyObject *self, PyObject *args) {
 
 /* optimizer_step(optimizer, w, g, s0, s1, lr, t, threads, weight_decay, momentum, beta1, beta2, eps, gscale,
  * grad_bf16) -> non-finite count: one update of the server's optimizer kernel over plain buffers, as the
- * update loop makes it (psd_optimizer_step with a header holding only the optimizer's configuration), for
+ * update loop makes it (psd_optimizer_step with a configuration of the optimizer's settings alone), for
  * `psd bench` against torch's fused optimizers and for the kernel tests. s0/s1: the state vectors the
  * optimizer needs (None otherwise); g float32, or bfloat16 with grad_bf16. */
 static PyObject *mod_optimizer_step(PyObject *self, PyObject *args) {
@@ -222,7 +222,6 @@ static PyObject *mod_optimizer_step(PyObject *self, PyObject *args) {
                           &b2, &eps, &gscale, &bf16))
         return NULL;
     PyObject *result = NULL;
-    struct psd_header *h = NULL;
     int o = name_index("optimizer", opt, optimizer_names, N_OPTIMIZERS);
     if (o < 0)
         goto out;
@@ -243,23 +242,13 @@ static PyObject *mod_optimizer_step(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "optimizer_step: state vectors are float32 of w's length");
         goto out;
     }
-    if (!(h = calloc(1, sizeof *h))) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    h->optimizer = (uint32_t)o;
-    h->momentum = mom;
-    h->beta1 = b1;
-    h->beta2 = b2;
-    h->eps = eps;
-    h->weight_decay = wd;
-    h->async_momentum = PSD_ASYNC_MOMENTUM_OFF;
+    const struct psd_config c = {.optimizer = (uint32_t)o, .momentum = mom, .beta1 = b1, .beta2 = b2, .eps = eps,
+                                 .weight_decay = wd, .async_momentum = PSD_ASYNC_MOMENTUM_OFF};
     _Atomic uint64_t bad = 0;
-    Py_BEGIN_ALLOW_THREADS psd_optimizer_step(h, w.buf, g.buf, bf16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32, gscale, s0.buf,
+    Py_BEGIN_ALLOW_THREADS psd_optimizer_step(&c, mom, w.buf, g.buf, bf16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32, gscale, s0.buf,
                                               s1.buf, n, lr, t, threads, NULL, &bad);
     Py_END_ALLOW_THREADS result = PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&bad));
 out:
-    free(h);
     PyBuffer_Release(&w);
     PyBuffer_Release(&g);
     if (s0.buf)
@@ -335,7 +324,18 @@ static PyObject *offsets(void) {
         bad |= !v_ || PyDict_SetItemString((d), (key), v_);                                        \
         Py_XDECREF(v_);                                                                            \
     } while (0);
-#define HEADER_OFFSET(f, how) PUT(h, #f, struct psd_header, f)
+/* The field's path in struct psd_header for each kind of PSD_HEADER_FIELDS: a configuration field is in cfg. */
+#define PATH_CFG(f) cfg.f
+#define PATH_CFG_REAL(f) cfg.f
+#define PATH_FIXED(f) f
+#define PATH_MODEL(f) f
+#define PATH_PLAIN(f) f
+#define PATH_ATOMIC(f) f
+#define PATH_PID(f) f
+#define PATH_PLAIN_PID(f) f
+#define PATH_SIGNED(f) f
+#define PATH_REAL(f) f
+#define HEADER_OFFSET(f, how) PUT(h, #f, struct psd_header, PATH_##how(f))
 #define SLOT_OFFSET(key, f, how) PUT(s, #key, struct psd_slot, f)
 #define LSLOT_OFFSET(key, f, how) PUT(ls, #key, struct psd_lslot, f)
 #define ENTRY_OFFSET(f) PUT(e, #f, struct psd_entry, f)

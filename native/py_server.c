@@ -80,9 +80,9 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iKdII", &pid, &start, &lr, &threads, &spin_us) || check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
-    h->lr = lr;
-    h->threads = threads;
-    h->spin_us = spin_us;
+    h->cfg.lr = lr;
+    h->cfg.threads = threads;
+    h->cfg.spin_us = spin_us;
     h->server_start_time = start;
     h->server_pid_ns = psd_pid_ns(); /* learners in another PID namespace go by the heartbeat */
     struct timespec now;
@@ -124,28 +124,28 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     if (o < 0 || y < 0 || c < 0)
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
-    h->optimizer = (uint32_t)o;
-    h->sync_mode = (uint32_t)y;
-    h->sync_param = sync_param;
-    h->push_every = push_every ? push_every : 1;
-    h->schedule = (uint32_t)c;
-    h->cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0) |
-                   (lease_only ? PSD_CFG_LEASE_ONLY : 0) | (grad_bf16 ? PSD_CFG_GRAD_BF16 : 0);
-    h->lease_ms = lease_ms ? lease_ms : PSD_LEASE_MS_DEFAULT;
-    h->momentum = momentum;
-    h->async_momentum = async_momentum;
-    h->dampening = dampening;
-    h->beta1 = beta1;
-    h->beta2 = beta2;
-    h->eps = eps;
-    h->weight_decay = wd;
-    h->lr_decay = lr_decay;
-    h->gamma = gamma;
-    h->eta_min = eta_min;
-    h->step_size = step_size;
-    h->t_max = t_max;
-    h->warmup = warmup;
-    h->max_staleness = max_staleness;
+    h->cfg.optimizer = (uint32_t)o;
+    h->cfg.sync_mode = (uint32_t)y;
+    h->cfg.sync_param = sync_param;
+    h->cfg.push_every = push_every ? push_every : 1;
+    h->cfg.schedule = (uint32_t)c;
+    h->cfg.cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0) |
+                       (lease_only ? PSD_CFG_LEASE_ONLY : 0) | (grad_bf16 ? PSD_CFG_GRAD_BF16 : 0);
+    h->cfg.lease_ms = lease_ms ? lease_ms : PSD_LEASE_MS_DEFAULT;
+    h->cfg.momentum = momentum;
+    h->cfg.async_momentum = async_momentum;
+    h->cfg.dampening = dampening;
+    h->cfg.beta1 = beta1;
+    h->cfg.beta2 = beta2;
+    h->cfg.eps = eps;
+    h->cfg.weight_decay = wd;
+    h->cfg.lr_decay = lr_decay;
+    h->cfg.gamma = gamma;
+    h->cfg.eta_min = eta_min;
+    h->cfg.step_size = step_size;
+    h->cfg.t_max = t_max;
+    h->cfg.warmup = warmup;
+    h->cfg.max_staleness = max_staleness;
     Py_RETURN_NONE;
 }
 
@@ -188,7 +188,7 @@ static PyObject *arena_start_loop(Arena *a, PyObject *args) {
             return NULL;
         }
     }
-    int rc = psd_loop_start(&a->map, h->threads, h->spin_us, pieces, (uint64_t)n, buffers_set, &a->loop);
+    int rc = psd_loop_start(&a->map, h->cfg.threads, h->cfg.spin_us, pieces, (uint64_t)n, buffers_set, &a->loop);
     PyMem_Free(pieces);
     if (rc == EINVAL) {
         PyErr_SetString(PyExc_ValueError, "start_loop: the pieces do not tile the job's trainable weights");

@@ -624,7 +624,7 @@ static int publish(struct psd_map *m, uint32_t slot, struct psd_entry *e, uint64
     PSD_ADD_RLX(&s->lease_beat, 1); /* a push renews the lease (psd_reap reads it relaxed) */
     if (atomic_load(&h->sleeping))
         psd_cond_broadcast(&h->doorbell);
-    if (h->sync_mode == PSD_SYNC_SSP)
+    if (h->cfg.sync_mode == PSD_SYNC_SSP)
         psd_cond_broadcast_if_waiters(&h->sync_cond); /* a learner waiting for us may go on */
     return 0;
 }
@@ -638,6 +638,10 @@ static uint32_t put_buffers(const struct psd_map *m, struct psd_entry *e, const 
     uint32_t range = m->push_buf_partial ? PSD_ENTRY_BUF_RANGE : 0;
     return PSD_ENTRY_BUFFERS | range |
            (copy_check_f64(psd_entry_bufdelta(m, e), bufdelta, m->g.n_buffers) ? PSD_ENTRY_NONFINITE : 0);
+}
+
+bool psd_ring_has_space(const struct psd_map *m, uint32_t slot) {
+    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) - PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head) < m->g.ring_k;
 }
 
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
@@ -865,7 +869,7 @@ void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *min
         uint64_t c = PSD_LOAD_RLX(&s->ssp_base) + PSD_LOAD_ACQ(&psd_lslot_at(m, i)->tail);
         /* A dead learner leaves the minimum at once, without waiting for the reaper.
          * Unless strict, only one that holds us back costs the liveness check (a /proc read). */
-        if (c < *slowest && ((!strict && c + h->sync_param >= *mine) || psd_slot_owner_alive(h, s)))
+        if (c < *slowest && ((!strict && c + h->cfg.sync_param >= *mine) || psd_slot_owner_alive(h, s)))
             *slowest = c;
     }
 }
@@ -876,7 +880,7 @@ void psd_ssp_clocks(struct psd_map *m, uint32_t slot, bool strict, uint64_t *min
 static bool ssp_may_go_on(struct psd_map *m, uint32_t slot) {
     uint64_t mine, slowest;
     psd_ssp_clocks(m, slot, false, &mine, &slowest);
-    return slowest == UINT64_MAX || mine <= slowest + psd_hdr(m)->sync_param;
+    return slowest == UINT64_MAX || mine <= slowest + psd_hdr(m)->cfg.sync_param;
 }
 
 /* Sync waits sleep on the header's sync_cond in short slices: a peer that dies

@@ -28,10 +28,10 @@ struct psd_loop {
     /* The server's mapping, copied at start with its checked geometry (psd.h psd_geom): the loop
      * never reads geometry from shared memory. m points at `map`. */
     struct psd_map map, *m;
-    /* The configuration line of the header (lr .. async_momentum), copied and checked at start,
-     * and the running mean of staleness that --async-momentum reads: only `cfg`'s configuration
-     * fields and staleness_avg_bits are used, which no learner can change under the loop. */
-    struct psd_header cfg;
+    /* The header's configuration, copied as one unit and checked at start (take_config): no other
+     * process can change what the loop uses under it. */
+    struct psd_config cfg;
+    double staleness_avg; /* --async-momentum's running mean of staleness (note_staleness) */
     pthread_t thread;
     _Atomic int stop; /* set by psd_loop_stop, read each round */
     uint32_t threads;
@@ -65,85 +65,6 @@ struct psd_loop {
     struct psd_rowlog_writer log;
 };
 
-/* w[lo, hi) -= lr * g[lo, hi), g float32 or bfloat16 (enum psd_dtype), each value of g loaded once and
- * checked (kernels.h psd_take1: a non-finite one moves nothing); nonzero if any was not finite. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define PSD_HAVE_AVX2_TAKE 1
-/* sgd_chunk's float32 body in AVX2 (chosen at run time): the check is an and, a compare, an and-not and an
- * or a vector, 16 floats an iteration. */
-__attribute__((target("avx2"))) static uint32_t sgd_take_avx2(float *restrict w, const float *restrict g, uint64_t n,
-                                                              float lr) {
-    const __m256 k = _mm256_set1_ps(lr);
-    const __m256i e = _mm256_set1_epi32((int)PSD_EXP32);
-    __m256i any = _mm256_setzero_si256();
-    uint64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256i b0 = _mm256_loadu_si256((const __m256i *)(const void *)(g + i)); /* the one load of each */
-        __m256i b1 = _mm256_loadu_si256((const __m256i *)(const void *)(g + i + 8));
-        __m256i m0 = _mm256_cmpeq_epi32(_mm256_and_si256(b0, e), e); /* all ones: a NaN or an infinity */
-        __m256i m1 = _mm256_cmpeq_epi32(_mm256_and_si256(b1, e), e);
-        any = _mm256_or_si256(any, _mm256_or_si256(m0, m1));
-        __m256 g0 = _mm256_castsi256_ps(_mm256_andnot_si256(m0, b0));
-        __m256 g1 = _mm256_castsi256_ps(_mm256_andnot_si256(m1, b1));
-        _mm256_storeu_ps(w + i, _mm256_sub_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(k, g0)));
-        _mm256_storeu_ps(w + i + 8, _mm256_sub_ps(_mm256_loadu_ps(w + i + 8), _mm256_mul_ps(k, g1)));
-    }
-    uint32_t bad = !_mm256_testz_si256(any, any);
-    for (; i < n; i++)
-        w[i] -= lr * psd_take1(g[i], &bad);
-    return bad;
-}
-#endif
-
-static uint32_t sgd_chunk(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t lo, uint64_t hi,
-                          float lr) {
-    if (gdtype == PSD_DTYPE_BF16)
-        return psd_sgd_take_bf16(w + lo, (const uint16_t *)g + lo, hi - lo, lr);
-    const float *restrict gf = (const float *)g;
-#ifdef PSD_HAVE_AVX2_TAKE
-    static _Atomic int avx2 = -1; /* the kernel threads may all ask first: each stores the same answer */
-    int have = PSD_LOAD_RLX(&avx2);
-    if (have < 0) {
-        have = __builtin_cpu_supports("avx2") ? 1 : 0;
-        PSD_STORE_RLX(&avx2, have);
-    }
-    if (have)
-        return sgd_take_avx2(w + lo, gf + lo, hi - lo, lr);
-#endif
-    uint32_t bad = 0;
-    for (uint64_t i = lo; i < hi; i++) /* the compiler's vectors */
-        w[i] -= lr * psd_take1(gf[i], &bad);
-    return bad;
-}
-
-/* The update loop's sgd kernel: sgd_chunk over PSD_CHUNK-float work items, each value of g checked as it
- * is read (the unchecked variants it is measured against are in bench_kernels.c: `psd bench`,
- * benchmarks/values_check.py); a bfloat16 gradient is widened as it is read. */
-void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, uint64_t n, float lr, int threads,
-                   struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
-    int64_t chunks = (int64_t)((n + PSD_CHUNK - 1) / PSD_CHUNK);
-    uint32_t bad = 0;
-    /* Small vectors are not worth waking a team. */
-    if (threads <= 1 || n < (UINT64_C(1) << 16)) {
-        for (int64_t c = 0; c < chunks; c++) {
-            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad |= sgd_chunk(w, g, gdtype, lo, hi, lr);
-            psd_beat(beat);
-        }
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
-        for (int64_t c = 0; c < chunks; c++) {
-            uint64_t lo = (uint64_t)c * PSD_CHUNK, hi = lo + PSD_CHUNK < n ? lo + PSD_CHUNK : n;
-            bad |= sgd_chunk(w, g, gdtype, lo, hi, lr);
-            if (PSD_OMP_MASTER()) /* the beat's `last` is the master's alone */
-                psd_beat(beat);
-        }
-    }
-    if (bad && nonfinite)
-        PSD_ADD_RLX(nonfinite, bad); /* only the loop's thread reads it, after the call */
-}
-
 static void atomic_max(_Atomic uint64_t *p, uint64_t v) {
     uint64_t cur = PSD_LOAD_RLX(p);
     while (v > cur && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed,
@@ -175,13 +96,10 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, const struct ps
 /* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads
  * (the loop's own copy), and show it in the header. */
 static void note_staleness(struct psd_loop *L, double staleness) {
-    uint64_t bits = PSD_LOAD_RLX(&L->cfg.staleness_avg_bits); /* only this thread uses it */
-    double avg;
-    memcpy(&avg, &bits, sizeof avg);
-    avg += (staleness - avg) / PSD_STALENESS_WINDOW;
-    memcpy(&bits, &avg, sizeof bits);
-    PSD_STORE_RLX(&L->cfg.staleness_avg_bits, bits);
-    PSD_STORE_RLX(&psd_hdr(L->m)->staleness_avg_bits, bits); /* read by psd status only */
+    L->staleness_avg += (staleness - L->staleness_avg) / PSD_STALENESS_WINDOW;
+    uint64_t bits;
+    memcpy(&bits, &L->staleness_avg, sizeof bits);
+    PSD_STORE_RLX(&psd_hdr(L->m)->staleness_avg_bits, bits); /* for psd status, and the next server */
 }
 
 /* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
@@ -189,7 +107,8 @@ static void note_staleness(struct psd_loop *L, double staleness) {
  * step go to the optimizer as one range (one call for a whole dense model). */
 static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double lr) {
     struct psd_map *m = L->m;
-    const struct psd_header *cfg = &L->cfg;
+    const struct psd_config *cfg = &L->cfg;
+    const double mom = psd_async_momentum(cfg, L->staleness_avg);
     float *w = psd_weights(m), *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
     /* The rows log: an update of every tensor, dense, is one entry (everything changed); else each
      * tensor it moves is logged whole, and a sparse one by its rows (psd_sparse_step). */
@@ -211,7 +130,7 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             if (!every_dense)
                 psd_rowlog_put(&L->log, k, PSD_ROWLOG_WHOLE);
             /* Its own call: the bfloat16 halves of two spans are not contiguous. */
-            psd_optimizer_step(cfg, w + pg->off, g + pg->off, PSD_DTYPE_BF16, gscale, s0 + pg->off, s1 + pg->off,
+            psd_optimizer_step(cfg, mom, w + pg->off, g + pg->off, PSD_DTYPE_BF16, gscale, s0 + pg->off, s1 + pg->off,
                                pg->len, lr, t, (int)L->threads, &L->beat, &L->nonfinite);
             psd_piece_at(m, k++)->steps = t;
         } else {
@@ -221,7 +140,7 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             for (uint64_t i = k; i < j && !every_dense; i++)
                 psd_rowlog_put(&L->log, i, PSD_ROWLOG_WHOLE);
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
-            psd_optimizer_step(cfg, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
+            psd_optimizer_step(cfg, mom, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
                                (int)L->threads, &L->beat, &L->nonfinite);
             for (; k < j; k++)
                 psd_piece_at(m, k)->steps = t;
@@ -242,7 +161,7 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     if ((L->cfg.cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
     if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
-        lr *= psd_async_lr_factor(&L->cfg, staleness);
+        lr *= psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness);
         note_staleness(L, staleness);
     }
     apply_pieces(L, g, map, gscale, lr);
@@ -773,16 +692,12 @@ static void loop_free(struct psd_loop *L) {
     free(L);
 }
 
-/* Copy the header's configuration line into cfg and check it: known optimizer, sync mode and
+/* Copy the header's configuration into L as one unit and check it: known optimizer, sync mode and
  * schedule, and the state vectors the arena was grown with. */
-static bool take_config(struct psd_header *cfg, const struct psd_map *m) {
-    const size_t first = offsetof(struct psd_header, lr);
-    const size_t end = offsetof(struct psd_header, async_momentum) + sizeof cfg->async_momentum;
-    memcpy((uint8_t *)cfg + first, m->base + first, end - first);
-    uint64_t bits = PSD_LOAD_RLX(&psd_hdr(m)->staleness_avg_bits); /* the last server's running mean */
-    double avg;
-    memcpy(&avg, &bits, sizeof avg);
-    PSD_STORE_RLX(&cfg->staleness_avg_bits, avg >= 0.0 && avg < 1e18 ? bits : 0);
+static bool take_config(struct psd_loop *L, const struct psd_map *m) {
+    const struct psd_config *cfg = &L->cfg;
+    L->cfg = psd_hdr(m)->cfg; /* written before the loop starts, never after: one copy */
+    L->staleness_avg = psd_staleness_avg(psd_hdr(m)); /* the last server's running mean */
     return cfg->async_momentum <= PSD_ASYNC_MOMENTUM_AUTO && cfg->optimizer <= PSD_OPT_ADAGRAD &&
            cfg->sync_mode <= PSD_SYNC_KASYNC && cfg->schedule <= PSD_SCHED_COSINE &&
            psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;
@@ -807,12 +722,9 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     }
     if (off != m->g.n_train || n_pieces != m->g.n_pieces || buffers_set > m->g.n_buffers)
         return EINVAL;
-    /* It holds a struct psd_header (cfg), whose shared page is PSD_PAGE aligned. */
-    size_t bytes = (sizeof(struct psd_loop) + PSD_PAGE - 1) / PSD_PAGE * PSD_PAGE;
-    struct psd_loop *L = aligned_alloc(PSD_PAGE, bytes);
+    struct psd_loop *L = calloc(1, sizeof *L);
     if (!L)
         return ENOMEM;
-    memset(L, 0, bytes);
     L->pieces = malloc(n_pieces * sizeof *L->pieces);
     L->round_map = malloc(n_pieces);
     L->moved = malloc(n_pieces * sizeof *L->moved);
@@ -829,7 +741,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     L->buffers_set = buffers_set;
     L->map = *m;
     L->m = &L->map;
-    if (!take_config(&L->cfg, m)) {
+    if (!take_config(L, m)) {
         loop_free(L);
         return EINVAL;
     }

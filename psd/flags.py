@@ -176,7 +176,8 @@ def _build() -> tuple[Flag, ...]:
         # -- training semantics
         _training("--sync", "asp (fully asynchronous), ssp:S (a learner computes only while at most S pushes "
                   "ahead of the slowest live learner), bsp (average one gradient per learner, then update), "
-                  "kasync:K (sum every K gradients into one update: each one process's step)", "asp", metavar="MODE", readme_default="`asp`"),
+                  "kasync:K (sum every K gradients into one update: each one process's step)", "asp", metavar="MODE",
+                  readme_default="`asp`"),
         _training("--push-every", "learners push the mean of W mini-batches' gradients as one gradient (a wave)",
                   1, type=int, metavar="W", **at_least(1)),
         _training("--optimizer", "server-side optimizer; its state lives in the arena", "sgd", choices=optimizers,

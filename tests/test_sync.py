@@ -184,8 +184,8 @@ def test_grouped_updates_match_the_reference(job, serve, flags, groups, clock, r
 def test_a_step_without_gradients_is_no_update(job, serve, flags):
     """A step that carries no gradient (every p.grad None: a framework's step after a skipped backward) is no
     update: the clock does not move, and under kasync it is not one of the K gradients of a round (else
-    kasync:3 would sum two real gradients with an empty one and make a round of two). Under asp and kasync it pushes nothing;
-    under bsp it is pushed empty (the round waits on every learner's step) and applied as no update."""
+    kasync:3 would sum two real gradients with an empty one and make a round of two). Under asp and kasync it
+    pushes nothing; under bsp it is pushed empty (the round waits on every learner's step) and applied as no update."""
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", *flags)
     model, x, y = linear_problem()
     with learner.attach(model, job=job) as ps:

@@ -59,7 +59,7 @@ static void setup(void) {
     CHECK(rc == 0, "set_spec: %s", psd_strerror(rc));
     rc = psd_arena_grow(&map);
     CHECK(rc == 0, "grow: %s", psd_strerror(rc));
-    psd_hdr(&map)->lr = 1.0;
+    psd_hdr(&map)->cfg.lr = 1.0;
     atomic_store(&psd_hdr(&map)->server_pid, me);
     psd_hdr(&map)->server_start_time = psd_proc_start_time(me);
     psd_arena_set_state(&map, PSD_ARENA_READY);
@@ -262,8 +262,8 @@ static void setup_sync(struct psd_map *m, char *nm, size_t len, uint32_t mode, u
     int rc = psd_arena_create(m, nm, 0600, SLOTS, RING, 4096, "stress");
     CHECK(rc == 0, "create: %s", psd_strerror(rc));
     struct psd_header *h = psd_hdr(m);
-    h->sync_mode = mode; /* before grow: bsp needs the accumulator */
-    h->sync_param = param;
+    h->cfg.sync_mode = mode; /* before grow: bsp needs the accumulator */
+    h->cfg.sync_param = param;
     const char spec[] = "[]";
     pid_t me = getpid();
     rc = psd_arena_set_spec(m, spec, sizeof spec, 1, &model, me, psd_proc_start_time(me));
@@ -271,7 +271,7 @@ static void setup_sync(struct psd_map *m, char *nm, size_t len, uint32_t mode, u
     rc = psd_arena_grow(m);
     CHECK(rc == 0, "grow: %s", psd_strerror(rc));
     h = psd_hdr(m);
-    h->lr = 1.0;
+    h->cfg.lr = 1.0;
     atomic_store(&h->server_pid, me);
     h->server_start_time = psd_proc_start_time(me);
     psd_arena_set_state(m, PSD_ARENA_READY);
@@ -303,7 +303,7 @@ static void *sync_learn(void *arg) {
         g[N - 1] = 1.0f;
         if ((p->rc = psd_push(p->m, p->slot, atomic_load(&h->clock), 1, 0.0, 1.0f, NULL)))
             break;
-        if (h->sync_mode == PSD_SYNC_BSP)
+        if (h->cfg.sync_mode == PSD_SYNC_BSP)
             p->rc = psd_wait_round(p->m, p->slot, p->claim, rounds, 5 * second);
         else
             p->rc = psd_wait_ssp(p->m, p->slot, p->claim, 5 * second);
