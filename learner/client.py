@@ -419,8 +419,9 @@ class Learner:
                           and q.name not in my_buffers and lo <= where[q.name] < hi]
                 names = ", ".join(repr(n) for *_, n in mine_set)
                 raise SpecError(f"this module's real-valued buffers ({names}) are not one run of job {self.job!r}'s: "
-                                f"{others[0]!r} of another stage lies between them. A stage holds consecutive layers of the model (a pipeline split); or make the "
-                                f"buffers non-persistent (register_buffer(..., persistent=False))")
+                                f"{others[0]!r} of another stage lies between them. A stage holds consecutive "
+                                f"layers of the model (a pipeline split); or make the buffers non-persistent "
+                                f"(register_buffer(..., persistent=False))")
             self._buf_range = (lo, hi)
         return theirs, params, owners
 
