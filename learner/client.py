@@ -56,6 +56,7 @@ from psd.errors import (
     StateError,
     Timeout,
 )
+from psd.learner.pull import InlinePull, Pull, ThreadPull, ViewPull
 from psd.learner.resume import _env_rank, life_start, note_resumed
 from psd.state import (
     PARAM_DTYPES,
@@ -174,7 +175,7 @@ class Learner:
         self._push_ns = 0
         self.reconnects = 0
         self._closing = False
-        self._puller = None
+        self._pull: Pull | None = None  # how this mapping takes the job's weights (learner/pull.py)
         self._stepper = None
         self.predicted_staleness = 0.0
         self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
@@ -515,31 +516,21 @@ class Learner:
     def _map_buffers(self) -> None:
         a, n = self._arena, self.n_params
         h = self._map_shared()
-        self._puller = None
+        # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
+        # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
+        # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
         if self.pull_mode == "view":
-            self.clock = a.seen_clock(self.slot)
-            self._set_params(split(self._weights, self._wspec))  # read-only pages: writing one is a SIGSEGV
+            self._pull = ViewPull(self)
+        elif (n * 4 > INLINE_PULL_BYTES and not self._rows_pull and not self.partial
+              and pull_thread_has_a_core(h["n_slots"], h["threads"])):
+            self._pull = ThreadPull(self)
         else:
-            self._log_pos, self._epoch = a.rowlog_mark()  # before the copy: later changes are pulled again
-            self.clock = a.clock()
-            self._copy_own(self._bufs[self._front], frozen=True)
-            # Pulls copy the trainable weights alone (nothing moves the frozen ones while the job runs):
-            # both buffers get the frozen ones here, once per mapping.
-            self._copy_own(self._bufs[1 - self._front], trainable=False, frozen=True)
-            if self._lowp is not None:  # the parameters stay views of the model-dtype copy
-                self._set_params(split(self._lowp, self._wspec))
-            self._point(self._front)
+            self._pull = InlinePull(self)
+        self._pull.map(a)
         self._sync_model()
         self._tail = a.tail(self.slot)
         for p in self._params:
             p.grad = None  # a gradient from before attaching is not this job's
-        # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
-        # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
-        # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
-        if (self.pull_mode == "copy" and n * 4 > INLINE_PULL_BYTES and not self._rows_pull and not self.partial
-                and pull_thread_has_a_core(h["n_slots"], h["threads"])):
-            self._puller = a.start_puller(self.slot, self._bufs[self._front].numpy(),
-                                          self._bufs[1 - self._front].numpy(), self.clock)
         self._make_stepper()
 
     def _make_stepper(self) -> None:
@@ -549,7 +540,7 @@ class Learner:
         do subclasses (DeviceLearner's step is its own)."""
         self._stepper = None
         if (self.push_every != 1 or self.sync not in ("asp", "kasync") or self.predict or self.n_buffers
-                or self._sparse or self._lowp is not None or self._puller is not None or self.partial
+                or self._sparse or self._lowp is not None or isinstance(self._pull, ThreadPull) or self.partial
                 or type(self) is not Learner):
             return
         front = None if self.pull_mode == "view" else self._bufs[self._front].numpy()
@@ -558,9 +549,6 @@ class Learner:
 
     def _unmap(self) -> None:
         """Drop every tensor over the arena, stop the pull thread, unmap."""
-        if self._puller is not None:
-            self._puller.stop()
-            self._puller = None
         if self._stepper is not None:
             self._push_ns = self._stepper.push_ns
             self._stepper.close()
@@ -568,10 +556,9 @@ class Learner:
         self._steps_view = self._steps_arena = None  # a view of the arena's piece table (_own_share)
         for p in self._params:
             p.grad = None
-        if self.pull_mode == "view" and getattr(self, "_weights", None) is not None:
-            # The parameters are views of the mapping: keep the model usable on a private copy.
-            self._copy_own(self._bufs[0], frozen=True)
-            self._point(0)
+        if self._pull is not None:
+            self._pull.unmap()  # stops the pull thread; a view learner's model goes on private memory
+            self._pull = None
         self._weights = self._entries = self._arena_buffers = None
         try:
             self._arena.close()
@@ -809,38 +796,7 @@ class Learner:
     def _take_newer(self, a: _native.Arena) -> None:
         """Swap in newer weights, if the job has them (the pull after a push, or an empty step)."""
         before = self.clock
-        copied = 0
-        if self.pull_mode == "view":
-            self.clock = a.seen_clock(self.slot)  # the weights are the shared ones: nothing to copy
-        elif self._puller is None or self.sync == "bsp":
-            if self._puller is not None:  # bsp trains on the round's result: pull it now, in this thread
-                taken = self._puller.take()
-                if taken is not None:
-                    self._point(taken[0])
-            if self.partial:
-                clock = a.clock()
-                if clock != self.clock:
-                    copied = self._copy_own(self._bufs[self._front])
-                    self.pulled_bytes += copied
-                a.note_pull(self.slot, clock, clock == self.clock)
-                self.clock = clock
-            elif self._rows_pull:
-                self.clock, self._log_pos, self._epoch, copied = a.pull_changed(
-                    self.slot, self._front_array, self.clock, self._log_pos, self._epoch, self._piece_table)
-                self.pulled_bytes += copied
-            else:
-                known = self.clock
-                self.clock = a.pull_into(self.slot, self._front_array, self.clock)
-                self.pulled_bytes += 4 * self.n_train if self.clock != known else 0
-            if self._puller is not None:
-                self._puller.set_front_clock(self.clock)
-        else:
-            taken = self._puller.take()
-            if taken is not None:
-                self._point(taken[0])
-                self.clock = taken[1]
-                self.pulled_bytes += 4 * self.n_train
-            self._puller.request()
+        copied = self._pull.take_newer(a)
         if self.clock != before or copied:  # (copied: weights written outside an update, same clock)
             if self.predict:
                 self._predict()
@@ -976,25 +932,7 @@ class Learner:
 
         With ``pull="view"`` the model computes on the shared weights already: this only takes the
         job's buffers and the clock."""
-        if self.pull_mode == "view":
-            self.clock = self._arena.seen_clock(self.slot)
-            self._sync_model()
-            return self.clock
-        if self._puller is not None:
-            taken = self._puller.take()  # so that the pull thread is not writing our front buffer
-            if taken is not None:
-                self._point(taken[0])
-        self._log_pos, self._epoch = self._arena.rowlog_mark()
-        clock = self._arena.clock()
-        self.pulled_bytes += self._copy_own(self._bufs[self._front], frozen=True)
-        if self._front != 0:  # the frozen parameters are views of buffer 0 (_point)
-            self._copy_own(self._bufs[0], trainable=False, frozen=True)
-        self.clock = clock
-        self._sync_model()
-        if self._puller is not None:
-            self._puller.set_front_clock(clock)
-        self._arena.note_pull(self.slot, clock, False)
-        return clock
+        return self._pull.now()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the server has applied every gradient this learner pushed."""

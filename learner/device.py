@@ -351,7 +351,7 @@ class DeviceLearner(Learner):
         self._w_views = [split(w, self._wspec) for w in p.w]
         self._point_device()
         self._arm_device()
-        self._puller = None
+        self._pull = None  # its own pull path (DevicePipe)
 
     def _publish(self, index: int, clock: int, batch: int, loss: float) -> None:
         """Push thread: the copy into entry ``index`` is complete; advance the tail past it."""

@@ -14,6 +14,7 @@ import torch
 from conftest import wait_until
 from psd import _native, learner
 from psd.arena import open_job
+from psd.learner.pull import ThreadPull
 from psd.status import job_status
 
 
@@ -89,7 +90,7 @@ def test_steps_swap_in_weights_pushed_by_others(job, serve, monkeypatch, pull):
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
     a, b = Flat(n), Flat(n)
     with learner.attach(a, job=job) as pa, learner.attach(b, job=job) as pb:
-        assert (pb._puller is not None) == (pull == "thread") and (pb._stepper is None) == (pull == "thread")
+        assert isinstance(pb._pull, ThreadPull) == (pull == "thread") and (pb._stepper is None) == (pull == "thread")
         for _ in range(5):
             a.w.grad = torch.zeros_like(a.w)
             a.w.grad[7] = 1.0
@@ -124,7 +125,7 @@ def test_pulls_leave_the_frozen_weights_in_place(job, serve, monkeypatch, pull):
 
     a, b = model(), model()
     with learner.attach(a, job=job) as pa, learner.attach(b, job=job) as pb:
-        assert (pb._puller is not None) == (pull == "thread")
+        assert isinstance(pb._pull, ThreadPull) == (pull == "thread")
         for i in range(1, 6):
             a.w.grad = torch.zeros_like(a.w)
             a.w.grad[7] = 1.0

@@ -1,0 +1,173 @@
+"""How a CPU learner takes the job's weights: one class per pull mode.
+
+A :class:`psd.learner.Learner` holds one of these from the moment it maps a job (``Learner._map_buffers``)
+to the moment it unmaps it, chosen by its pull mode:
+
+- :class:`ViewPull` (``pull="view"``): the parameters are views of the job's weights in shared memory; a pull
+  copies nothing and only records the clock the next gradient is computed from;
+- :class:`InlinePull` (``pull="copy"``, small or partial models, sparse rows): the learner copies the weights
+  (a partial attach: its own tensors; sparse models: the rows the updates changed) into its front buffer,
+  between steps, in its own thread;
+- :class:`ThreadPull` (``pull="copy"`` for a large model, where a core is free for it): the native pull thread
+  fills the back buffer while the learner computes, and a step takes it (bsp: the round's result, inline).
+
+The state (the two weight buffers, the clock, the rows-log position, the figures) stays on the learner,
+which every part of a step reads; a Pull only decides how it is filled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psd import _native
+from psd.state import split
+
+if TYPE_CHECKING:  # the learner imports this module
+    from psd.learner.client import Learner
+
+__all__ = ["InlinePull", "Pull", "ThreadPull", "ViewPull"]
+
+
+class Pull:
+    """The pull mode of one mapping of a learner."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+
+    def map(self, a: _native.Arena) -> None:
+        """Put the job's weights (as of the clock now) under the model's parameters."""
+        raise NotImplementedError
+
+    def take_newer(self, a: _native.Arena) -> int:
+        """After a push: take newer weights if the job has them. Returns the bytes copied in (also when the
+        clock stayed: weights a partial attach wrote outside an update)."""
+        raise NotImplementedError
+
+    def now(self) -> int:
+        """Take the job's weights now, frozen ones too (``Learner.pull``); returns their clock."""
+        raise NotImplementedError
+
+    def unmap(self) -> None:
+        """The mapping goes: leave the model on private memory."""
+
+
+class ViewPull(Pull):
+    """The parameters are views of the shared weights: nothing to copy."""
+
+    def map(self, a: _native.Arena) -> None:
+        ln = self.learner
+        ln.clock = a.seen_clock(ln.slot)
+        ln._set_params(split(ln._weights, ln._wspec))  # read-only pages: writing one is a SIGSEGV
+
+    def take_newer(self, a: _native.Arena) -> int:
+        ln = self.learner
+        ln.clock = a.seen_clock(ln.slot)
+        return 0
+
+    def now(self) -> int:
+        ln = self.learner
+        ln.clock = ln._arena.seen_clock(ln.slot)
+        ln._sync_model()
+        return ln.clock
+
+    def unmap(self) -> None:
+        ln = self.learner
+        if getattr(ln, "_weights", None) is not None:
+            # The parameters are views of the mapping: keep the model usable on a private copy.
+            ln._copy_own(ln._bufs[0], frozen=True)
+            ln._point(0)
+
+
+class InlinePull(Pull):
+    """Copies into the front buffer, in the learner's thread."""
+
+    def map(self, a: _native.Arena) -> None:
+        ln = self.learner
+        ln._log_pos, ln._epoch = a.rowlog_mark()  # before the copy: later changes are pulled again
+        ln.clock = a.clock()
+        ln._copy_own(ln._bufs[ln._front], frozen=True)
+        # Pulls copy the trainable weights alone (nothing moves the frozen ones while the job runs):
+        # both buffers get the frozen ones here, once per mapping.
+        ln._copy_own(ln._bufs[1 - ln._front], trainable=False, frozen=True)
+        if ln._lowp is not None:  # the parameters stay views of the model-dtype copy
+            ln._set_params(split(ln._lowp, ln._wspec))
+        ln._point(ln._front)
+
+    def take_newer(self, a: _native.Arena) -> int:
+        ln = self.learner
+        copied = 0
+        if ln.partial:
+            clock = a.clock()
+            if clock != ln.clock:
+                copied = ln._copy_own(ln._bufs[ln._front])
+                ln.pulled_bytes += copied
+            a.note_pull(ln.slot, clock, clock == ln.clock)
+            ln.clock = clock
+        elif ln._rows_pull:
+            ln.clock, ln._log_pos, ln._epoch, copied = a.pull_changed(
+                ln.slot, ln._front_array, ln.clock, ln._log_pos, ln._epoch, ln._piece_table)
+            ln.pulled_bytes += copied
+        else:
+            known = ln.clock
+            ln.clock = a.pull_into(ln.slot, ln._front_array, ln.clock)
+            ln.pulled_bytes += 4 * ln.n_train if ln.clock != known else 0
+        return copied
+
+    def now(self) -> int:
+        ln = self.learner
+        a = ln._arena
+        ln._log_pos, ln._epoch = a.rowlog_mark()
+        clock = a.clock()
+        ln.pulled_bytes += ln._copy_own(ln._bufs[ln._front], frozen=True)
+        if ln._front != 0:  # the frozen parameters are views of buffer 0 (Learner._point)
+            ln._copy_own(ln._bufs[0], trainable=False, frozen=True)
+        ln.clock = clock
+        ln._sync_model()
+        a.note_pull(ln.slot, clock, False)
+        return clock
+
+
+class ThreadPull(InlinePull):
+    """The native pull thread fills the back buffer; a step swaps it in."""
+
+    def __init__(self, learner: Learner) -> None:
+        super().__init__(learner)
+        self.puller = None
+
+    def map(self, a: _native.Arena) -> None:
+        super().map(a)
+        ln = self.learner
+        self.puller = a.start_puller(ln.slot, ln._bufs[ln._front].numpy(), ln._bufs[1 - ln._front].numpy(),
+                                     ln.clock)
+
+    def _take_filled(self) -> tuple[int, int] | None:
+        """The buffer the pull thread filled, made the front (so that it is not writing ours), if any."""
+        taken = self.puller.take()
+        if taken is not None:
+            self.learner._point(taken[0])
+        return taken
+
+    def take_newer(self, a: _native.Arena) -> int:
+        ln = self.learner
+        if ln.sync == "bsp":  # bsp trains on the round's result: pull it now, in this thread
+            self._take_filled()
+            copied = super().take_newer(a)
+            self.puller.set_front_clock(ln.clock)
+            return copied
+        taken = self._take_filled()
+        if taken is not None:
+            ln.clock = taken[1]
+            ln.pulled_bytes += 4 * ln.n_train
+        self.puller.request()
+        return 0
+
+    def now(self) -> int:
+        self._take_filled()
+        clock = super().now()
+        self.puller.set_front_clock(clock)
+        return clock
+
+    def unmap(self) -> None:
+        if self.puller is not None:
+            self.puller.stop()
+            self.puller = None
