@@ -182,6 +182,8 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
     for (wl, opt, n, sync, nodes), rs in groups.items():
         kind = cl.METRIC[wl]
         gaps, b_vals, worst_div = [], [], False
+        # A run psd refused (an error, no metric) is no divergence: the cell names the refusal instead.
+        refused = next((r["error"].strip().splitlines()[-1] for r in rs if r.get("error")), None)
         for r in rs:
             b = base.get((wl, opt, r["seed"]))
             if b is None:
@@ -201,14 +203,21 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
                      "seeds": len(gaps), "baseline_median": statistics.median(b_vals),
                      "psd_median": statistics.median(vals),
                      "psd_worst": min(vals) if kind == "accuracy" else max(vals), "gap_median": statistics.median(gaps),
-                     "gap_worst": worst, "diverged": worst_div,
-                     "in_band": not worst_div and (worst >= BAND[kind] if kind == "accuracy" else worst <= BAND[kind]),
+                     "gap_worst": worst, "diverged": worst_div and not refused, "refused": refused,
+                     "in_band": not worst_div and not refused
+                     and (worst >= BAND[kind] if kind == "accuracy" else worst <= BAND[kind]),
                      "baseline_still_improving": f"{sum(improving)}/{len(improving)}",
                      "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in rs)})
     order = {k: i for i, k in enumerate(WORKLOADS)}
     rows.sort(key=lambda x: (order[x["workload"]], OPTIMIZERS.index(x["optimizer"]), x["nodes"], x["sync"],
                              x["learners"]))
     return rows
+
+
+def _why(x: dict) -> str:
+    if x.get("refused"):
+        return f" (refused: {x['refused'][:160]})"
+    return " (diverged)" if x["diverged"] else ""
 
 
 def _fmt_gap(x: dict, g: float) -> str:
@@ -235,7 +244,8 @@ def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = No
         worst_acc = min((x for x in rows if x["metric"] == "accuracy"), key=lambda x: x["gap_worst"], default=None)
         worst_lm = max((x for x in rows if x["metric"] == "loss"), key=lambda x: x["gap_worst"], default=None)
         out.append(f"{len(rows)} cells, {len(rows) - len(bad)} in band, "
-                   f"{sum(x['diverged'] for x in rows)} with a diverged seed.")
+                   f"{sum(x['diverged'] for x in rows)} with a diverged seed, "
+                   f"{sum(bool(x.get('refused')) for x in rows)} refused by psd.")
         for w in (worst_acc, worst_lm):
             if w:
                 out.append(f"Worst {w['metric']} cell: {w['workload']} {w['optimizer']} {w['nodes']}x{w['learners']} "
@@ -248,7 +258,7 @@ def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = No
         out.append(f"| {x['workload']} ({x['metric']}) | {x['optimizer']} | {x['nodes']}x{x['learners']} | "
                    f"{x['sync']} | {x['seeds']} | {x['baseline_median']:.4f} | {x['psd_median']:.4f} | "
                    f"{x['psd_worst']:.4f} | {_fmt_gap(x, x['gap_median'])} | {_fmt_gap(x, x['gap_worst'])} | "
-                   f"{'yes' if x['in_band'] else '**no**' + (' (diverged)' if x['diverged'] else '')} | "
+                   f"{'yes' if x['in_band'] else '**no**' + _why(x)} | "
                    f"{x['baseline_still_improving']} | {x['staleness_mean']:.1f} |")
     return "\n".join(out) + "\n"
 

@@ -280,6 +280,10 @@ class Learner:
             return None
         torch.sub(self._buffers_now(), self._bbase, out=self._bdelta)
         self._bdelta[:self._bset].copy_(self._bcur[:self._bset])
+        if self.partial:  # the other stages' values are not pushed (a non-finite one would flag the entry)
+            lo, hi = self._buf_range
+            self._bdelta[:lo] = 0.0
+            self._bdelta[hi:self._bset] = 0.0
         self._bbase.copy_(self._bcur)
         return self._bdelta.data_ptr()
 
@@ -420,8 +424,10 @@ class Learner:
                           and q.name not in my_buffers and lo <= where[q.name] < hi]
                 names = ", ".join(repr(n) for *_, n in mine_set)
                 raise SpecError(f"this module's real-valued buffers ({names}) are not one run of job {self.job!r}'s: "
-                                f"{others[0]!r} of another stage lies between them. A stage holds consecutive "
-                                f"layers of the model (a pipeline split); or make the buffers non-persistent "
+                                f"{others[0]!r} of another stage lies between them (the job lists its buffers "
+                                f"by dtype, then in model order, so a stage whose layers are consecutive but "
+                                f"whose buffers have several dtypes can be split too). Hold consecutive layers "
+                                f"whose real-valued buffers share a dtype, or make the others non-persistent "
                                 f"(register_buffer(..., persistent=False))")
             self._buf_range = (lo, hi)
         return theirs, params, owners
@@ -932,6 +938,9 @@ class Learner:
 
         With ``pull="view"`` the model computes on the shared weights already: this only takes the
         job's buffers and the clock."""
+        if self._pull is None:
+            raise Error(f"this learner of job {self.job!r} is closed (or lost its job and could not reattach): "
+                        f"attach the model again (psd.learner.attach)")
         return self._pull.now()
 
     def flush(self, timeout: float | None = None) -> None:

@@ -17,6 +17,7 @@ which every part of a step reads; a Pull only decides how it is filled.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from psd import _native
@@ -32,7 +33,9 @@ class Pull:
     """The pull mode of one mapping of a learner."""
 
     def __init__(self, learner: Learner) -> None:
-        self.learner = learner
+        # A proxy: the learner holds its Pull, and no cycle keeps a dropped learner (its pull thread, its
+        # mapping, its slot) alive until the cyclic collector runs.
+        self.learner = weakref.proxy(learner)
 
     def map(self, a: _native.Arena) -> None:
         """Put the job's weights (as of the clock now) under the model's parameters."""

@@ -362,10 +362,11 @@ static PyObject *arena_entry_meta(Arena *a, PyObject *args) {
                          "outcome", e->outcome, "flags", e->flags);
 }
 
-/* psd_take_weights with the GIL let go for a large copy. */
+/* psd_take_weights with the GIL let go for a large copy (not when the learner already holds the clock
+ * now: most pulls right after a push copy nothing, and taking the GIL back could cost a switch interval). */
 static uint64_t take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
     uint64_t clock;
-    if (!dst || m->g.n_train < (UINT64_C(1) << 16)) {
+    if (!dst || m->g.n_train < (UINT64_C(1) << 16) || PSD_LOAD_RLX(&psd_hdr(m)->clock) == known) {
         clock = psd_take_weights(m, slot, dst, known);
     } else {
         Py_BEGIN_ALLOW_THREADS clock = psd_take_weights(m, slot, dst, known);

@@ -191,7 +191,9 @@ static PyObject *arena_start_loop(Arena *a, PyObject *args) {
     int rc = psd_loop_start(&a->map, h->cfg.threads, h->cfg.spin_us, pieces, (uint64_t)n, buffers_set, &a->loop);
     PyMem_Free(pieces);
     if (rc == EINVAL) {
-        PyErr_SetString(PyExc_ValueError, "start_loop: the pieces do not tile the job's trainable weights");
+        PyErr_SetString(PyExc_ValueError, "start_loop: the pieces do not tile the job's trainable weights, or the "
+                                          "configuration is not one this psd knows (optimizer, sync mode, schedule, "
+                                          "--async-momentum, or state vectors other than the arena was grown with)");
         return NULL;
     }
     if (rc)

@@ -776,6 +776,8 @@ static int wait_until(struct psd_map *m, uint32_t slot, uint64_t claim, struct p
             rc = -1;
         else if (PSD_LOAD_RLX(&s->claims) != claim)
             rc = PSD_ESLOT;
+        else if (PSD_LOAD_ACQ(&s->state) == PSD_SLOT_EVICTED)
+            rc = PSD_EEVICTED; /* the loop takes nothing more from it: no use waiting */
         else
             rc = server_check(m);
         uint64_t now = psd_now_ns();
@@ -796,8 +798,7 @@ static int wait_until(struct psd_map *m, uint32_t slot, uint64_t claim, struct p
 
 static bool has_space(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
-    /* Pairs with the store-release of head in the update loop. */
-    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) - PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head) < m->g.ring_k;
+    return psd_ring_has_space(m, slot);
 }
 
 static bool is_drained(struct psd_map *m, uint32_t slot, uint64_t claim) {

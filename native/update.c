@@ -483,7 +483,8 @@ static uint32_t slot_rule(struct psd_loop *L, uint32_t i, uint64_t head, uint64_
  * its ring (its tail cannot be trusted; what it pushed and was applied stays counted: pushed ==
  * applied + rejected + dropped holds for the others). The record keeps who it was, so that
  * process gets no slot again; the reaper frees the slot once that process is gone. Its next
- * push fails with PSD_ESLOT. */
+ * push fails with PSD_ESLOT, and a wait it is in (for ring space, a head, a drain, a round) ends at
+ * once with PSD_EEVICTED. */
 static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t rule) {
     struct psd_header *h = psd_hdr(L->m);
     uint32_t st = PSD_LOAD_ACQ(&s->state);

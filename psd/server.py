@@ -132,7 +132,7 @@ class ServeConfig:
         if mode in ("ssp", "kasync") and arg.isdigit():
             n = int(arg)
             if mode == "kasync" and n < 1:
-                raise ValueError("--sync kasync:K needs K >= 1 (gradients averaged per update)")
+                raise ValueError("--sync kasync:K needs K >= 1 (gradients summed into one update)")
             return mode, n
         raise ValueError(f"--sync must be asp, ssp:S, bsp or kasync:K (e.g. ssp:3, kasync:4), not {self.sync!r}")
 

@@ -23,7 +23,7 @@ import torch
 from conftest import HELPERS, arena_header, child_env, kill, read_line, wait_until
 from psd import _native, learner
 from psd.arena import open_job, shm_name, shm_path
-from psd.errors import ArenaCorrupt
+from psd.errors import ArenaCorrupt, Evicted
 from psd.status import job_status
 from psd.watchdog.checkpoint import _state_views
 
@@ -232,6 +232,50 @@ def test_a_rogue_write_evicts_that_process_for_good_and_the_job_goes_on(job, ser
     out = served.stop()
     assert time.monotonic() - t0 < 10, out
     assert f"evicted learner pid {rogue.pid} (rank 1)" in out
+
+
+def test_a_learner_evicted_while_it_waits_for_ring_space_hears_it_at_once(job, serve):
+    """A learner waiting for space in its full ring (the loop paused) whose block a stray write then breaks:
+    once the loop goes on it evicts the slot, and the waiting step raises at once (within a wait slice),
+    not after the learner's 30 s timeout."""
+    import os
+    import threading
+
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "2")
+    model = torch.nn.Linear(8, 2, bias=False)
+    ps = learner.attach(model, job=job, timeout=30)
+    holder = open_job(job)
+    me = os.getpid()
+    holder.pause(me, _native.proc_start_time(me), 20.0)
+    outcome: dict = {}
+
+    def steps() -> None:
+        try:
+            while True:  # the third step waits for ring space
+                model.weight.grad = torch.ones(2, 8)
+                ps.step()
+        except Exception as e:  # the eviction, told to the waiting step
+            outcome["error"], outcome["at"] = e, time.monotonic()
+
+    t = threading.Thread(target=steps, daemon=True)
+    t.start()
+    raw = RawArena(job)
+    try:
+        wait_until(lambda: holder.slot_info(ps.slot)["full_waits"] > 0, what="the learner to wait for space")
+        h = arena_header(job)
+        raw.write(h["slots_off"] + ps.slot * h["slot_stride"] + _native.SLOT_TAIL_OFFSET,
+                  _tail(raw, h, ps.slot) + (1 << 40), np.uint64)  # a stray write: rule TAIL
+    finally:
+        raw.close()
+        resumed = time.monotonic()
+        holder.resume()
+    t.join(timeout=25)
+    assert not t.is_alive(), "the evicted learner still waits"
+    assert outcome["at"] - resumed < 5, outcome
+    assert isinstance(outcome["error"], Evicted), outcome
+    assert job_status(job)["evicted_learners"][0]["pid"] == me
+    holder.close()
+    ps.close(flush=False)
 
 
 def spawn_rogue(job: str, *args: str) -> subprocess.Popen:
