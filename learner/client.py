@@ -299,12 +299,13 @@ class Learner:
         if not self._sparse:
             return
         t, h = arena.training(), arena.header()
-        if t["optimizer"] not in ("sgd", "adagrad") or h["weight_decay"]:
+        if t["optimizer"] not in ("sgd", "momentum", "nesterov", "adagrad") or h["weight_decay"]:
             names = ", ".join(repr(self._spec[k].name) for k in self._sparse)
             raise SpecError(f"job {self.job!r} trains with --optimizer {t['optimizer']}"
                             f"{' and weight decay' if h['weight_decay'] else ''}, which does not take the sparse "
-                            f"gradients of {names} (nn.Embedding(sparse=True)); serve the job with --optimizer sgd "
-                            f"or adagrad and no --weight-decay (as torch.optim), or make the embedding dense")
+                            f"gradients of {names} (nn.Embedding(sparse=True)); serve the job with --optimizer sgd, "
+                            f"momentum, nesterov or adagrad and no --weight-decay (as torch.optim), or make the "
+                            f"embedding dense")
 
     def _check_pull(self, arena: _native.Arena) -> None:
         if self.pull_mode == "view" and arena.header()["cfg_flags"] & _native.CFG_PREDICT:

@@ -422,7 +422,7 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, ui
 }
 
 bool psd_sparse_ok(const struct psd_config *c) {
-    return (c->optimizer == PSD_OPT_SGD || c->optimizer == PSD_OPT_ADAGRAD) && c->weight_decay == 0.0;
+    return c->optimizer != PSD_OPT_ADAM && c->optimizer != PSD_OPT_ADAMW && c->weight_decay == 0.0;
 }
 
 /* A sparse piece: a uint64 row count, the int64 row indices, then the rows

@@ -491,8 +491,8 @@ double psd_staleness_avg(const struct psd_header *h);
 void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, const void *g, uint32_t gdtype,
                         float gscale, float *s0, float *s1, uint64_t n, double lr, uint64_t t, int threads,
                         struct psd_beat *beat, _Atomic uint64_t *nonfinite);
-/* Whether the configured optimizer takes sparse gradients (as torch.optim:
- * sgd and adagrad, without weight decay). */
+/* Whether the configured optimizer takes sparse gradients (as torch.optim: sgd, with or without
+ * momentum, and adagrad, without weight decay). */
 bool psd_sparse_ok(const struct psd_config *c);
 /* Check a sparse piece stored in `span` (cap float32 of room) of a tensor of
  * rows x row_len; returns its row count, or -1 if it is malformed. */

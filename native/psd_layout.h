@@ -534,7 +534,7 @@ enum psd_rule {
 enum psd_piece_kind {
     PSD_PIECE_ABSENT = 0,
     PSD_PIECE_DENSE = 1,
-    PSD_PIECE_SPARSE = 2, /* rows of a 2-D (or wider) tensor: sgd and adagrad only */
+    PSD_PIECE_SPARSE = 2, /* rows of a 2-D (or wider) tensor: sgd, momentum, nesterov, adagrad */
     PSD_PIECE_DENSE_BF16 = 3, /* dense, as bfloat16 (--grad-dtype bf16): half the bytes to write and read */
 };
 

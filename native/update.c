@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -54,6 +55,9 @@ struct psd_loop {
     /* The piece map of the entry being taken, copied out of the ring before it is checked, so
      * that what is applied is what was checked. */
     uint8_t *entry_map;
+    /* momentum / nesterov: a sparse gradient made dense (its rows, 0 elsewhere), `dense_len` floats */
+    float *dense;
+    uint64_t dense_len;
     /* The heartbeat, stored after each pass and, inside a long update, every PSD_BEAT_NS
      * (psd_beat), so that one long apply does not look like a hung server. */
     struct psd_beat beat;
@@ -102,6 +106,26 @@ static void note_staleness(struct psd_loop *L, double staleness) {
     PSD_STORE_RLX(&psd_hdr(L->m)->staleness_avg_bits, bits); /* for psd status, and the next server */
 }
 
+/* A sparse piece's rows as a dense gradient in L->dense (grown to the tensor's size the first time);
+ * false if there is no memory for it (the piece then moves nothing, and the loop says so once). */
+static bool dense_gradient(struct psd_loop *L, const float *span, const struct psd_piece_geom *pg) {
+    if (L->dense_len < pg->len) {
+        float *d = realloc(L->dense, pg->len * sizeof *d);
+        if (!d) {
+            static _Atomic int told;
+            if (!atomic_exchange(&told, 1))
+                fprintf(stderr, "psd: no memory to make a sparse gradient of %llu floats dense: not applied\n",
+                        (unsigned long long)pg->len);
+            return false;
+        }
+        L->dense = d;
+        L->dense_len = pg->len;
+    }
+    memset(L->dense, 0, pg->len * sizeof *L->dense);
+    psd_sparse_add(L->dense, span, pg->len, pg->row_len, &L->nonfinite);
+    return true;
+}
+
 /* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
  * says have one, each at its own step count. Runs of dense tensors at the same
  * step go to the optimizer as one range (one call for a whole dense model). */
@@ -122,6 +146,17 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
         uint64_t t = psd_piece_at(m, k)->steps + 1;
         if (map[k] == PSD_PIECE_ABSENT) {
             k++;
+        } else if (map[k] == PSD_PIECE_SPARSE &&
+                   (cfg->optimizer == PSD_OPT_MOMENTUM || cfg->optimizer == PSD_OPT_NESTEROV)) {
+            /* torch's SGD with momentum on a sparse gradient: its buffer decays, and moves the weights,
+             * wherever it holds rows. That is the dense step with the gradient 0 off its rows: made
+             * dense here, applied whole, logged whole. */
+            if (dense_gradient(L, g + pg->off, pg)) {
+                psd_rowlog_put(&L->log, k, PSD_ROWLOG_WHOLE);
+                psd_optimizer_step(cfg, mom, w + pg->off, L->dense, PSD_DTYPE_F32, gscale, s0 + pg->off,
+                                   s1 + pg->off, pg->len, lr, t, (int)L->threads, &L->beat, &L->nonfinite);
+            }
+            psd_piece_at(m, k++)->steps = t;
         } else if (map[k] == PSD_PIECE_SPARSE) {
             psd_sparse_step(&L->log, k, cfg, w + pg->off, g + pg->off, pg->len, pg->row_len, gscale, s0 + pg->off,
                             lr, t, &L->nonfinite);
@@ -687,6 +722,7 @@ static void *loop_main(void *arg) {
 static void loop_free(struct psd_loop *L) {
     free(L->heads);
     free(L->entry_map);
+    free(L->dense);
     free(L->pieces);
     free(L->round_map);
     free(L->moved);

@@ -196,7 +196,8 @@ class Bag(torch.nn.Module):
         return self.out(torch.cat([self.emb(idx).mean(1), self.tiny(idx % 3).mean(1)], 1))
 
 
-@pytest.mark.parametrize("opt, grad_dtype", [("sgd", "float32"), ("adagrad", "float32"), ("sgd", "bf16")])
+@pytest.mark.parametrize("opt, grad_dtype", [("sgd", "float32"), ("adagrad", "float32"), ("sgd", "bf16"),
+                                            ("momentum", "float32"), ("nesterov", "float32")])
 def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt, grad_dtype):
     """Sparse gradients travel as rows and are applied with torch.optim's sparse semantics: the result
     equals torch.optim on the sparse model (and therefore the dense model's for these optimizers).
@@ -207,7 +208,8 @@ def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt, grad_dtype
     idx = torch.randint(0, 50, (STEPS, 4, 5), generator=g)
     y = torch.randint(0, 3, (STEPS, 4), generator=g)
     ref = Bag(sparse=True)
-    o = torch.optim.SGD(ref.parameters(), lr=0.1) if opt == "sgd" else torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    o = (torch.optim.Adagrad(ref.parameters(), lr=0.1) if opt == "adagrad" else
+         torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.0 if opt == "sgd" else 0.9, nesterov=opt == "nesterov"))
     for i in range(STEPS):
         o.zero_grad()
         torch.nn.functional.cross_entropy(ref(idx[i]), y[i]).backward()
@@ -227,8 +229,8 @@ def test_sparse_embeddings_push_rows_and_match_torch(job, serve, opt, grad_dtype
 
 
 def test_sparse_embeddings_are_refused_by_optimizers_without_sparse_semantics(job, serve):
-    serve(job, "--no-watchdog", "--learners", "1", "--optimizer", "momentum")
-    with pytest.raises(SpecError, match="--optimizer sgd or adagrad"):
+    serve(job, "--no-watchdog", "--learners", "1", "--optimizer", "adam")
+    with pytest.raises(SpecError, match="--optimizer sgd, momentum, nesterov or adagrad"):
         learner.attach(Bag(sparse=True), job=job)
     with learner.attach(Bag(sparse=False), job=job):  # the same model with a dense embedding is fine
         pass
