@@ -18,13 +18,14 @@ which every part of a step reads; a Pull only decides how it is filled.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 from psd import _native
 from psd.state import split
 
-if TYPE_CHECKING:  # the learner imports this module
-    from psd.learner.client import Learner
+# The learner (psd.learner.client.Learner) imports this module; it is typed Any here so that no import
+# goes back to it (tests/test_imports.py).
+Learner = Any
 
 __all__ = ["InlinePull", "Pull", "ThreadPull", "ViewPull"]
 
