@@ -278,6 +278,32 @@ def test_a_learner_evicted_while_it_waits_for_ring_space_hears_it_at_once(job, s
     ps.close(flush=False)
 
 
+@pytest.mark.parametrize("lo, hi", [(3, 1), (0, 5)], ids=["reversed", "into-the-counters"])
+def test_a_buffer_range_outside_the_jobs_real_valued_buffers_evicts(job, serve, lo, hi):
+    """Rule BUFFERS on a job with buffers: its model's BatchNorm1d(2) has 4 real-valued elements (the running
+    mean and variance) and a counter, so a range that runs backwards, or reaches past the real-valued ones
+    into the counter, evicts the learner that wrote it; the job's statistics stay as they were."""
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "4")
+    rogue = spawn_rogue(job, "--rank", "1", "--pushes", "3", "--batchnorm")
+    slot = int(read_line(rogue).split()[1])
+    before = learner.pull_state_dict(job)
+    h = arena_header(job)
+    assert h["n_buffers"] == 5
+    raw = RawArena(job)
+    try:
+        publish_crafted(raw, h, slot, _tail(raw, h, slot), buf_lo=lo, buf_hi=hi,
+                        flags=_native.ENTRY_BUFFERS | _native.ENTRY_BUF_RANGE)
+        wait_until(lambda: job_status(job)["evicted_learners"], timeout=10, what="the rogue's eviction")
+    finally:
+        raw.close()
+    (rec,) = job_status(job)["evicted_learners"]
+    assert rec["pid"] == rogue.pid and "buffer range" in rec["rule"], rec
+    after = learner.pull_state_dict(job)
+    for k in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        assert torch.equal(after[k], before[k]), k
+    kill(rogue)
+
+
 def spawn_rogue(job: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HELPERS / "rogue.py"), job, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())

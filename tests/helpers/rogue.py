@@ -48,17 +48,28 @@ def scribble(base: int, ranges: list[dict], rng: np.random.Generator) -> None:
     ctypes.memmove(base + r["offset"] + off, data, n)
 
 
+def make_model(batchnorm: bool) -> torch.nn.Module:
+    linear = torch.nn.Linear(8, 2, bias=False)
+    return torch.nn.Sequential(linear, torch.nn.BatchNorm1d(2)) if batchnorm else linear
+
+
+def ones_grad(model: torch.nn.Module) -> None:
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("job")
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--batchnorm", action="store_true", help="the model has a BatchNorm1d(2) after the Linear")
     a = p.parse_args()
     torch.set_num_threads(1)
-    model = torch.nn.Linear(8, 2, bias=False)
+    model = make_model(a.batchnorm)
     ps = learner.attach(model, job=a.job, timeout=30, rank=a.rank)
     for _ in range(a.pushes):
-        model.weight.grad = torch.ones(2, 8)
+        ones_grad(model)
         ps.step()
     ps.flush()
     print(f"ready {ps.slot}", flush=True)
@@ -75,7 +86,7 @@ def main() -> int:
             for i in range(int(cmd[2])):
                 scribble(base, ranges, rng)
                 if i % 8 == 7:
-                    model.weight.grad = torch.ones(2, 8)
+                    ones_grad(model)
                     try:
                         ps.step()
                         pushes += 1
@@ -84,7 +95,7 @@ def main() -> int:
             print(f"fuzzed {pushes} {refused}", flush=True)
         elif cmd[0] == "attach":
             try:
-                again = learner.attach(torch.nn.Linear(8, 2, bias=False), job=a.job, timeout=10)
+                again = learner.attach(make_model(a.batchnorm), job=a.job, timeout=10)
             except Error as e:
                 print(f"refused {type(e).__name__}", flush=True)
             else:
