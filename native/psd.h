@@ -174,12 +174,12 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(rowlog_off, MODEL) X(rowlog_head, ATOMIC) X(weights_epoch, ATOMIC)                                          \
     X(weights_off, MODEL) X(weights_bytes, MODEL) X(optstate_off, MODEL) X(optstate_bytes, MODEL)                \
     X(slots_off, MODEL) X(slot_stride, MODEL) X(entry_stride, MODEL) X(spec_len, PLAIN) X(spec_hash, PLAIN)      \
-    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, CFG)                \
-    X(sync_mode, CFG)                                                                                          \
-    X(threads, CFG) X(spin_us, CFG) X(sync_param, CFG) X(push_every, CFG) X(schedule, CFG)             \
-    X(cfg_flags, CFG) X(step_size, CFG) X(t_max, CFG) X(warmup, CFG) X(max_staleness, CFG)             \
-    X(async_momentum, CFG) X(lease_ms, CFG) X(lr, CFG_REAL) X(momentum, CFG_REAL) X(dampening, CFG_REAL) X(beta1, CFG_REAL) X(beta2, CFG_REAL)      \
-    X(eps, CFG_REAL) X(weight_decay, CFG_REAL) X(lr_decay, CFG_REAL) X(gamma, CFG_REAL) X(eta_min, CFG_REAL)                         \
+    X(offer_pid, PLAIN_PID) X(offer_start_time, PLAIN) X(offer_pid_ns, PLAIN) X(optimizer, CFG)                  \
+    X(sync_mode, CFG) X(threads, CFG) X(spin_us, CFG) X(sync_param, CFG) X(push_every, CFG) X(schedule, CFG)     \
+    X(cfg_flags, CFG) X(step_size, CFG) X(t_max, CFG) X(warmup, CFG) X(max_staleness, CFG)                       \
+    X(async_momentum, CFG) X(lease_ms, CFG) X(lr, CFG_REAL) X(momentum, CFG_REAL) X(dampening, CFG_REAL)         \
+    X(beta1, CFG_REAL) X(beta2, CFG_REAL) X(eps, CFG_REAL) X(weight_decay, CFG_REAL) X(lr_decay, CFG_REAL)       \
+    X(gamma, CFG_REAL) X(eta_min, CFG_REAL)                                                                      \
     X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
     X(acc_staleness, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
     X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(heartbeat_ns, ATOMIC)      \
@@ -356,12 +356,12 @@ int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
 /* Server (update loop): answer every new claim request of a FREE slot, and take every release an
  * owner asked for and every claim the reaper judged gone. Returns how many slots changed hands. */
 uint32_t psd_admit(struct psd_map *m);
+/* Whether the slot's ring has a free entry (pairs with the store-release of head in the update loop). */
+bool psd_ring_has_space(const struct psd_map *m, uint32_t slot);
 /* Publish the entry at the tail, whose gradient was written in place (every
  * piece dense). The gradient is first multiplied by `scale` (unless 1) and
  * checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and the update
  * loop rejects it. `bufdelta` (n_buffers doubles, or NULL) is copied along. */
-/* Whether the slot's ring has a free entry (pairs with the store-release of head in the update loop). */
-bool psd_ring_has_space(const struct psd_map *m, uint32_t slot);
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
              const double *bufdelta);
 /* One trainable tensor's gradient, for psd_push_from. */

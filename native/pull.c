@@ -191,8 +191,7 @@ uint64_t psd_pull_changed(struct psd_map *m, uint32_t slot, float *dst, uint64_t
     *bytes = copied * sizeof(float);
     *pos = head;
     *epoch = ep;
-    PSD_ADD_RLX(&s->pulls, 1);
-    PSD_STORE_RLX(&s->learner_clock, clock);
+    psd_note_pull(m, slot, clock, false);
     return clock;
 }
 

@@ -122,10 +122,11 @@ static PyObject *arena_training(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
-    struct psd_header *h = psd_hdr(&a->map);
-    return Py_BuildValue("{s:s,s:s,s:s}", "optimizer", h->cfg.optimizer < N_OPTIMIZERS ? optimizer_names[h->cfg.optimizer] : "?",
-                         "sync", h->cfg.sync_mode < N_SYNCS ? sync_names[h->cfg.sync_mode] : "?", "schedule",
-                         h->cfg.schedule < N_SCHEDULES ? schedule_names[h->cfg.schedule] : "?");
+    const struct psd_config *c = &psd_hdr(&a->map)->cfg;
+    return Py_BuildValue("{s:s,s:s,s:s}", "optimizer",
+                         c->optimizer < N_OPTIMIZERS ? optimizer_names[c->optimizer] : "?", "sync",
+                         c->sync_mode < N_SYNCS ? sync_names[c->sync_mode] : "?", "schedule",
+                         c->schedule < N_SCHEDULES ? schedule_names[c->schedule] : "?");
 }
 
 static PyObject *arena_rounds(Arena *a, PyObject *noargs) {

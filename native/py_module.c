@@ -245,8 +245,8 @@ static PyObject *mod_optimizer_step(PyObject *self, PyObject *args) {
     const struct psd_config c = {.optimizer = (uint32_t)o, .momentum = mom, .beta1 = b1, .beta2 = b2, .eps = eps,
                                  .weight_decay = wd, .async_momentum = PSD_ASYNC_MOMENTUM_OFF};
     _Atomic uint64_t bad = 0;
-    Py_BEGIN_ALLOW_THREADS psd_optimizer_step(&c, mom, w.buf, g.buf, bf16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32, gscale, s0.buf,
-                                              s1.buf, n, lr, t, threads, NULL, &bad);
+    Py_BEGIN_ALLOW_THREADS psd_optimizer_step(&c, mom, w.buf, g.buf, bf16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32, gscale,
+                                              s0.buf, s1.buf, n, lr, t, threads, NULL, &bad);
     Py_END_ALLOW_THREADS result = PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&bad));
 out:
     PyBuffer_Release(&w);
