@@ -12,8 +12,9 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from psd import _native
 from psd.choices import DEFAULT_JOB, default_job
@@ -30,11 +31,14 @@ from psd.errors import (
 __all__ = [
     "ARENA_LOST_EXIT",
     "DEFAULT_JOB",
+    "HEADER_DERIVED",
     "SET_BUFFER_DTYPES",
     "SHM_DIR",
     "ArenaWatch",
+    "Header",
     "HeaderView",
     "ParamSpec",
+    "SlotInfo",
     "arena_spec",
     "buffers_set",
     "check_space",
@@ -100,6 +104,84 @@ def _header_property(name: str) -> property:
 for _name in _native.HEADER_FIELDS:
     setattr(HeaderView, _name, _header_property(_name))
 del _name
+
+# What ``Arena.header()`` holds besides the layout's fields: values py_inspect.c derives (the version and failure
+# texts, the heartbeat's age, the mapping's size, the state vectors, the current lr and momentum, the mean
+# staleness, the histogram). Checked against the dict's keys at the first Header made (``_check_keys``).
+HEADER_DERIVED = ("psd_version", "fail_msg", "heartbeat_age_s", "mapped_size", "state_vectors", "lr_now",
+                  "momentum_now", "staleness_avg", "staleness_hist")
+
+
+def _check_keys(cls: type, keys: Iterable[str], fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Raise TypeError unless ``keys`` are ``fields`` and a subset of ``optional``: the binding and these typed
+    snapshots agree on the layout, checked once per set of keys (the fields come from the binding's X-macro)."""
+    keys = frozenset(keys)
+    if keys in cls._seen:
+        return
+    missing, unknown = set(fields) - keys, keys - set(fields) - set(optional)
+    if missing or unknown:
+        raise TypeError(f"{cls.__name__}: the extension's fields differ from psd.arena's (missing {sorted(missing)}, "
+                        f"unknown {sorted(unknown)}): rebuild the extension (`python setup.py build_ext --inplace`)")
+    cls._seen = cls._seen | {keys}
+
+
+class Header:
+    """One arena's whole header, read at once (``Header.read(arena)``: one ``Arena.header()`` call, a snapshot
+    of every field), as attributes: ``h.applied``, ``h.hold_clock``. Its attributes are the layout's header
+    fields (``_native.HEADER_FIELDS``, from ``PSD_HEADER_FIELDS`` in native/psd.h) and the values the binding
+    derives (``HEADER_DERIVED``); a name that is neither is an AttributeError. Where one field is polled,
+    ``HeaderView`` reads only that field."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = (*_native.HEADER_FIELDS, *HEADER_DERIVED)
+    __slots__ = FIELDS
+    _seen: ClassVar[frozenset[frozenset[str]]] = frozenset()
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        _check_keys(Header, values.keys(), self.FIELDS)
+        for k in self.FIELDS:
+            object.__setattr__(self, k, values[k])
+
+    @classmethod
+    def read(cls, arena: _native.Arena) -> Header:
+        """A snapshot of ``arena``'s header now."""
+        return cls(arena.header())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Header is a snapshot: {name} cannot be set")
+
+    def __repr__(self) -> str:
+        return f"Header(clock={self.clock}, state={self.state}, applied={self.applied})"
+
+
+class SlotInfo:
+    """One learner slot read at once (``SlotInfo.read(arena, i)``: one ``Arena.slot_info(i)`` call), as
+    attributes: the server's record (``RECORD_FIELDS``, from ``PSD_SLOT_FIELDS`` in native/psd.h, whose names
+    the binding exports as the keys of ``_native.OFFSETS["slot"]``) and the learner's block (``BLOCK_FIELDS``,
+    ``PSD_LSLOT_FIELDS``, ``_native.OFFSETS["lslot"]``), each None before the arena holds its model (the
+    blocks do not exist yet). A name the layout does not have is an AttributeError."""
+
+    RECORD_FIELDS: ClassVar[tuple[str, ...]] = tuple(k for k in _native.OFFSETS["slot"] if k.isidentifier())
+    BLOCK_FIELDS: ClassVar[tuple[str, ...]] = tuple(_native.OFFSETS["lslot"])
+    __slots__ = (*RECORD_FIELDS, *BLOCK_FIELDS)
+    _seen: ClassVar[frozenset[frozenset[str]]] = frozenset()
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        _check_keys(SlotInfo, values.keys(), self.RECORD_FIELDS, self.BLOCK_FIELDS)
+        for k in self.RECORD_FIELDS:
+            object.__setattr__(self, k, values[k])
+        for k in self.BLOCK_FIELDS:
+            object.__setattr__(self, k, values.get(k))
+
+    @classmethod
+    def read(cls, arena: _native.Arena, slot: int) -> SlotInfo:
+        """A snapshot of ``arena``'s slot ``slot`` now."""
+        return cls(arena.slot_info(slot))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a SlotInfo is a snapshot: {name} cannot be set")
+
+    def __repr__(self) -> str:
+        return f"SlotInfo(state={self.state}, pid={self.pid}, rank={self.rank}, head={self.head})"
 
 
 def shm_name(job: str) -> str:

@@ -3,7 +3,8 @@
 `psd serve --metrics-port P` serves them from the watchdog (so they outlive
 server restarts), bound to 127.0.0.1 unless --metrics-host says otherwise.
 The figures are those of `psd status`: counters as counters, the staleness
-histogram as a histogram, and per-learner series labelled by slot, rank and pid.
+histogram as a histogram, and per-learner series labelled by slot, rank and pid. It reads them through
+``psd.status.job_status`` (a ``JobStatus``, whose keys are declared there), never the arena's header itself.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from psd.errors import Error
-from psd.status import job_status, stale_bucket_label
+from psd.status import JobStatus, job_status, stale_bucket_label
 
 __all__ = ["JobCollector", "serve_metrics"]
 
@@ -29,7 +30,7 @@ class JobCollector:
 
         up = GaugeMetricFamily("psd_server_up", "1 if the job's server is alive", labels=["job"])
         try:
-            s = job_status(self.job)
+            s: JobStatus = job_status(self.job)  # typed keys: the figures of `psd status`
         except Error:
             up.add_metric([self.job], 0)
             yield up

@@ -184,10 +184,12 @@ class NodeLink:
                         f"exits so that its next life rejoins with the agreed weights")
 
     def _weights(self):
-        from psd.state import weights_view
+        """The trainable prefix of the arena's weights (``state.weights_view``'s first ``n_train``), over the
+        mapping; the three header fields it needs read alone (``HeaderView``), not the whole header."""
+        import torch
 
-        h = self.arena.header()
-        return weights_view(self.arena, h)[: h["n_train"]]
+        h = HeaderView(self.arena)
+        return torch.frombuffer(self.arena, dtype=torch.float32, count=h.n_params, offset=h.weights_off)[: h.n_train]
 
     def _hold(self, clock: int) -> None:
         """Let the update loop run up to ``clock`` and hold it there (-1: no hold)."""

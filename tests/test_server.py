@@ -152,7 +152,7 @@ def test_clean_keeps_an_arena_it_cannot_read_while_a_process_maps_it(job, serve)
 
 def test_the_header_view_reads_each_field_as_the_header_dict_does(job, serve):
     from psd import _native
-    from psd.arena import HeaderView, open_job
+    from psd.arena import Header, HeaderView, SlotInfo, open_job
 
     s = serve(job, "--no-watchdog", "--learners", "2", "--lr", "0.25")
     model = Flat()
@@ -173,6 +173,20 @@ def test_the_header_view_reads_each_field_as_the_header_dict_does(job, serve):
                 view.no_such_field  # noqa: B018
             with pytest.raises(KeyError, match="not a header field"):
                 a.field("no_such_field")
+            # The snapshots status reads: every field of header() / slot_info(), each an attribute.
+            whole, info = a.header(), a.slot_info(0)
+            snap, slot = Header(whole), SlotInfo(info)
+            assert all(getattr(snap, k) == v for k, v in whole.items()) and Header.read(a).clock == 1
+            assert set(info) == set(SlotInfo.__slots__)
+            assert all(getattr(slot, k) == v or v != v for k, v in info.items())  # v != v: last_loss, NaN: none yet
+            assert SlotInfo.read(a, 0).state == _native.SLOT_ACTIVE
+            for bad in (snap, slot):
+                with pytest.raises(AttributeError):
+                    bad.no_such_field  # noqa: B018
+                with pytest.raises(AttributeError):
+                    bad.applied = 1
+            with pytest.raises(TypeError, match="differ"):
+                SlotInfo({**info, "no_such_field": 1})
         finally:
             a.close()
     s.stop()
