@@ -318,10 +318,11 @@ def shrunk(arena: _native.Arena, file_size: int) -> bool:
 
 
 class ArenaWatch:
-    """A process's mapping of a job's arena, kept current (the watchdog's and ``psd run``'s): ``current()`` is
-    the mapping of the arena the job's file holds now, opened again once the file was replaced (a new
-    server's), dropped unread once it was truncated under the mapping (touching it would fault with
-    SIGBUS), and None while there is none to open. ``opened`` says whether that call mapped it anew."""
+    """A process's mapping of a job's arena, kept current (the watchdog's, ``psd run``'s and the node link's):
+    ``current()`` is the mapping of the arena the job's file holds now, opened again once the file was replaced
+    (a new server's), dropped unread once it was truncated under the mapping (touching it would fault with
+    SIGBUS), and None while there is none to open. ``opened`` says whether that call mapped it anew. A process
+    that must not follow a replaced arena (the node link: its next life rejoins) asks ``replaced()``."""
 
     def __init__(self, job: str, role: str = "full") -> None:
         self.job, self.role = job, role
@@ -348,6 +349,17 @@ class ArenaWatch:
             return None
         self.arena, self._ident, self.opened = a, a.identity(), True
         return a
+
+    def replaced(self) -> bool:
+        """Whether the job's file no longer holds the arena this watch maps (removed, or another object: a new
+        server's), or it maps none; opens nothing and keeps the mapping."""
+        if self.arena is None:
+            return True
+        try:
+            st = os.stat(shm_path(self.job))
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._ident
 
     def release(self) -> _native.Arena | None:
         """The current mapping (or None), now the caller's to close: this watch forgets it."""

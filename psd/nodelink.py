@@ -49,16 +49,23 @@ from pathlib import Path
 from typing import Any
 
 from psd import _native
-from psd.arena import HeaderView, open_job, shm_path
+from psd.arena import ArenaWatch, HeaderView
 from psd.choices import OUTER_OPTIMIZERS  # its index travels in the join handshake
 from psd.errors import Error, JobNotFound, Timeout
 from psd.server import validate_nodes
+from psd.watchdog.restarts import Backoff
 
 __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path"]
 
 log = logging.getLogger("psd.nodelink")
 
 _POLL_S = 0.001  # the clock is polled: the update loop announces nothing to other processes
+# Every wait of the link polls through the one back-off (watchdog/restarts.py), at a fixed interval: what it
+# waits for is due any moment and nothing announces it.
+_CLOCK_POLL = Backoff.every(_POLL_S)  # the clock, the loop's `held`, a collective's completion
+_ARENA_POLL = Backoff.every(0.05)  # the arena to hold weights (nothing announces READY to other processes)
+_STORE_POLL = Backoff.every(0.02)  # node 0: the epoch's members at the rendezvous (the store announces nothing)
+_ARENA_CHECK_S = 0.5  # how often the link looks whether its arena was replaced
 _STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
 
@@ -135,6 +142,7 @@ class NodeLink:
         self.reforms = 0
         self.store = None
         self.pg = None
+        self._watch = ArenaWatch(cfg.job)  # the one arena reopen (psd/arena.py), as the watchdog's
         self.arena: _native.Arena | None = None
         self.agreed: _Agreed | None = None
         self.base = 0  # the local clock that exchange point 0 stands for
@@ -143,7 +151,6 @@ class NodeLink:
         self._old_groups: list = []
         self._bound = -1  # the clock the update loop is held at (-1: none)
         self._saved_at = time.monotonic()
-        self._ident: tuple[int, int] | None = None
         self._checked_at = 0.0
 
     # -- the arena ------------------------------------------------------------
@@ -151,35 +158,23 @@ class NodeLink:
     def _open_arena(self, deadline: float) -> None:
         """Map the job's arena once it holds weights (the first learner's or a checkpoint's)."""
         job = self.cfg.job
-        while True:
-            try:
-                a = open_job(job)
-            except (JobNotFound, Error, OSError):
-                a = None
-            if a is not None:
-                if a.state == _native.ARENA_READY and HeaderView(a).n_params:
-                    a.remap()
-                    self.arena, self._ident = a, a.identity()
-                    return
-                a.close()
-            if time.monotonic() > deadline or self.stop.is_set():
-                raise JobNotFound(f"job {job!r} has no weights yet: the node link waits for the first learner "
-                                  f"to attach (start the node's learners, or give --init)")
-            time.sleep(0.05)  # nothing announces READY to other processes
+        for _ in _ARENA_POLL.tries(deadline, self.stop):
+            a = self._watch.current()  # kept while it waits, reopened if the arena is replaced meanwhile
+            if a is not None and a.state == _native.ARENA_READY and HeaderView(a).n_params:
+                a.remap()
+                self.arena = a
+                return
+        raise JobNotFound(f"job {job!r} has no weights yet: the node link waits for the first learner "
+                          f"to attach (start the node's learners, or give --init)")
 
     def _check_arena(self) -> None:
         """Raise if the node's arena was replaced (its server started over from a checkpoint): the link then
         exits, and the one its watchdog starts joins the others as a node that comes back."""
         now = time.monotonic()
-        if now - self._checked_at < 0.5:
+        if now - self._checked_at < _ARENA_CHECK_S:
             return
         self._checked_at = now
-        try:
-            st = os.stat(shm_path(self.cfg.job))
-            same = (st.st_dev, st.st_ino) == self._ident
-        except FileNotFoundError:
-            same = False
-        if not same:
+        if self._watch.replaced():  # never followed: the new arena's hold waits for the next life
             raise Error(f"job {self.cfg.job!r}: the node's arena was replaced (its server started over); the link "
                         f"exits so that its next life rejoins with the agreed weights")
 
@@ -209,16 +204,14 @@ class NodeLink:
             def __enter__(self):
                 a = link.arena
                 a.hold(link.me, link.me_start, a.clock())
-                deadline = time.monotonic() + _STOP_TIMEOUT_S
-                held = HeaderView(a)
-                while not held.held:
-                    if not a.server_alive():
-                        return  # no update loop runs: nothing writes the weights
-                    if time.monotonic() > deadline:
-                        a.hold(link.me, link.me_start, link._bound)
-                        raise Timeout(f"the update loop of job {link.cfg.job!r} did not stop within "
-                                      f"{_STOP_TIMEOUT_S:g} s; see `psd status --job {link.cfg.job}`")
-                    time.sleep(_POLL_S)  # the loop announces its hold only in the header
+                h = HeaderView(a)
+                for _ in _CLOCK_POLL.tries(time.monotonic() + _STOP_TIMEOUT_S):
+                    # the loop announces its hold only in the header; no update loop runs: nothing writes
+                    if h.held or not a.server_alive():
+                        return
+                a.hold(link.me, link.me_start, link._bound)
+                raise Timeout(f"the update loop of job {link.cfg.job!r} did not stop within "
+                              f"{_STOP_TIMEOUT_S:g} s; see `psd status --job {link.cfg.job}`")
 
             def __exit__(self, *exc):
                 link.arena.hold(link.me, link.me_start, link._bound)
@@ -254,13 +247,11 @@ class NodeLink:
     def _coordinate(self, epoch: int, expected: list[int], first: bool) -> None:
         """Node 0: wait for the epoch's expected members, then publish who is in it and who holds the state."""
         c = self.cfg
-        deadline = time.monotonic() + c.node_timeout
         present: list[int] = []
-        while True:
+        for _ in _STORE_POLL.tries(time.monotonic() + c.node_timeout, self.stop):
             present = [r for r in expected if self.store.check([f"e{epoch}/ready/{r}"])]
-            if len(present) == len(expected) or time.monotonic() > deadline or self.stop.is_set():
+            if len(present) == len(expected):
                 break
-            time.sleep(0.02)  # the store announces nothing
         missing = sorted(set(expected) - set(present))
         if first and missing:
             self.store.set(f"e{epoch}/members", "failed")
@@ -409,11 +400,12 @@ class NodeLink:
 
         c, a = self.cfg, self.arena
         j = self.adopted + 1
-        while a.clock() < self._point(j):
+        for _ in _CLOCK_POLL.tries():
+            if a.clock() >= self._point(j):
+                break
             if self.stop.is_set():
                 return
             self._check_arena()
-            time.sleep(_POLL_S)
         t0 = time.monotonic()
         held = c.max_node_lag == 0  # the loop stopped at this exchange point by itself
         if held:
@@ -427,12 +419,13 @@ class NodeLink:
         p = len(self.members)
         work = self.pg.allreduce([payload])
         deadline = time.monotonic() + c.node_timeout + 1
-        while not work.is_completed():  # the loop trains on meanwhile, up to the hold
+        for _ in _CLOCK_POLL.tries():  # the loop trains on meanwhile, up to the hold
+            if work.is_completed():
+                break
             if time.monotonic() > deadline:
                 raise _Reform(f"the exchange of round {self.agreed.round + 1} took more than --node-timeout")
             if self.stop.is_set():
                 return
-            time.sleep(_POLL_S)
         try:
             work.wait()
         except RuntimeError as e:
@@ -567,10 +560,10 @@ class NodeLink:
         finally:
             if self.arena is not None:
                 try:
-                    self._hold(-1)  # never leave the loop held behind us
-                    self.arena.close()
+                    self._hold(-1)  # never leave the loop held behind us (the mapping the watch opened)
                 except Error:
                     pass
+                self._watch.close()
 
 
 def _die_with_parent() -> None:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -202,8 +203,10 @@ def test_an_arena_watch_follows_the_job_from_server_to_server(job, serve):
     first = watch.current()
     assert first is not None and watch.opened
     assert watch.current() is first and not watch.opened  # the same arena: the same mapping
+    assert not watch.replaced()
     ident = first.identity()
     s.stop()
+    assert watch.replaced() and watch.arena is first  # noticed, and the mapping kept (the node link's look)
     assert watch.current() is None  # its file is gone: the mapping is dropped
     s = serve(job, "--no-watchdog", "--learners", "1")
     second = watch.current()
@@ -211,3 +214,13 @@ def test_an_arena_watch_follows_the_job_from_server_to_server(job, serve):
     watch.close()
     s.stop()
     assert [Backoff(0.1, 1.0).delay(n) for n in range(6)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0]
+    assert [Backoff.every(0.05).delay(n) for n in range(4)] == [0.0, 0.05, 0.05, 0.05]  # a poll
+    stop = threading.Event()
+    for n in Backoff.every(0.001).tries(stop=stop):
+        if n == 3:
+            stop.set()  # no try after the one that saw it set
+    assert n == 3
+    t0 = time.monotonic()
+    for n in Backoff.every(0.01).tries(time.monotonic() + 0.05):  # noqa: B007
+        pass
+    assert 0.05 <= time.monotonic() - t0 < 2 and 1 <= n <= 7
