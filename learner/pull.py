@@ -12,7 +12,9 @@ to the moment it unmaps it, chosen by its pull mode:
   fills the back buffer while the learner computes, and a step takes it (bsp: the round's result, inline).
 
 The state (the two weight buffers, the clock, the rows-log position, the figures) stays on the learner,
-which every part of a step reads; a Pull only decides how it is filled.
+which every part of a step reads; a Pull only decides how it is filled. :class:`Weights`, one of the
+learner's base classes, is the learner's side: which buffer is the front, the parameters over it, the
+copies of its own ranges, taking newer weights after a push, and ``Learner.pull()``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
+
 from psd import _native
+from psd.errors import Error
 from psd.state import split
 
 # The learner (psd.learner.client.Learner) imports this module; it is typed Any here so that no import
 # goes back to it (tests/test_imports.py).
 Learner = Any
 
-__all__ = ["InlinePull", "Pull", "ThreadPull", "ViewPull"]
+__all__ = ["InlinePull", "Pull", "ThreadPull", "ViewPull", "Weights"]
 
 
 class Pull:
@@ -175,3 +180,70 @@ class ThreadPull(InlinePull):
         if self.puller is not None:
             self.puller.stop()
             self.puller = None
+
+
+class Weights:
+    """The learner's side of its pulls: which buffer is the front, the parameters over it, the low-precision
+    copy and the model's buffers brought up to date, the copies of its own ranges, and ``pull()``. A part of
+    :class:`psd.learner.Learner` (its base class); the buffers it moves live on the learner, and its ``Pull``
+    (above) decides how they are filled."""
+
+    def _point(self, index: int) -> None:
+        """Make buffer ``index`` the front: a float32 model's parameters become views of it."""
+        self._front = index
+        self._front_array = self._bufs[index].numpy()
+        if self._lowp is None:
+            # The trainable parameters follow the front buffer; the frozen ones stay views of buffer 0's
+            # copy (pulls move only the trainable weights), so a local write to one survives every swap.
+            t = len(self._train)
+            self._set_params(self._buf_views[index][:t] + self._buf_views[0][t:])
+
+    def _set_params(self, views: list[torch.Tensor]) -> None:
+        """Make the parameters (trainable, then frozen) these views, without copying."""
+        with torch.no_grad():
+            for p, v in zip(self._params, views, strict=True):
+                p.data = v
+
+    def _sync_model(self, frozen: bool = True) -> None:
+        """New weights are in the front buffer: bring them to a low-precision model, with the job's buffers.
+
+        ``frozen=False`` (a step's pull, which moved only the trainable weights) leaves the model's frozen
+        weights as they are."""
+        if self._lowp is not None:
+            front = self._bufs[self._front]
+            for off, length, is_frozen in self._own:
+                if frozen or not is_frozen:
+                    self._lowp[off:off + length].copy_(front[off:off + length])
+        self._pull_buffers()
+
+    def _copy_own(self, dst: torch.Tensor, trainable: bool = True, frozen: bool = False) -> int:
+        """Copy this learner's weights (all, or a partial attach's own) from the job's into ``dst``; the bytes."""
+        if self._present is None:  # the whole model: the trainable prefix, the frozen rest, or both, in one copy
+            lo, hi = 0 if trainable else self.n_train, self.n_params if frozen else self.n_train
+            dst[lo:hi].copy_(self._weights[lo:hi])
+            return 4 * (hi - lo)
+        done = 0
+        for off, length, is_frozen in self._own:
+            if (frozen if is_frozen else trainable):
+                dst[off:off + length].copy_(self._weights[off:off + length])
+                done += 4 * length
+        return done
+
+    def _take_newer(self, a: _native.Arena) -> None:
+        """Swap in newer weights, if the job has them (the pull after a push, or an empty step)."""
+        before = self.clock
+        copied = self._pull.take_newer(a)
+        if self.clock != before or copied:  # (copied: weights written outside an update, same clock)
+            if self.predict:
+                self._predict()
+            self._sync_model(frozen=False)
+
+    def pull(self) -> int:
+        """Copy the current shared weights into the model now; returns their clock.
+
+        With ``pull="view"`` the model computes on the shared weights already: this only takes the
+        job's buffers and the clock."""
+        if self._pull is None:
+            raise Error(f"this learner of job {self.job!r} is closed (or lost its job and could not reattach): "
+                        f"attach the model again (psd.learner.attach)")
+        return self._pull.now()

@@ -1,0 +1,410 @@
+"""Attaching a learner: bring the job to READY with this model (or wait for the job's, a partial attach), check
+what the job runs, claim a slot, come back after the server dies, and unmap.
+
+``Connection`` is the part of :class:`psd.learner.Learner` that does it; the learner's state (its slot, its
+claim token, its mapping) stays on the learner, which every part of a step reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from psd import _native
+from psd.arena import (
+    SET_BUFFER_DTYPES,
+    ParamSpec,
+    arena_spec,
+    encode_spec,
+    first_difference,
+    model_sizes,
+    open_job,
+    shm_path,
+)
+from psd.errors import (
+    ArenaBusy,
+    Error,
+    Evicted,
+    NoFreeSlot,
+    OutOfSharedMemory,
+    ServerGone,
+    SpecError,
+    StateError,
+    Timeout,
+)
+from psd.learner.resume import life_start, note_resumed
+from psd.state import buffers_view, model_spec, torch_dtype, weights_view
+
+__all__ = ["Connection"]
+
+log = logging.getLogger("psd.learner")
+
+
+def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], params: list, buffers: list,
+                timeout: float) -> None:
+    """Bring the arena to READY: offer our spec if it has none, and if ours is taken, write our weights."""
+    me = os.getpid()
+    deadline = _Deadline(timeout)
+    while True:
+        st = arena.state
+        if st == _native.ARENA_READY:
+            return
+        if st == _native.ARENA_STOPPED:
+            raise Error(f"job {job!r} is stopping; start its server again with `psd serve --job {job}`")
+        if st == _native.ARENA_WAITING_SPEC:
+            data, digest = encode_spec(spec)
+            if arena.set_spec(data, digest, model_sizes(spec), me, _native.proc_start_time(me)):
+                arena.wait_state(_native.ARENA_SPEC_OFFERED, deadline.left())
+                if arena.state == _native.ARENA_WAITING_SPEC:
+                    msg = arena.header()["fail_msg"]
+                    raise (OutOfSharedMemory if "shared memory" in msg else SpecError)(
+                        f"job {job!r} refused this model: {msg}")
+                continue
+        elif st == _native.ARENA_INIT_WEIGHTS and arena.header()["offer_pid"] == me:
+            arena.remap()
+            h = arena.header()
+            arena.offer_window(True)  # the weights, the buffers and the state: writable only meanwhile
+            try:
+                w, b = weights_view(arena, h), buffers_view(arena, h)
+                w.copy_(torch.cat([p.detach().reshape(-1).float() for p in params]))  # the model may be on a GPU
+                if buffers:
+                    b.copy_(torch.cat([t.detach().reshape(-1).double() for t in buffers]))
+                del w, b
+                arena.set_state(_native.ARENA_READY)
+            finally:
+                arena.offer_window(False)
+            return
+        if deadline.expired():
+            raise Timeout(f"job {job!r} did not become ready within {timeout:g} s (state {st}); "
+                          f"is its server running? (`psd status --job {job}`)")
+        arena.wait_state(st, min(deadline.left(), 0.5))
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._end = self._clock() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self._end - self._clock())
+
+    def expired(self) -> bool:
+        return self.left() <= 0
+
+
+def _by_name(p: ParamSpec) -> str:
+    return p.name
+
+
+class Connection:
+    """How a learner attaches, claims, reconnects and unmaps. A part of
+    :class:`psd.learner.Learner` (one of its base classes); what it reads and writes lives on the learner."""
+
+    def _check_sparse(self, arena: _native.Arena) -> None:
+        if not self._sparse:
+            return
+        t, h = arena.training(), arena.header()
+        if t["optimizer"] not in ("sgd", "momentum", "nesterov", "adagrad") or h["weight_decay"]:
+            names = ", ".join(repr(self._spec[k].name) for k in self._sparse)
+            raise SpecError(f"job {self.job!r} trains with --optimizer {t['optimizer']}"
+                            f"{' and weight decay' if h['weight_decay'] else ''}, which does not take the sparse "
+                            f"gradients of {names} (nn.Embedding(sparse=True)); serve the job with --optimizer sgd, "
+                            f"momentum, nesterov or adagrad and no --weight-decay (as torch.optim), or make the "
+                            f"embedding dense")
+
+    def _check_pull(self, arena: _native.Arena) -> None:
+        if self.pull_mode == "view" and arena.header()["cfg_flags"] & _native.CFG_PREDICT:
+            raise SpecError(f"job {self.job!r} runs with --predict, which extrapolates a private copy of the "
+                            f"weights; {self._pull_source} trains on the shared weights themselves: pull a copy "
+                            f"(pull='copy', PSD_PULL=copy, psd run --pull copy), or serve the job without --predict")
+
+    def _connect(self, slot_timeout: float) -> None:
+        """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
+        arena = open_job(self.job, role="learner")
+        try:
+            if self.partial:
+                self._await_model(arena)
+                arena.remap()
+                self._layout(self._partial_state(arena_spec(arena)))
+            elif arena.state != _native.ARENA_READY:
+                buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
+                _wait_ready(arena, self.job, self._spec, self._params, buffers, self.timeout)
+            arena.remap()
+            theirs = arena_spec(arena)
+            if self._spec != theirs and sorted(self._spec, key=_by_name) == sorted(theirs, key=_by_name):
+                # The same tensors in another order (a job started from a file that lists them by name,
+                # as safetensors does): tensors are matched by name, so lay this learner out in the job's.
+                self._layout(model_spec(self.model, order=[p.name for p in theirs]))
+            mismatch = first_difference(self.job, self._spec, theirs)
+            if mismatch:
+                raise mismatch
+            self._check_sparse(arena)
+            self._check_pull(arena)
+            if self.partial and self._buf_range is not None:
+                arena.set_push_buffers(*self._buf_range)
+            self._arena = arena
+            self._claim(slot_timeout)
+        except BaseException:
+            arena.close()
+            raise
+        self._identity = arena.identity()
+        h = arena.header()
+        self.sync = arena.training()["sync"]
+        self.push_every = h["push_every"]
+        # Where this life goes on (in mini-batches: each applied push was a wave of them): the rank's
+        # progress when this process first attached, not what a reconnect finds this life added.
+        if self.rank >= 0:
+            applied, every = life_start(self.job, self.rank, lambda: (self._rank_progress(), self.push_every))
+            self._resume_step = applied * every
+        else:
+            self._resume_step = 0
+        self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
+        # --grad-dtype bf16: dense gradients go into the ring as bfloat16 (the server widens them).
+        self._store = _native.DTYPE_BF16 if h["cfg_flags"] & _native.CFG_GRAD_BF16 else _native.DTYPE_F32
+        self._wave = 0
+        self._wave_loss = 0.0
+        self._wave_batch = 0
+        self._acc = None  # --push-every: the wave's summed gradients (dense, then sparse ones by piece)
+        self._acc_sparse: dict[int, torch.Tensor] = {}
+        self._map_buffers()
+
+    def _await_model(self, arena: _native.Arena) -> None:
+        """A partial attach: wait for the job's model to be declared (it never offers one itself)."""
+        deadline = _Deadline(self.timeout)
+        while (state := arena.state) != _native.ARENA_READY:
+            if state == _native.ARENA_STOPPED:
+                raise Error(f"job {self.job!r} was stopped; start it again (`psd serve --job {self.job} --resume`) "
+                            f"before attaching a stage to it")
+            if deadline.expired():
+                raise Timeout(f"job {self.job!r} has no model yet (state {state}) after {self.timeout:g} s: a "
+                              f"partial attach takes part of the job's model, which a full attach "
+                              f"(psd.learner.attach(model)), `psd serve --init` or `--resume` declares first")
+            arena.wait_state(state, min(deadline.left(), 0.1))  # until the state moves on
+
+    def _partial_state(self, theirs: list[ParamSpec]) -> tuple:
+        """The layout state (``model_spec``'s form) of a partial attach: the job's spec, with this module's
+        tensors where it holds them (matched by full name, shape, dtype and kind) and empty stand-ins for
+        the rest, which this learner never copies in and never pushes a gradient for."""
+        spec_m, params_m, owners_m = self._mine
+        mine = {p.name: (p, t) for p, t in zip(spec_m, params_m, strict=False)}
+        my_buffers = dict(zip((p.name for p in spec_m if p.kind == "buffer"), owners_m, strict=True))
+        job = {p.name: p for p in theirs}
+        for p in spec_m:
+            q = job.get(p.name)
+            if q is None:
+                raise SpecError(f"{p.name!r} {list(p.shape)} {p.dtype} of this module is not in job {self.job!r}'s "
+                                f"model; a partial attach takes a module whose parameters are some of the job's, "
+                                f"by their full names (build the whole model and delete the layers other stages "
+                                f"hold, as torch.distributed.pipelining's manual split does)")
+            if (q.shape, q.dtype, q.kind) != (p.shape, p.dtype, p.kind):
+                raise SpecError(f"{p.name!r} is {list(p.shape)} {p.dtype} ({p.kind}) in this module but "
+                                f"{list(q.shape)} {q.dtype} ({q.kind}) in job {self.job!r}'s model")
+        params, owners, present = [], [], []
+        boff, mine_set, where = 0, [], {}  # mine_set: where this module's real-valued buffers lie among the job's
+        for q in theirs:
+            if q.kind == "buffer":
+                where[q.name] = boff
+                if q.name in my_buffers:
+                    owners.append(my_buffers[q.name])
+                    if q.dtype in SET_BUFFER_DTYPES:
+                        mine_set.append((boff, boff + q.numel, q.name))
+                else:  # the job's other buffers: a stand-in holds each (its counters never move, its
+                    holder = torch.nn.Module()  # values are never taken: outside the pushed range)
+                    holder.register_buffer("b", torch.zeros(q.shape, dtype=torch_dtype(q.dtype)))
+                    owners.append((holder, "b"))
+                boff += q.numel
+                continue
+            held = mine.get(q.name)
+            present.append(held is not None)
+            if held is not None:
+                params.append(held[1])
+            else:  # no memory: a view of one element, re-pointed at the weights buffer like the others
+                params.append(torch.nn.Parameter(torch.zeros((), dtype=torch_dtype(q.dtype)).expand(q.shape),
+                                                 requires_grad=q.kind != "frozen"))
+        self._present = present
+        self._buf_range = None
+        if my_buffers:  # its real-valued buffers must be one run of the job's, which its pushes set
+            lo, hi = (min(a for a, _, _ in mine_set), max(b for _, b, _ in mine_set)) if mine_set else (0, 0)
+            if sum(b - a for a, b, _ in mine_set) != hi - lo:
+                others = [q.name for q in theirs if q.kind == "buffer" and q.dtype in SET_BUFFER_DTYPES
+                          and q.name not in my_buffers and lo <= where[q.name] < hi]
+                names = ", ".join(repr(n) for *_, n in mine_set)
+                raise SpecError(f"this module's real-valued buffers ({names}) are not one run of job {self.job!r}'s: "
+                                f"{others[0]!r} of another stage lies between them (the job lists its buffers "
+                                f"by dtype, then in model order, so a stage whose layers are consecutive but "
+                                f"whose buffers have several dtypes can be split too). Hold consecutive layers "
+                                f"whose real-valued buffers share a dtype, or make the others non-persistent "
+                                f"(register_buffer(..., persistent=False))")
+            self._buf_range = (lo, hi)
+        return theirs, params, owners
+
+    @property
+    def resume_step(self) -> int:
+        """How many of this rank's mini-batches the job had applied before this process attached: a
+        restarted learner (``psd run``) skips that many to go on without replaying any. 0 without a
+        rank. Reading it tells ``psd run`` that this life resumes (its crash-loop rule then counts
+        the rank's applied total as this life's progress)."""
+        if self._resume_step:
+            note_resumed()
+        return self._resume_step
+
+    def _claim(self, slot_timeout: float) -> None:
+        """Ask the server for a slot (a request its update loop answers), waiting up to ``slot_timeout``
+        for one to be free and up to ``timeout`` for a server that is restarting to answer."""
+        me = os.getpid()
+        deadline = _Deadline(slot_timeout)
+        answer = _Deadline(max(self.timeout, slot_timeout))
+        while True:
+            try:
+                self.slot, self._claim_token = self._arena.claim(
+                    me, _native.proc_start_time(me), self.rank, max(0.05, min(answer.left(), 5.0)))
+                break
+            except NoFreeSlot:
+                if deadline.expired():
+                    h = self._arena.header()
+                    pids = [self._arena.slot_info(i)["pid"] for i in range(h["n_slots"])]
+                    raise NoFreeSlot(
+                        f"job {self.job!r} has {h['n_slots']} learner slot(s) and all are in use "
+                        f"(pids {', '.join(map(str, pids))}): start its server with more --learners, "
+                        f"or pass slot_timeout= to wait for a slot"
+                    ) from None
+                # Slots free without a signal of their own: recheck every 0.1 s (or when the
+                # arena's state changes, e.g. the server stops).
+                self._arena.wait_state(_native.ARENA_READY, min(deadline.left(), 0.1))
+            except Evicted:
+                raise Evicted(f"job {self.job!r} evicted this process (pid {me}) earlier: something in it wrote "
+                              f"into its slot what no learner writes (a stray pointer, a wrong tensor view); "
+                              f"`psd status --job {self.job}` shows the rule it broke. Fix that and start a new "
+                              f"process: this one gets no slot again") from None
+            except (ServerGone, Timeout) as e:
+                # Nobody answered: the server is restarting, or its loop is not running yet.
+                if answer.expired() or self._arena.state == _native.ARENA_STOPPED:
+                    raise ServerGone(f"job {self.job!r}: no server answered the claim of a learner slot "
+                                     f"within {max(self.timeout, slot_timeout):g} s ({e}); check it with "
+                                     f"`psd status --job {self.job}`") from None
+                time.sleep(0.05)
+            except StateError:
+                raise Error(f"job {self.job!r} is not accepting learners (state {self._arena.state})") from None
+            except OSError as e:  # refused: the server found no such live process, or a rank out of range
+                raise Error(f"job {self.job!r}: the server refused this process (pid {me}, rank {self.rank}) a "
+                            f"learner slot: {e.strerror or e}. If this process runs in another PID namespace than "
+                            f"the server, start the server with --liveness lease; see `psd doctor --job "
+                            f"{self.job}`") from None
+
+    def _rank_progress(self) -> int:
+        """Gradients this rank had applied before this attach (0 without a rank).
+
+        A restarted learner's earlier incarnation may still be draining; its
+        gradients count once they are applied, so wait for that first.
+        """
+        if self.rank < 0:
+            return 0
+        a = self._arena
+        deadline = _Deadline(self.timeout)
+
+        def predecessor_busy() -> bool:
+            for i in range(a.header()["n_slots"]):
+                s = a.slot_info(i)
+                if i != self.slot and s["rank"] == self.rank and s["state"] != _native.SLOT_FREE:
+                    return True
+            return False
+
+        while predecessor_busy():
+            if deadline.expired():
+                raise Timeout(f"job {self.job!r}: another learner with rank {self.rank} is still attached; "
+                              f"give each learner its own rank (PSD_RANK)")
+            a.wait_state(_native.ARENA_READY, 0.02)  # a slot frees without a signal of its own
+        ranks = a.ranks()
+        return ranks[self.rank] if self.rank < len(ranks) else 0
+
+    def _unmap(self) -> None:
+        """Drop every tensor over the arena, stop the pull thread, unmap."""
+        if self._stepper is not None:
+            self._push_ns = self._stepper.push_ns
+            self._stepper.close()
+            self._stepper = None
+        self._steps_view = self._steps_arena = None  # a view of the arena's piece table (_own_share)
+        for p in self._params:
+            p.grad = None
+        if self._pull is not None:
+            self._pull.unmap()  # stops the pull thread; a view learner's model goes on private memory
+            self._pull = None
+        self._weights = self._entries = self._arena_buffers = None
+        try:
+            self._arena.close()
+        except ArenaBusy:
+            pass  # the user still holds a tensor over the arena; it unmaps when that goes
+
+    def _await_server(self, cause: Error) -> None:
+        """The server died: wait for its successor, on this arena or (after a loss) on a new one."""
+        log.warning("job %r: %s; waiting up to %g s for the server to come back", self.job, cause,
+                    self.reconnect_timeout)
+        deadline = _Deadline(self.reconnect_timeout)
+        path = shm_path(self.job)
+        while not deadline.expired():
+            try:
+                st = os.stat(path)
+                ident = (st.st_dev, st.st_ino)
+            except FileNotFoundError:
+                ident = None
+            if self._identity is not None and self._arena.state == _native.ARENA_STOPPED:
+                raise ServerGone(f"job {self.job!r} was stopped (`psd stop` or Ctrl-C on its server); "
+                                 f"start it again to go on: `psd serve --job {self.job} --resume`") from cause
+            if ident is not None and ident == self._identity:
+                if self._arena.server_alive():
+                    log.warning("job %r: server is back (generation %d)", self.job, self._arena.generation())
+                    self.reconnects += 1
+                    return
+            elif ident is not None:  # the arena was lost; a server started over from a checkpoint
+                if self._identity is not None:
+                    self._unmap()
+                    self._identity = None
+                try:
+                    self._connect(slot_timeout=self.timeout)
+                except Error as e:
+                    log.warning("job %r: cannot attach to the new arena yet: %s", self.job, e)
+                else:
+                    log.warning("job %r: attached to the restarted job (clock %d)", self.job, self.clock)
+                    self.reconnects += 1
+                    return
+            # Nothing in shared memory announces a new server: recheck every 50 ms.
+            time.sleep(0.05)
+        raise ServerGone(f"the server of job {self.job!r} did not come back within {self.reconnect_timeout:g} s "
+                         f"({cause}); check its watchdog (`psd status --job {self.job}`) or restart it with "
+                         f"`psd serve --job {self.job} --resume`") from cause
+
+    def _with_server(self, call, *args):
+        """Run an arena wait; if the server dies meanwhile, wait for it to come back and retry."""
+        while True:
+            try:
+                return call(*args)
+            except ServerGone as e:
+                before = self._identity
+                self._await_server(e)
+                if self._identity != before:
+                    return None  # a new arena: the old ring and what was in it are gone
+
+    def wait_for_peers(self, n: int, timeout: float | None = None) -> None:
+        """Wait until ``n`` learners (this one included) are attached, or training has started.
+
+        A start line for learners launched together: under ``bsp`` call it before the first step,
+        so that the first round already waits for everyone (``attach`` does it for you when
+        ``psd run`` set PSD_WORLD). Once any learner pushed a gradient it returns at once, so a
+        learner that joins or restarts later never waits for peers that finished.
+        """
+        a = self._arena
+        deadline = _Deadline(self.timeout if timeout is None else timeout)
+        while True:
+            c = a.counters()
+            active = c["active_learners"]
+            if active >= n or c["pushed"] > 0:
+                return
+            if deadline.expired():
+                raise Timeout(f"job {self.job!r}: {active} of {n} learners attached after "
+                              f"{self.timeout if timeout is None else timeout:g} s; are the others running?")
+            a.wait_state(_native.ARENA_READY, min(deadline.left(), 0.05))  # claims signal nothing
