@@ -25,6 +25,7 @@ import math
 import os
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from psd.arena import (
     piece_geometry,
     shm_path,
 )
-from psd.choices import PULL_MODES
+from psd.choices import ASYNC_MOMENTUM, OPTIMIZERS, PULL_MODES
 from psd.errors import (
     ArenaBusy,
     Error,
@@ -58,6 +59,7 @@ from psd.errors import (
 )
 from psd.learner.pull import InlinePull, Pull, ThreadPull, ViewPull
 from psd.learner.resume import _env_rank, life_start, note_resumed
+from psd.learner.sharpness import SharpnessProbe
 from psd.state import (
     PARAM_DTYPES,
     buffer_groups,
@@ -179,6 +181,7 @@ class Learner:
         self._stepper = None
         self.predicted_staleness = 0.0
         self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
+        self.sharpness = SharpnessProbe([p for p in model.parameters() if p.requires_grad], list(model.buffers()))
         self._connect(slot_timeout)
 
     @property
@@ -354,6 +357,10 @@ class Learner:
         else:
             self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
+        # Sharpness is measured (with a closure) only where the server uses it: momentum under
+        # --async-momentum auto (psd/gain.py).
+        self.measures_sharpness = (OPTIMIZERS[h["optimizer"]] in ("momentum", "nesterov") and h["momentum"] > 0
+                                   and ASYNC_MOMENTUM[h["async_momentum"]] == "auto")
         # --grad-dtype bf16: dense gradients go into the ring as bfloat16 (the server widens them).
         self._store = _native.DTYPE_BF16 if h["cfg_flags"] & _native.CFG_GRAD_BF16 else _native.DTYPE_F32
         self._wave = 0
@@ -714,7 +721,7 @@ class Learner:
         return keep, ptrs, sparse
 
     def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1, *,
-             only: tuple[int, ...] | None = None) -> None:
+             only: tuple[int, ...] | None = None, closure: Callable[[], Any] | None = None) -> None:
         """Push this mini-batch's gradient and swap in newer weights; replaces ``optimizer.step()``.
 
         The gradients (``p.grad``) are copied into this learner's ring and reset to None, as
@@ -724,6 +731,12 @@ class Learner:
         ``only`` (the indices of trained tensors, in the job's order): push those tensors' gradients
         and leave the others' ``p.grad`` alone (``psd.learner.Optimizer(params=...)``).
         If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
+        ``closure`` (optional, torch.optim's convention): recomputes this mini-batch's loss and gradients
+        (zero the gradients, forward, backward). With it, in a job of momentum under ``--async-momentum
+        auto`` (``measures_sharpness``), every ``sharpness.every``-th step (50) first
+        measures the loss's sharpness (learner/sharpness.py; weights, gradients and buffers are left as
+        they were) for the server: with momentum and ``--async-momentum auto``, a job that measures keeps
+        as much of one process's momentum gain as its staleness safely allows; without, it keeps a tenth.
 
         The job's sync mode decides what else happens: with ``--push-every W`` only every W-th call
         pushes: the mean of the W mini-batches' gradients, which add up in psd's own buffer (so a
@@ -734,6 +747,8 @@ class Learner:
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
+        if closure is not None and self.measures_sharpness and self.sharpness.due():
+            self.measure_sharpness(closure)
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         st = self._stepper
         if st is not None and only is None:  # the whole step in one native call, where the job allows
@@ -761,6 +776,13 @@ class Learner:
             return
         lv, batch_size, _ = wave
         self._push(lv, batch_size, self._wave_grads() if self.push_every > 1 else self._grads_of(only))
+
+    def measure_sharpness(self, closure: Callable[[], Any]) -> float:
+        """Measure the loss's sharpness now with ``closure`` (see ``step``) and report it to the server;
+        returns it (NaN: the closure gave no usable gradient)."""
+        value = self.sharpness.measure(closure)
+        self._arena.note_sharpness(self.slot, value)
+        return value
 
     def _push_open_wave(self) -> None:
         """--push-every: push the mean of an unfinished wave's mini-batches (at close: nothing is lost)."""
