@@ -24,6 +24,7 @@ The matrix scores the job's final model, exported as `psd export` does, separate
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -185,6 +186,13 @@ def train_single(name: str, optimizer: str, lr: float, batch: int, epochs: int, 
     return train_single_curve(name, optimizer, lr, batch, epochs, seed)[-1]
 
 
+def _backward(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A closure's body: this mini-batch's loss and its gradients."""
+    loss = loss_of(name, model, x, y)
+    loss.backward()
+    return loss
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", default=os.environ.get("PSD_JOB", "default"))
@@ -215,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         for idx in epoch_batches(len(x), args.batch_size, args.epochs, g):
             loss = loss_of(args.workload, model, x[idx], y[idx])
             loss.backward()
-            ps.step(loss, batch_size=len(idx))
+            # torch.optim's closure: psd measures the loss's sharpness with it now and then (psd/gain.py)
+            ps.step(loss, batch_size=len(idx), closure=functools.partial(_backward, args.workload, model, x[idx],
+                                                                         y[idx]))
         ps.flush()
         ps.pull()
         value = score(args.workload, model, data)

@@ -19,6 +19,9 @@ epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
   gradients' mean square (over 4 updates) passes 4 times its slow one (up over 128 updates, down over 8);
 - ``probe``: from ``auto``, the gain raised toward ``keep``'s over 200 updates (level 0 to 1), halved
   (and the ramp slowed by 2) whenever the same watch fires (AIMD: hover below the edge);
+- ``predict``: ``off``, the gradient taken on the weights moved on by ``tau`` momentum steps (``--predict``);
+- ``local``: ``tau + 1`` learners in turn, each with its own momentum buffer, pushing ``lr * buffer`` to plain
+  sgd (learner-side momentum);
 - ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then).
 
 The metric is the matrix's (test accuracy); ``tau`` 0 with ``off`` is one process, the baseline.
@@ -39,11 +42,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import convergence_learner as cl  # noqa: E402
+from delay_stability import edge  # noqa: E402
 from matrix import WORKLOADS  # noqa: E402
 
 from psd.workloads import epoch_batches  # noqa: E402
 
-RULES = ("off", "auto", "keep", "watch", "probe", "dc")
+RULES = ("off", "auto", "keep", "watch", "probe", "dc", "predict", "local", "curv")
 MU = 0.9
 
 
@@ -83,8 +87,38 @@ class Watch:
         return self.fast - self.slow > self.log_ratio
 
 
+LEVELS = [i / 20 for i in range(21)]
+
+
+def mix(level: float, tau: int) -> tuple[float, float]:
+    """The rule ``level`` of the way from ``auto`` (0) to ``keep`` (1)."""
+    (ma, fa), (mk, fk) = auto_rule(tau), keep_rule(tau)
+    return (1 - level) * ma + level * mk, (1 - level) * fa + level * fk
+
+
+def edges(tau: int) -> list[float]:
+    """For each of LEVELS, the largest lr h at which the delayed iteration still converges."""
+    return [edge(*mix(lv, tau), tau, False) for lv in LEVELS]
+
+
+def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> float:
+    """The largest eigenvalue of the mini-batch loss's Hessian (power iteration on autograd's
+    Hessian-vector products)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    v = [torch.randn_like(p) for p in params]
+    lam = 0.0
+    for _ in range(iters):
+        norm = math.sqrt(sum(float((x * x).sum()) for x in v))
+        v = [x / norm for x in v]
+        hv = torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
+        lam = sum(float((a * b).sum()) for a, b in zip(hv, v, strict=True))
+        v = [h.detach() for h in hv]
+    return abs(lam)
+
+
 OPTS = {"ratio": 4.0, "angular": False, "signal": "grad", "progress": 0.0, "cut": 0.5, "slow_down": 0.5,
-        "cap": 0.0}
+        "cap": 0.0, "margin": 1.5, "every": 20}
 
 
 def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> dict:
@@ -96,12 +130,19 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
     worker = cl.workload(workload, seed)[1]
     params = list(model.parameters())
     bufs = [torch.zeros_like(p) for p in params]
+    local = [[torch.zeros_like(p) for p in params] for _ in range(tau + 1)]
     history: collections.deque = collections.deque(maxlen=tau + 1)
     watch, cuts, level, rate = Watch(OPTS["ratio"]), [], 0.0, 1 / 200
     turn = Watch(OPTS["ratio"])  # the angular step |dw|^2 / |w|^2 (BatchNorm's scale-invariant weights)
 
+    table = edges(tau) if rule == "curv" and tau else []
+    lam_lr = [0.0]
+
     def rule_now(t: int) -> tuple[float, float]:
-        if rule == "off" or tau == 0:
+        if rule == "curv" and tau:
+            ok = [lv for lv, e in zip(LEVELS, table, strict=True) if e >= OPTS["margin"] * lam_lr[0]]
+            return mix(max(ok) if ok else 0.0, tau)
+        if rule in ("off", "predict", "local") or tau == 0:
             return MU, 1.0
         if rule == "auto" or (rule == "watch" and (t < 64 or cuts)):
             return auto_rule(tau)
@@ -114,12 +155,25 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
     gen = torch.Generator().manual_seed(seed)
     t = 0
     for idx in epoch_batches(len(data.x_train), batch, epochs, gen):
-        history.append([p.detach().clone() for p in params])
+        history.append([p.detach().clone() for p in params] + [b.clone() for b in bufs])
         with torch.no_grad():
-            for q, old in zip(worker.parameters(), history[0], strict=True):
+            then = history[0]
+            for q, old, ob in zip(worker.parameters(), then[:len(params)], then[len(params):], strict=True):
                 q.copy_(old)
+                if rule == "predict" and t:  # PipeOptim: along the momentum step, by the gradient's age
+                    q.add_(ob, alpha=-lr * (len(history) - 1))
             for wb, mb in zip(worker.buffers(), model.buffers(), strict=True):
                 wb.copy_(mb)
+        if rule == "curv" and tau and t % OPTS["every"] == 0:
+            model.train()
+            saved = [b.clone() for b in model.buffers()]  # the measurement leaves BatchNorm's statistics
+            lam_lr[0] = lr * sharpness(model, cl.loss_of(workload, model, data.x_train[idx], data.y_train[idx]))
+            with torch.no_grad():
+                for b, old in zip(model.buffers(), saved, strict=True):
+                    b.copy_(old)
+            model.zero_grad()
+            if trace:
+                print(f"  t {t} lr x sharpness {lam_lr[0]:.3f}", flush=True)
         worker.train()
         worker.zero_grad()
         loss = cl.loss_of(workload, worker, data.x_train[idx], data.y_train[idx])
@@ -134,7 +188,14 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
                          for g, p, q in zip(grads, params, worker.parameters(), strict=True)]
             ms = sum(float((g * g).sum()) for g in grads) / sum(p.numel() for p in params)
             dw2 = w2 = 0.0
+            if rule == "local":  # each of tau + 1 learners its own momentum, pushed as its step
+                own = local[t % (tau + 1)]
+                for p, g, b in zip(params, grads, own, strict=True):
+                    b.mul_(MU).add_(g)
+                    p.add_(b, alpha=-lr)
             for p, g, b in zip(params, grads, bufs, strict=True):
+                if rule == "local":
+                    break
                 if t == 0:
                     b.copy_(g)
                 else:
@@ -206,6 +267,8 @@ def main() -> int:
     p.add_argument("--cut", type=float, default=0.5, help="the probe's level times this when the watch fires")
     p.add_argument("--slow-down", type=float, default=0.5, help="the probe's ramp times this when the watch fires")
     p.add_argument("--cap", type=float, default=0.0, help="the probe's lr factor at most this (0: keep's)")
+    p.add_argument("--margin", type=float, default=1.5, help="curv: the edge at least this x lr x sharpness")
+    p.add_argument("--every", type=int, default=20, help="curv: the sharpness measured every N updates")
     p.add_argument("--progress", type=float, default=0.0,
                    help="the probe raises the gain only once the signal's log is this far below its first 32's")
     p.add_argument("--signal", choices=("grad", "loss"), default="grad",
@@ -215,7 +278,8 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(1)
     OPTS.update(ratio=args.ratio, angular=args.angular, signal=args.signal, progress=args.progress, cut=args.cut,
-                slow_down=args.slow_down, cap=args.cap)
+                slow_down=args.slow_down, cap=args.cap,
+                margin=args.margin, every=args.every)
     if args.only:
         wl, rule, tau = args.only.split(":")
         print(json.dumps(run(wl, rule, int(tau), trace=args.trace)))

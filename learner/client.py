@@ -32,6 +32,7 @@ import collections
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from psd.learner.layout import Layout
 from psd.learner.pull import InlinePull, Pull, ThreadPull, ViewPull, Weights
 from psd.learner.push import Pushing
 from psd.learner.resume import _env_rank
+from psd.learner.sharpness import SharpnessProbe
 from psd.learner.waves import STALENESS_WINDOW, Waves
 from psd.state import buffers_view, model_spec, state_dict_of, weights_view
 
@@ -91,6 +93,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         self._stepper = None
         self.predicted_staleness = 0.0
         self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
+        self.sharpness = SharpnessProbe([p for p in model.parameters() if p.requires_grad], list(model.buffers()))
         self._connect(slot_timeout)
 
     @property
@@ -162,7 +165,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
     # -- a step ---------------------------------------------------------------
 
     def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1, *,
-             only: tuple[int, ...] | None = None) -> None:
+             only: tuple[int, ...] | None = None, closure: Callable[[], Any] | None = None) -> None:
         """Push this mini-batch's gradient and swap in newer weights; replaces ``optimizer.step()``.
 
         The gradients (``p.grad``) are copied into this learner's ring and reset to None, as
@@ -172,6 +175,12 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         ``only`` (the indices of trained tensors, in the job's order): push those tensors' gradients
         and leave the others' ``p.grad`` alone (``psd.learner.Optimizer(params=...)``).
         If the server dies, this waits (up to ``reconnect_timeout``) for the watchdog's new server.
+        ``closure`` (optional, torch.optim's convention): recomputes this mini-batch's loss and gradients
+        (zero the gradients, forward, backward). With it, in a job of momentum under ``--async-momentum
+        auto`` (``measures_sharpness``), every ``sharpness.every``-th step (50) first
+        measures the loss's sharpness (learner/sharpness.py; weights, gradients and buffers are left as
+        they were) for the server: with momentum and ``--async-momentum auto``, a job that measures keeps
+        as much of one process's momentum gain as its staleness safely allows; without, it keeps a tenth.
 
         The job's sync mode decides what else happens: with ``--push-every W`` only every W-th call
         pushes: the mean of the W mini-batches' gradients, which add up in psd's own buffer (so a
@@ -182,6 +191,8 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
+        if closure is not None and self.measures_sharpness and self.sharpness.due():
+            self.measure_sharpness(closure)
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         st = self._stepper
         if st is not None and only is None:  # the whole step in one native call, where the job allows
@@ -211,6 +222,13 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         self._push(lv, batch_size, self._wave_grads() if self.push_every > 1 else self._grads_of(only))
 
     # -- detaching ----------------------------------------------------------
+
+    def measure_sharpness(self, closure: Callable[[], Any]) -> float:
+        """Measure the loss's sharpness now with ``closure`` (see ``step``) and report it to the server;
+        returns it (NaN: the closure gave no usable gradient)."""
+        value = self.sharpness.measure(closure)
+        self._arena.note_sharpness(self.slot, value)
+        return value
 
     def close(self, flush: bool = True) -> None:
         """Detach: push an unfinished ``--push-every`` wave's mean and wait for every pushed gradient to be

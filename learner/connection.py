@@ -24,6 +24,7 @@ from psd.arena import (
     open_job,
     shm_path,
 )
+from psd.choices import ASYNC_MOMENTUM, OPTIMIZERS
 from psd.errors import (
     ArenaBusy,
     Error,
@@ -164,6 +165,10 @@ class Connection:
         else:
             self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
+        # Sharpness is measured (with a closure) only where the server uses it: momentum under
+        # --async-momentum auto (psd/gain.py).
+        self.measures_sharpness = (OPTIMIZERS[h["optimizer"]] in ("momentum", "nesterov") and h["momentum"] > 0
+                                   and ASYNC_MOMENTUM[h["async_momentum"]] == "auto")
         # --grad-dtype bf16: dense gradients go into the ring as bfloat16 (the server widens them).
         self._store = _native.DTYPE_BF16 if h["cfg_flags"] & _native.CFG_GRAD_BF16 else _native.DTYPE_F32
         self._wave = 0

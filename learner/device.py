@@ -27,7 +27,9 @@ import logging
 import math
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -403,13 +405,15 @@ class DeviceLearner(Learner):
         super()._unmap()
 
     def step(self, loss: float | torch.Tensor | None = None, batch_size: int = 1, *,
-             only: tuple[int, ...] | None = None) -> None:
+             only: tuple[int, ...] | None = None, closure: Callable[[], Any] | None = None) -> None:
         """As ``Learner.step``, without waiting for the copies (see the class docstring); ``only`` must
         be None (every trained tensor) on a device learner."""
         if only is not None:
             raise Error("a learner on a device steps all of its model's parameters at once (only=None)")
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
+        if closure is not None and self.measures_sharpness and self.sharpness.due():
+            self.measure_sharpness(closure)
         if not self._collect(add=self._wave > 0):
             return  # no gradient at all: no update
         # A loss tensor stays on the device (float() would wait for the GPU); the push thread reads it.

@@ -429,7 +429,8 @@ class Optimizer(torch.optim.Optimizer):
         if shared is not None and shared.superseded:
             raise Error(f"this psd.learner.Optimizer of job {self.learner.job!r} was detached: {shared.superseded}. "
                         f"Use the newer optimizer (each process has one learner slot per job)")
-        self.learner.step(loss, self.batch_size if batch_size is None else batch_size, only=self._only)
+        self.learner.step(loss, self.batch_size if batch_size is None else batch_size, only=self._only,
+                          closure=closure)
         self._refresh_lr()
         return out
 

@@ -62,21 +62,51 @@ double psd_staleness_avg(const struct psd_header *h) {
     return tau >= 0.0 && tau < 1e18 ? tau : 0.0;
 }
 
-/* The momentum factor of the next update. With --async-momentum auto, the implicit momentum that
- * asynchrony adds (Mitliagkas et al., "Asynchrony begets momentum", 2016: 1 - 1/M with M workers; for
- * a mean staleness tau, tau / (1 + tau)) is taken off the configured momentum, down to 0, so that the
- * two together come near the configured momentum alone. tau is the running mean of the staleness the
- * update loop measured (staleness_avg_bits); it is 0 without staleness (one learner, bsp), and then
- * this is the configured momentum exactly. (Measured against 1 - (1 - mu) / (1 - implicit), and
- * against either with the lr scaled to keep lr / (1 - mu): this form alone stayed stable; README.) */
-double psd_async_momentum(const struct psd_config *c, double tau) {
-    double mu = c->momentum;
-    if (c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO)
-        return mu;
-    if (!(tau > 0.0))
-        return mu;
-    double eff = mu - tau / (1.0 + tau);
-    return eff > 0.0 ? eff : 0.0;
+/* The gain level in the header (gain_level_bits, psd/gain.py): 0 outside [0, 1]. */
+double psd_gain_level(const struct psd_header *h) {
+    uint64_t bits = PSD_LOAD_RLX(&h->gain_level_bits); /* only the server's supervision thread writes it */
+    double level;
+    memcpy(&level, &bits, sizeof level);
+    return level >= 0.0 && level <= 1.0 ? level : 0.0;
+}
+
+/* With --async-momentum auto, the momentum factor (*mu) and learning-rate factor (*lr_factor) of the next
+ * update, `level` of the way from the staleness rule (0) to the gain-keeping rule (1):
+ *
+ * - the staleness rule: the implicit momentum that asynchrony adds (Mitliagkas et al., "Asynchrony begets
+ *   momentum", 2016: 1 - 1/M with M workers; for a mean staleness tau, tau / (1 + tau)) is taken off the
+ *   configured momentum, down to 0, the lr kept. Stable near one process's edge, but a tenth of the gain
+ *   (lr / (1 - mu)) along flat directions at momentum 0.9;
+ * - the gain-keeping rule: a gradient's mean age stays one process's, mu' / (1 - mu') = mu / (1 - mu) - tau,
+ *   and the lr rises so that lr' / (1 - mu') = lr / (1 - mu). One process's gain, stable only where the
+ *   job's lr times the loss's sharpness is small (benchmarks/delay_stability.py).
+ *
+ * The server picks the level from the sharpness the learners measure (psd/gain.py); without one it is 0.
+ * tau is the running mean of the staleness the update loop measured (staleness_avg_bits); it is 0 without
+ * staleness (one learner, bsp), and then this is the configured momentum and lr exactly. */
+void psd_async_rule(const struct psd_config *c, double tau, double level, double *mu, double *lr_factor) {
+    double m = c->momentum;
+    *mu = m;
+    *lr_factor = 1.0;
+    if (c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO || !(tau > 0.0))
+        return;
+    double cut = m - tau / (1.0 + tau);
+    cut = cut > 0.0 ? cut : 0.0;
+    double age = m < 1.0 ? m / (1.0 - m) - tau : 0.0;
+    double keep = age > 0.0 ? age / (1.0 + age) : 0.0;
+    double keep_lr = m < 1.0 ? (1.0 - keep) / (1.0 - m) : 1.0;
+    if (!(level > 0.0) || !(level <= 1.0))
+        level = 0.0;
+    *mu = (1.0 - level) * cut + level * keep;
+    if (c->optimizer == PSD_OPT_MOMENTUM || c->optimizer == PSD_OPT_NESTEROV)
+        *lr_factor = (1.0 - level) + level * keep_lr;
+}
+
+/* The momentum factor of the next update (psd_async_rule). */
+double psd_async_momentum(const struct psd_config *c, double tau, double level) {
+    double mu, f;
+    psd_async_rule(c, tau, level, &mu, &f);
+    return mu;
 }
 
 /* The learning-rate factor of one gradient under --async-momentum auto: a gradient staler than the

@@ -206,6 +206,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
 #define PSD_LSLOT_FIELDS(X)                                                                                      \
     X(tail, tail, ATOMIC) X(learner_clock, learner_clock, ATOMIC) X(pulls, pulls, ATOMIC)                        \
     X(pulls_skipped, pulls_skipped, ATOMIC) X(full_waits, full_waits, ATOMIC) X(lease_beat, lease_beat, ATOMIC) \
+    X(sharpness, sharpness_bits, BITS)                                                                           \
     X(waiters, waiters, ATOMIC) X(req_nonce, req_nonce, ATOMIC) X(req_pid, req_pid, SIGNED)                      \
     X(req_rank, req_rank, SIGNED) X(req_start_time, req_start_time, ATOMIC) X(req_pid_ns, req_pid_ns, ATOMIC)   \
     X(req_check, req_check, ATOMIC) X(release, release, ATOMIC)
@@ -448,6 +449,7 @@ void psd_puller_set_front_clock(struct psd_puller *P, uint64_t clock);
 uint64_t psd_take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known);
 /* Record a pull of the weights as of `clock` in the slot's figures (skipped: the learner held them). */
 void psd_note_pull(struct psd_map *m, uint32_t slot, uint64_t clock, bool skipped);
+void psd_note_sharpness(struct psd_map *m, uint32_t slot, double sharpness);
 void psd_puller_stop(struct psd_puller *P);
 
 /* update.c: the server's update loop */
@@ -479,7 +481,9 @@ int psd_apply_sgd_kernel(float *restrict w, const float *restrict g, uint64_t n,
 double psd_scheduled_lr(const struct psd_config *c, uint64_t t);
 /* The explicit momentum of the next update under --async-momentum, tau the running mean staleness
  * (see optim.c). */
-double psd_async_momentum(const struct psd_config *c, double tau);
+double psd_gain_level(const struct psd_header *h);
+void psd_async_rule(const struct psd_config *c, double tau, double level, double *mu, double *lr_factor);
+double psd_async_momentum(const struct psd_config *c, double tau, double level);
 /* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
 double psd_async_lr_factor(const struct psd_config *c, double tau, double staleness);
 /* The running mean of staleness the update loop stored in the header (0 if it holds no valid one). */

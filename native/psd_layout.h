@@ -73,7 +73,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 8
+#define PSD_LAYOUT_VERSION 9
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -233,6 +233,10 @@ struct psd_header {
     _Atomic uint64_t acc_staleness; /* staleness summed over acc_count */
     _Atomic uint64_t staleness_avg_bits; /* double: running mean of the staleness of the last
                                           * ~PSD_STALENESS_WINDOW updates (--async-momentum reads it) */
+    _Atomic uint64_t gain_level_bits;    /* double in [0, 1]: how much of one process's momentum gain
+                                          * --async-momentum auto keeps (0: the staleness rule alone);
+                                          * written by the server's supervision thread from the learners'
+                                          * measured sharpness (psd/gain.py), read by the update loop */
 
     /* -- life cycle: `state` is store-released by whoever makes a transition
      *    (see enum psd_arena_state), load-acquired by everyone. */
@@ -470,6 +474,8 @@ struct psd_lslot {
     _Atomic uint64_t lease_beat; /* bumped by every push and by the owner's lease thread (lease.c);
                                   * the reaper reclaims the slot when it stands still for lease_ms
                                   * where /proc cannot tell */
+    _Atomic uint64_t sharpness_bits; /* double: the largest curvature of the loss the owner last measured
+                                      * (learner/sharpness.py); the server takes only a finite positive one */
     _Atomic uint32_t waiters;    /* the owner waits on its record's not_full (a hint: the loop wakes it) */
     uint32_t pad;
 };

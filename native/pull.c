@@ -207,6 +207,13 @@ void psd_note_pull(struct psd_map *m, uint32_t slot, uint64_t clock, bool skippe
     PSD_ADD_RLX(skipped ? &s->pulls_skipped : &s->pulls, 1);
 }
 
+/* The owner's measured sharpness of the loss (learner/sharpness.py), for the server's gain level. */
+void psd_note_sharpness(struct psd_map *m, uint32_t slot, double sharpness) {
+    uint64_t bits;
+    memcpy(&bits, &sharpness, sizeof bits);
+    PSD_STORE_RLX(&psd_lslot_at(m, slot)->sharpness_bits, bits);
+}
+
 uint64_t psd_take_weights(struct psd_map *m, uint32_t slot, void *dst, uint64_t known) {
     /* Pairs with the store-release of clock in the update loop: the weights hold at least every
      * update up to it. */

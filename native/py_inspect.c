@@ -71,7 +71,9 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     SET(d, "mapped_size", PyLong_FromSize_t(a->map.size));
     SET(d, "state_vectors", PyLong_FromUnsignedLong(psd_state_vectors(h->cfg.optimizer, h->cfg.sync_mode)));
     SET(d, "lr_now", PyFloat_FromDouble(current_lr(h)));
-    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(&h->cfg, psd_staleness_avg(h))));
+    double level = psd_gain_level(h);
+    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(&h->cfg, psd_staleness_avg(h), level)));
+    SET(d, "gain_level", PyFloat_FromDouble(level));
     SET(d, "staleness_avg", READ_BITS(h, staleness_avg_bits));
     PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
     for (int i = 0; hist && i < PSD_HIST_BUCKETS; i++) {

@@ -464,6 +464,15 @@ static PyObject *arena_note_pull(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *arena_note_sharpness(Arena *a, PyObject *args) {
+    unsigned int slot;
+    double sharpness;
+    if (!PyArg_ParseTuple(args, "Id", &slot, &sharpness) || check_slot(a, slot))
+        return NULL;
+    psd_note_sharpness(&a->map, slot, sharpness);
+    Py_RETURN_NONE;
+}
+
 /* seen_clock(slot) -> clock: a learner whose parameters are views of the shared weights
  * (pull="view") pulls nothing; it records the clock its next gradient is computed from. */
 static PyObject *arena_seen_clock(Arena *a, PyObject *args) {
@@ -643,6 +652,8 @@ PyMethodDef py_learner_methods[] = {
      "pull_into(slot, buffer, known_clock) -> clock: copy the trainable weights into buffer (n_params float32; "
      "the frozen ones never move and are left as they are) unless still at known_clock"},
     {"note_pull", (PyCFunction)arena_note_pull, METH_VARARGS, "note_pull(slot, clock, skipped)"},
+    {"note_sharpness", (PyCFunction)arena_note_sharpness, METH_VARARGS,
+     "note_sharpness(slot, sharpness): the loss's largest curvature this learner measured (NaN: none)"},
     {"start_puller", (PyCFunction)arena_start_puller, METH_VARARGS,
      "start_puller(slot, front, back, clock) -> Puller: a native thread that pulls into back"},
     {NULL, NULL, 0, NULL},

@@ -358,6 +358,22 @@ static PyObject *arena_note_checkpoint(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_gain_level(level): how much of one process's momentum gain --async-momentum auto keeps
+ * (psd/gain.py); the update loop reads it at its next update. */
+static PyObject *arena_set_gain_level(Arena *a, PyObject *args) {
+    double level;
+    if (!PyArg_ParseTuple(args, "d", &level) || check_open(a))
+        return NULL;
+    if (!(level >= 0.0 && level <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "the gain level is a number from 0 to 1, not %g", level);
+        return NULL;
+    }
+    uint64_t bits;
+    memcpy(&bits, &level, sizeof bits);
+    PSD_STORE_RLX(&psd_hdr(&a->map)->gain_level_bits, bits);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef py_server_methods[] = {
     {"grow", (PyCFunction)arena_grow, METH_NOARGS, "Server: grow the arena for the offered spec."},
     {"set_state", (PyCFunction)arena_set_state, METH_VARARGS, "set_state(state, message=None)"},
@@ -385,6 +401,8 @@ PyMethodDef py_server_methods[] = {
      "server, before READY: continue from a checkpoint"},
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
+    {"set_gain_level", (PyCFunction)arena_set_gain_level, METH_VARARGS,
+     "set_gain_level(level): --async-momentum auto's gain level, 0 to 1 (psd/gain.py)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -129,10 +129,10 @@ static bool dense_gradient(struct psd_loop *L, const float *span, const struct p
 /* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
  * says have one, each at its own step count. Runs of dense tensors at the same
  * step go to the optimizer as one range (one call for a whole dense model). */
-static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double lr) {
+static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double lr,
+                         double mom) {
     struct psd_map *m = L->m;
     const struct psd_config *cfg = &L->cfg;
-    const double mom = psd_async_momentum(cfg, L->staleness_avg);
     float *w = psd_weights(m), *s0 = psd_state(m, 0), *s1 = psd_state(m, 1);
     /* The rows log: an update of every tensor, dense, is one entry (everything changed); else each
      * tensor it moves is logged whole, and a sparse one by its rows (psd_sparse_step). */
@@ -195,11 +195,14 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     memcpy(&lr_bits, &lr, sizeof lr_bits);
     if ((L->cfg.cfg_flags & PSD_CFG_STALENESS_LR) && staleness > 1.0)
         lr /= staleness;
+    double mom = L->cfg.momentum;
     if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
-        lr *= psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness);
+        double gain_lr;
+        psd_async_rule(&L->cfg, L->staleness_avg, psd_gain_level(h), &mom, &gain_lr);
+        lr *= gain_lr * psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness);
         note_staleness(L, staleness);
     }
-    apply_pieces(L, g, map, gscale, lr);
+    apply_pieces(L, g, map, gscale, lr, mom);
     for (uint64_t k = 0; k < L->n_pieces; k++)
         L->moved[k] += ((map[k] != PSD_PIECE_ABSENT ? 1.0 : 0.0) - L->moved[k]) / PSD_STALENESS_WINDOW;
     /* Pairs with a learner's load-acquire of rowlog_head (after its load of clock): the entries

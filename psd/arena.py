@@ -109,7 +109,7 @@ del _name
 # texts, the heartbeat's age, the mapping's size, the state vectors, the current lr and momentum, the mean
 # staleness, the histogram). Checked against the dict's keys at the first Header made (``_check_keys``).
 HEADER_DERIVED = ("psd_version", "fail_msg", "heartbeat_age_s", "mapped_size", "state_vectors", "lr_now",
-                  "momentum_now", "staleness_avg", "staleness_hist")
+                  "momentum_now", "gain_level", "staleness_avg", "staleness_hist")
 
 
 def _check_keys(cls: type, keys: Iterable[str], fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:

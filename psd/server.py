@@ -17,13 +17,14 @@ damaged from the newest valid checkpoint instead.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psd import __version__, _native
+from psd import __version__, _native, gain
 from psd.arena import (
     EVICTION_RULES,
     ParamSpec,
@@ -214,6 +215,9 @@ class Server:
         self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
         self._dropped: dict[int, int] = {}  # slot -> dropped count last seen
         self._evictions_seen: set[tuple[int, int]] = set()  # (slot, evicted_unix_ns) of evictions logged
+        self._gain_level = math.nan  # the gain level last set (psd/gain.py); a new server sets its own
+        self._gain_clock = 0  # the clock it was set at
+        self._sharpness = 0.0  # the learners' measurements' decaying maximum (gain.HALF_LIFE)
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
         self._stopped = False
@@ -475,8 +479,11 @@ class Server:
         """Log admissions, evictions and rejected gradients, which the native side only counts."""
         a = self.arena
         h = a.header()
+        sharpness = []
         for i in range(h["n_slots"]):
             info = a.slot_info(i)
+            if info["state"] == _native.SLOT_ACTIVE:
+                sharpness.append(info["sharpness"])
             if info["state"] == _native.SLOT_EVICTED and (i, info["evicted_unix_ns"]) not in self._evictions_seen:
                 self._evictions_seen.add((i, info["evicted_unix_ns"]))
                 rule = EVICTION_RULES.get(info["evicted_rule"], f"rule {info['evicted_rule']}")
@@ -513,6 +520,33 @@ class Server:
                             self.config.job, new, i)
                 self.events.emit("gradients_ignored", slot=i, count=new, reason="stale claim token")
                 self._ignored[i] = info["ignored"]
+        self._steer_gain(h, sharpness)
+
+    def _steer_gain(self, h: dict, sharpness: list[float]) -> None:
+        """--async-momentum auto: the gain level (psd/gain.py) from the largest sharpness the live learners
+        measured (learner/sharpness.py). A value that is not a positive finite number (none measured, or
+        a learner's stray write: the slot is learner-writable) counts for nothing; the largest of the rest
+        is the cautious choice (a learner can only lower the level, toward the staleness rule), held as a
+        maximum that halves over gain.HALF_LIFE updates."""
+        mu = h["momentum"]  # the header's configuration: the flags' defaults filled in
+        if (ASYNC_MOMENTUM[h["async_momentum"]] != "auto" or OPTIMIZERS[h["optimizer"]] not in ("momentum", "nesterov")
+                or not 0 < mu < 1):
+            return
+        seen = [x for x in sharpness if math.isfinite(x) and 0 < x < 1e30]
+        # a decaying maximum of the measurements: one mini-batch's reading can dip far below the loss's
+        # sharpness, and the level must not follow it up
+        hold = 0.5 ** (max(0, h["clock"] - self._gain_clock) / gain.HALF_LIFE)
+        self._sharpness = max(max(seen, default=0.0), self._sharpness * hold)
+        lvl = gain.level(h["lr_now"] * self._sharpness, mu, h["staleness_avg"]) if seen else 0.0
+        # it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
+        last = 0.0 if math.isnan(self._gain_level) else self._gain_level
+        lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
+        self._gain_clock = h["clock"]
+        if lvl != self._gain_level:
+            log.debug("job %r: gain level %.2f (lr x sharpness %s, mean staleness %.2f)", self.config.job, lvl,
+                      f"{h['lr_now'] * self._sharpness:.4g}" if seen else "unmeasured", h["staleness_avg"])
+            self.arena.set_gain_level(lvl)
+            self._gain_level = lvl
 
     def run(self, stop: threading.Event) -> None:
         """Supervise until ``stop`` is set."""

@@ -83,7 +83,9 @@ class Watch(threading.Thread):
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_a_learner_writing_anything_anywhere_it_can_cannot_break_the_job(job, serve, tmp_path, seed):
     events = tmp_path / "events.jsonl"
-    served = serve(job, "--learners", "3", "--lr", "0.001", "--ring-depth", "8", "--event-log", str(events))
+    # momentum: the server steers its gain level from a number each learner writes in its slot (psd/gain.py)
+    served = serve(job, "--learners", "3", "--lr", "0.001", "--ring-depth", "8", "--optimizer", "momentum",
+                   "--event-log", str(events))
     first = arena_header(job)
     honest = [spawn("honest.py", job, str(r), str(HONEST_MAX), stdin=True) for r in (0, 1)]
     rogues: list[subprocess.Popen] = []

@@ -1,0 +1,92 @@
+"""How much of one process's momentum gain ``--async-momentum auto`` keeps: the gain level.
+
+Under asynchrony a gradient is ``tau`` updates old when the server applies it. Heavy-ball momentum on a
+delayed gradient has two ways to go (native/optim.c ``psd_async_rule``), and the level (0 to 1) mixes them:
+
+- level 0, the staleness rule: momentum less asynchrony's implicit momentum ``tau / (1 + tau)``, the lr
+  kept. Stable even where one process's lr sits near its edge of stability, but with a tenth of the gain
+  ``lr / (1 - momentum)`` at momentum 0.9: a job at a small lr trains ten times slower along flat directions;
+- level 1, the gain-keeping rule: a gradient's mean age stays one process's (``mu' / (1 - mu') = mu / (1 - mu)
+  - tau``) and the lr rises to keep ``lr / (1 - mu)``. One process's gain, but stable only while the job's lr
+  times the loss's sharpness (the largest eigenvalue of its Hessian) is small.
+
+Where each is stable is exact on a quadratic (one coordinate of curvature ``h``): the delayed iteration is
+linear, and converges while every root of its characteristic polynomial lies inside the unit circle
+(``stable``; benchmarks/delay_stability.py tabulates the same edges from the companion matrix's eigenvalues).
+So the server takes the largest level whose edge, in units of ``lr h``, is at least ``MARGIN`` times the lr
+times the sharpness the learners measure (learner/sharpness.py, reported through their slots); without a
+measurement the level is 0. Screened on the convergence matrix's workloads in benchmarks/delayed_momentum.py
+(rule ``curv``), then through psd (benchmarks/matrix.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+__all__ = ["HALF_LIFE", "LEVELS", "MARGIN", "RISE", "edge", "edges", "level", "rule", "stable"]
+
+LEVELS = 21  # the levels tried: 0, 0.05, ..., 1
+MARGIN = 1.5  # the chosen level's edge is at least this times lr x sharpness
+HALF_LIFE = 200  # updates: the server holds the largest measurement, halving it over this many
+RISE = 0.01  # the level rises by at most this an update (from 0 to 1 over 100 updates); it falls at once
+MAX_TAU = 64  # above this staleness, level 0 (keeping any gain there needs lr x sharpness below 0.0025)
+
+
+def rule(mu: float, tau: float, level: float) -> tuple[float, float]:
+    """(momentum, lr factor) at mean staleness ``tau`` and gain ``level``: native/optim.c's psd_async_rule."""
+    if not tau > 0:
+        return mu, 1.0
+    cut = max(0.0, mu - tau / (1 + tau))
+    age = mu / (1 - mu) - tau if mu < 1 else 0.0
+    keep = age / (1 + age) if age > 0 else 0.0
+    keep_lr = (1 - keep) / (1 - mu) if mu < 1 else 1.0
+    return (1 - level) * cut + level * keep, (1 - level) + level * keep_lr
+
+
+def stable(lr_h: float, mu: float, tau: int) -> bool:
+    """Whether heavy-ball momentum converges on one coordinate of curvature h whose gradient is ``tau >= 1``
+    updates old: m_t = mu m_{t-1} + h w_{t-tau}, w_{t+1} = w_t - lr m_t. Its characteristic polynomial is
+    (z - 1)(z - mu) z^(tau - 1) + lr h; it converges when every root lies inside the unit circle, which
+    the Schur-Cohn test decides in O(tau^2) (no eigenvalues, no numerical library)."""
+    c = [1.0, -(1.0 + mu), mu] + [0.0] * (tau - 1)
+    c[-1] += lr_h
+    while len(c) > 1:
+        a0, an = c[0], c[-1]
+        if abs(an) >= abs(a0):
+            return False
+        n = len(c) - 1
+        c = [a0 * c[i] - an * c[n - i] for i in range(n)]
+        top = max(abs(x) for x in c) or 1.0
+        c = [x / top for x in c]
+    return True
+
+
+def edge(mu: float, lr_factor: float, tau: int, steps: int = 40) -> float:
+    """The largest lr h (the job's lr, before the factor) at which the delayed iteration converges."""
+    lo, hi = 0.0, 8.0
+    if stable(hi * lr_factor, mu, tau):
+        return hi
+    for _ in range(steps):  # bisection: below the edge every smaller lr h converges too
+        mid = (lo + hi) / 2
+        if stable(mid * lr_factor, mu, tau):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@functools.lru_cache(maxsize=512)
+def edges(mu: float, tau: int) -> tuple[float, ...]:
+    """For each of the LEVELS levels, the edge (in lr h) at staleness ``tau``; falls as the level rises."""
+    return tuple(edge(*rule(mu, tau, i / (LEVELS - 1)), tau, steps=30) for i in range(LEVELS))
+
+
+def level(lr_sharpness: float, mu: float, tau: float, margin: float = MARGIN) -> float:
+    """The gain level for a job at momentum ``mu``, mean staleness ``tau``, whose lr times the loss's
+    measured sharpness is ``lr_sharpness`` (0 when it is not a positive finite number)."""
+    if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < tau <= MAX_TAU or not 0 < mu < 1:
+        return 0.0
+    table = edges(round(mu, 6), math.ceil(tau))
+    ok = [i for i, e in enumerate(table) if e >= margin * lr_sharpness]
+    return max(ok) / (LEVELS - 1) if ok else 0.0

@@ -1,0 +1,134 @@
+"""--async-momentum auto's gain level (psd/gain.py) and the sharpness learners measure for it
+(learner/sharpness.py): the stability edges against the iteration itself, the probe against a known Hessian,
+and a real server steering the level from what a learner reports, junk included."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from conftest import arena_header
+from psd import gain, learner
+from psd.learner.sharpness import SharpnessProbe
+
+
+def iterate(lr_h: float, mu: float, tau: int, steps: int = 6000) -> float:
+    """|w| after heavy-ball momentum with a gradient tau updates old, on f(w) = h w^2 / 2, from w = 1."""
+    ws, m = [1.0] * (tau + 1), 0.0
+    for _ in range(steps):
+        m = mu * m + ws[-1 - tau]
+        ws.append(ws[-1] - lr_h * m)
+        ws.pop(0)
+        if abs(ws[-1]) > 1e6:
+            break
+    return abs(ws[-1])
+
+
+@pytest.mark.parametrize("tau", [1, 2, 4, 8])
+@pytest.mark.parametrize("level", [0.0, 0.5, 1.0])
+def test_each_levels_edge_is_where_the_delayed_iteration_stops_converging(tau, level):
+    mu, f = gain.rule(0.9, tau, level)
+    edge = gain.edge(mu, f, tau)
+    assert 0 < edge < 8
+    assert iterate(0.9 * edge * f, mu, tau) < 1e-2  # converges below the edge
+    assert iterate(1.1 * edge * f, mu, tau) > 1e2  # diverges above it
+
+
+def test_the_level_keeps_as_much_gain_as_the_measured_sharpness_allows():
+    # nothing measured, no staleness, no momentum: the staleness rule alone
+    for bad in (math.nan, math.inf, -1.0, 0.0):
+        assert gain.level(bad, 0.9, 4.0) == 0.0
+    assert gain.level(1e-4, 0.9, 0.0) == 0.0
+    assert gain.level(1e-4, 0.0, 4.0) == 0.0
+    assert gain.level(1e-4, 0.9, gain.MAX_TAU + 1) == 0.0
+    # a flat loss keeps all of one process's gain, a sharp one none; in between it falls as sharpness rises
+    assert gain.level(1e-4, 0.9, 4.0) == 1.0
+    assert gain.level(1.0, 0.9, 4.0) == 0.0
+    levels = [gain.level(x, 0.9, 4.0) for x in (0.01, 0.03, 0.06, 0.1, 0.15, 0.2)]
+    assert levels == sorted(levels, reverse=True) and levels[0] > levels[-1]
+    # the chosen level's edge is at least MARGIN times lr x sharpness
+    for x in (0.01, 0.05, 0.1):
+        lv = gain.level(x, 0.9, 4.0)
+        assert gain.edge(*gain.rule(0.9, 4, lv), 4) >= gain.MARGIN * x
+    # the rule's ends: level 0 takes asynchrony's implicit momentum off; level 1 keeps lr / (1 - mu)
+    assert gain.rule(0.9, 4, 0.0) == pytest.approx((0.9 - 4 / 5, 1.0))
+    mu1, f1 = gain.rule(0.9, 4, 1.0)
+    assert mu1 / (1 - mu1) == pytest.approx(0.9 / 0.1 - 4)
+    assert f1 / (1 - mu1) == pytest.approx(1 / (1 - 0.9))
+
+
+def test_the_probe_finds_the_largest_eigenvalue_and_leaves_training_as_it_was():
+    torch.manual_seed(0)
+    x = torch.randn(64, 12) * torch.linspace(0.2, 3.0, 12)
+    y = torch.randn(64, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 1, bias=False), torch.nn.BatchNorm1d(1, affine=False))
+
+    def closure() -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model[0](x), y) + 0.0 * model(x).sum()  # BatchNorm runs too
+        loss.backward()
+        return loss
+
+    # MSE of a linear map: the Hessian is 2 X^T X / (B d_out), exactly
+    top = float(torch.linalg.eigvalsh(2 * x.T @ x / 64).max())
+    probe = SharpnessProbe(list(model.parameters()), list(model.buffers()), every=1)
+    closure()
+    w, g = model[0].weight.detach().clone(), model[0].weight.grad
+    g_values = g.clone()
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    for _ in range(3):  # the direction carries over: 8 products, then 2 and 2
+        value = probe.measure(closure)
+    assert value == pytest.approx(top, rel=0.02)
+    assert torch.equal(model[0].weight, w)
+    assert model[0].weight.grad is g and torch.equal(g, g_values)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)  # the user's random stream is untouched
+    # due(): steps 1, 2, 4, ... below `every`, then every `every`-th
+    p = SharpnessProbe(list(model.parameters()), every=6)
+    assert [i + 1 for i in range(19) if p.due()] == [1, 2, 4, 6, 12, 18]
+    assert not SharpnessProbe(list(model.parameters()), every=0).due()
+
+
+def steer(ps, closure, until, timeout: float = 60.0, report=None) -> dict:
+    """Train (a closure step each time) until the header satisfies ``until``; ``report``: a sharpness
+    value to write over the learner's own each step (what a stray write could leave)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loss = closure()
+        ps.step(loss, 16, closure=closure)
+        if report is not None:
+            ps._arena.note_sharpness(ps.slot, report)
+        h = arena_header(ps.job)
+        if until(h):
+            return h
+        assert time.monotonic() < deadline, f"the gain level stayed {h['gain_level']} ({h['staleness_avg']=})"
+
+
+def test_a_server_keeps_the_gain_a_learners_measured_sharpness_allows_and_shrugs_off_junk(job, serve):
+    served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001")
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    model = torch.nn.Linear(8, 1)
+
+    def closure() -> torch.Tensor:
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with learner.attach(model, job=job) as ps:
+        ps.sharpness.every = 5
+        h = steer(ps, closure, lambda h: h["gain_level"] > 0 and h["staleness_avg"] > 0)
+        generation = h["generation"]
+        # what the update loop applies is the rule at that level (native/optim.c against psd/gain.py)
+        assert h["momentum_now"] == pytest.approx(gain.rule(0.9, h["staleness_avg"], h["gain_level"])[0], abs=0.05)
+        # a learner's slot is its own to scribble on: no number it leaves there is trusted
+        for junk in (math.nan, math.inf, -math.inf, -1.0, 0.0, 1e300):
+            steer(ps, closure, lambda h: h["gain_level"] == 0.0, report=junk)
+        steer(ps, closure, lambda h: h["gain_level"] > 0)  # measured again: the gain comes back
+        steer(ps, closure, lambda h: h["gain_level"] == 0.0, report=1e6)  # a real number, too sharp for any
+        assert arena_header(job)["generation"] == generation  # the server never went down
+    served.stop()
