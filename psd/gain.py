@@ -24,10 +24,11 @@ from __future__ import annotations
 import functools
 import math
 
-__all__ = ["HALF_LIFE", "LEVELS", "MARGIN", "RISE", "edge", "edges", "level", "rule", "stable"]
+__all__ = ["EDGE_HOLD", "HALF_LIFE", "LEVELS", "MARGIN", "RISE", "at_edge", "edge", "edges", "level", "rule", "stable"]
 
 LEVELS = 21  # the levels tried: 0, 0.05, ..., 1
-MARGIN = 1.5  # the chosen level's edge is at least this times lr x sharpness
+MARGIN = 1.0  # the chosen level's edge is at least this times lr x sharpness
+EDGE_HOLD = 1000  # updates at level 0 after a measurement at or past the staleness rule's own edge
 HALF_LIFE = 200  # updates: the server holds the largest measurement, halving it over this many
 RISE = 0.01  # the level rises by at most this an update (from 0 to 1 over 100 updates); it falls at once
 MAX_TAU = 64  # above this staleness, level 0 (keeping any gain there needs lr x sharpness below 0.0025)
@@ -80,6 +81,15 @@ def edge(mu: float, lr_factor: float, tau: int, steps: int = 40) -> float:
 def edges(mu: float, tau: int) -> tuple[float, ...]:
     """For each of the LEVELS levels, the edge (in lr h) at staleness ``tau``; falls as the level rises."""
     return tuple(edge(*rule(mu, tau, i / (LEVELS - 1)), tau, steps=30) for i in range(LEVELS))
+
+
+def at_edge(lr_sharpness: float, mu: float, tau: float) -> bool:
+    """Whether ``lr_sharpness`` reaches the edge of the staleness rule itself (level 0): the job lives at its
+    edge of stability (Cohen et al. 2021: training at one process's lr drives the sharpness up to the edge,
+    where it hovers), so any gain added would push it over; it stays at level 0 for EDGE_HOLD updates."""
+    if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < tau <= MAX_TAU or not 0 < mu < 1:
+        return False
+    return lr_sharpness * MARGIN >= edges(round(mu, 6), math.ceil(tau))[0]
 
 
 def level(lr_sharpness: float, mu: float, tau: float, margin: float = MARGIN) -> float:

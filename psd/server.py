@@ -218,6 +218,7 @@ class Server:
         self._gain_level = math.nan  # the gain level last set (psd/gain.py); a new server sets its own
         self._gain_clock = 0  # the clock it was set at
         self._sharpness = 0.0  # the learners' measurements' decaying maximum (gain.HALF_LIFE)
+        self._edge_until = 0  # the clock until which the job stays at level 0 (gain.at_edge)
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
         self._stopped = False
@@ -538,6 +539,10 @@ class Server:
         hold = 0.5 ** (max(0, h["clock"] - self._gain_clock) / gain.HALF_LIFE)
         self._sharpness = max(max(seen, default=0.0), self._sharpness * hold)
         lvl = gain.level(h["lr_now"] * self._sharpness, mu, h["staleness_avg"]) if seen else 0.0
+        if seen and gain.at_edge(h["lr_now"] * max(seen), mu, h["staleness_avg"]):
+            self._edge_until = h["clock"] + gain.EDGE_HOLD  # a job at its edge of stability keeps no more gain
+        if h["clock"] < self._edge_until:
+            lvl = 0.0
         # it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
         lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))

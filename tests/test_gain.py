@@ -53,6 +53,9 @@ def test_the_level_keeps_as_much_gain_as_the_measured_sharpness_allows():
     for x in (0.01, 0.05, 0.1):
         lv = gain.level(x, 0.9, 4.0)
         assert gain.edge(*gain.rule(0.9, 4, lv), 4) >= gain.MARGIN * x
+    # a job whose lr x sharpness reaches the staleness rule's own edge lives at its edge of stability: no gain
+    assert gain.at_edge(0.5, 0.9, 2.0) and not gain.at_edge(0.04, 0.9, 8.0) and not gain.at_edge(math.nan, 0.9, 2.0)
+    assert gain.at_edge(gain.edge(*gain.rule(0.9, 4, 0.0), 4) / gain.MARGIN, 0.9, 4.0)
     # the rule's ends: level 0 takes asynchrony's implicit momentum off; level 1 keeps lr / (1 - mu)
     assert gain.rule(0.9, 4, 0.0) == pytest.approx((0.9 - 4 / 5, 1.0))
     mu1, f1 = gain.rule(0.9, 4, 1.0)
