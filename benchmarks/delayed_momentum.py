@@ -182,7 +182,7 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
         with torch.no_grad():
             for mb, wb in zip(model.buffers(), worker.buffers(), strict=True):
                 mb.copy_(wb)
-            grads = [q.grad for q in worker.parameters()]
+            grads = [q.grad.to_dense() if q.grad.is_sparse else q.grad for q in worker.parameters()]
             if rule == "dc":
                 grads = [g + 2.0 * g * g * (p - q)
                          for g, p, q in zip(grads, params, worker.parameters(), strict=True)]
