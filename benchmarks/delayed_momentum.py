@@ -12,7 +12,8 @@ of about tau + 1 learners measures; BatchNorm statistics carried on), at one pro
 epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
 
 - ``off``: momentum and lr as given (``--async-momentum off``);
-- ``auto``: momentum' = max(0, mu - tau / (1 + tau)) (``--async-momentum auto``, psd's default);
+- ``auto``: momentum' = max(0, mu - tau / (1 + tau)) (psd's staleness rule: ``--async-momentum auto`` at
+  gain level 0);
 - ``keep``: momentum' / (1 - momentum') = max(0, mu / (1 - mu) - tau), lr' = lr (1 - momentum') / (1 - mu):
   a gradient's mean age and whole step stay one process's;
 - ``watch``: ``keep`` after 64 updates of ``auto``, and ``auto`` for good once the fast running mean of the
@@ -22,6 +23,8 @@ epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
 - ``predict``: ``off``, the gradient taken on the weights moved on by ``tau`` momentum steps (``--predict``);
 - ``local``: ``tau + 1`` learners in turn, each with its own momentum buffer, pushing ``lr * buffer`` to plain
   sgd (learner-side momentum);
+- ``curv``: psd/gain.py's level between ``auto`` and ``keep``, from the sharpness measured here every
+  ``--every`` updates (8 power iterations on autograd's Hessian-vector products), margin ``--margin``;
 - ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then).
 
 The metric is the matrix's (test accuracy); ``tau`` 0 with ``off`` is one process, the baseline.
@@ -42,9 +45,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import convergence_learner as cl  # noqa: E402
-from delay_stability import edge  # noqa: E402
 from matrix import WORKLOADS  # noqa: E402
 
+from psd import gain  # noqa: E402
 from psd.workloads import epoch_batches  # noqa: E402
 
 RULES = ("off", "auto", "keep", "watch", "probe", "dc", "predict", "local", "curv")
@@ -52,13 +55,11 @@ MU = 0.9
 
 
 def auto_rule(tau: int) -> tuple[float, float]:
-    return max(0.0, MU - tau / (1 + tau)), 1.0
+    return gain.rule(MU, tau, 0.0)  # the staleness rule (the server's level 0)
 
 
 def keep_rule(tau: int) -> tuple[float, float]:
-    age = MU / (1 - MU) - tau
-    mu = age / (1 + age) if age > 0 else 0.0
-    return mu, (1 - mu) / (1 - MU)
+    return gain.rule(MU, tau, 1.0)  # the gain-keeping rule (level 1)
 
 
 class Watch:
@@ -85,20 +86,6 @@ class Watch:
         self.fast += (lx - self.fast) / 4
         self.slow += (lx - self.slow) / 64
         return self.fast - self.slow > self.log_ratio
-
-
-LEVELS = [i / 20 for i in range(21)]
-
-
-def mix(level: float, tau: int) -> tuple[float, float]:
-    """The rule ``level`` of the way from ``auto`` (0) to ``keep`` (1)."""
-    (ma, fa), (mk, fk) = auto_rule(tau), keep_rule(tau)
-    return (1 - level) * ma + level * mk, (1 - level) * fa + level * fk
-
-
-def edges(tau: int) -> list[float]:
-    """For each of LEVELS, the largest lr h at which the delayed iteration still converges."""
-    return [edge(*mix(lv, tau), tau, False) for lv in LEVELS]
 
 
 def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> float:
@@ -135,20 +122,17 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
     watch, cuts, level, rate = Watch(OPTS["ratio"]), [], 0.0, 1 / 200
     turn = Watch(OPTS["ratio"])  # the angular step |dw|^2 / |w|^2 (BatchNorm's scale-invariant weights)
 
-    table = edges(tau) if rule == "curv" and tau else []
     lam_lr = [0.0]
 
     def rule_now(t: int) -> tuple[float, float]:
-        if rule == "curv" and tau:
-            ok = [lv for lv, e in zip(LEVELS, table, strict=True) if e >= OPTS["margin"] * lam_lr[0]]
-            return mix(max(ok) if ok else 0.0, tau)
+        if rule == "curv" and tau:  # psd/gain.py's level, from this run's own measurement
+            return gain.rule(MU, tau, gain.level(lam_lr[0], MU, tau, margin=OPTS["margin"]))
         if rule in ("off", "predict", "local") or tau == 0:
             return MU, 1.0
         if rule == "auto" or (rule == "watch" and (t < 64 or cuts)):
             return auto_rule(tau)
         if rule == "probe":
-            (ma, fa), (mk, fk) = auto_rule(tau), keep_rule(tau)
-            mu, f = (1 - level) * ma + level * mk, (1 - level) * fa + level * fk
+            mu, f = gain.rule(MU, tau, level)
             return mu, min(f, OPTS["cap"]) if OPTS["cap"] else f
         return keep_rule(tau)
 

@@ -191,8 +191,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         """
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
-        if closure is not None and self.measures_sharpness and self.sharpness.due():
-            self.measure_sharpness(closure)
+        self._measure_if_due(closure)
         lv = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         st = self._stepper
         if st is not None and only is None:  # the whole step in one native call, where the job allows
@@ -221,14 +220,19 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         lv, batch_size, _ = wave
         self._push(lv, batch_size, self._wave_grads() if self.push_every > 1 else self._grads_of(only))
 
-    # -- detaching ----------------------------------------------------------
-
     def measure_sharpness(self, closure: Callable[[], Any]) -> float:
         """Measure the loss's sharpness now with ``closure`` (see ``step``) and report it to the server;
         returns it (NaN: the closure gave no usable gradient)."""
         value = self.sharpness.measure(closure)
         self._arena.note_sharpness(self.slot, value)
         return value
+
+    def _measure_if_due(self, closure: Callable[[], Any] | None) -> None:
+        """``step``'s measurement: with a closure, in a job that uses it, on the probe's schedule."""
+        if closure is not None and self.measures_sharpness and self.sharpness.due():
+            self.measure_sharpness(closure)
+
+    # -- detaching ----------------------------------------------------------
 
     def close(self, flush: bool = True) -> None:
         """Detach: push an unfinished ``--push-every`` wave's mean and wait for every pushed gradient to be

@@ -412,8 +412,7 @@ class DeviceLearner(Learner):
             raise Error("a learner on a device steps all of its model's parameters at once (only=None)")
         if self._closing:
             raise Error("this learner is detached; attach again to keep training")
-        if closure is not None and self.measures_sharpness and self.sharpness.due():
-            self.measure_sharpness(closure)
+        self._measure_if_due(closure)
         if not self._collect(add=self._wave > 0):
             return  # no gradient at all: no update
         # A loss tensor stays on the device (float() would wait for the GPU); the push thread reads it.

@@ -71,7 +71,8 @@ double psd_gain_level(const struct psd_header *h) {
 }
 
 /* With --async-momentum auto, the momentum factor (*mu) and learning-rate factor (*lr_factor) of the next
- * update, `level` of the way from the staleness rule (0) to the gain-keeping rule (1):
+ * update, `level` (in [0, 1]: psd_gain_level's, checked there) of the way from the staleness rule (0) to
+ * the gain-keeping rule (1):
  *
  * - the staleness rule: the implicit momentum that asynchrony adds (Mitliagkas et al., "Asynchrony begets
  *   momentum", 2016: 1 - 1/M with M workers; for a mean staleness tau, tau / (1 + tau)) is taken off the
@@ -95,8 +96,6 @@ void psd_async_rule(const struct psd_config *c, double tau, double level, double
     double age = m < 1.0 ? m / (1.0 - m) - tau : 0.0;
     double keep = age > 0.0 ? age / (1.0 + age) : 0.0;
     double keep_lr = m < 1.0 ? (1.0 - keep) / (1.0 - m) : 1.0;
-    if (!(level > 0.0) || !(level <= 1.0))
-        level = 0.0;
     *mu = (1.0 - level) * cut + level * keep;
     if (c->optimizer == PSD_OPT_MOMENTUM || c->optimizer == PSD_OPT_NESTEROV)
         *lr_factor = (1.0 - level) + level * keep_lr;

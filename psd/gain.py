@@ -83,20 +83,25 @@ def edges(mu: float, tau: int) -> tuple[float, ...]:
     return tuple(edge(*rule(mu, tau, i / (LEVELS - 1)), tau, steps=30) for i in range(LEVELS))
 
 
+def _edges_for(lr_sharpness: float, mu: float, tau: float) -> tuple[float, ...] | None:
+    """The edges at ``tau`` for a measurement that can choose a level (a positive finite ``lr_sharpness``,
+    some staleness up to MAX_TAU, a momentum in (0, 1)); else None."""
+    if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < tau <= MAX_TAU or not 0 < mu < 1:
+        return None
+    return edges(round(mu, 6), math.ceil(tau))
+
+
 def at_edge(lr_sharpness: float, mu: float, tau: float) -> bool:
     """Whether ``lr_sharpness`` reaches the edge of the staleness rule itself (level 0): the job lives at its
     edge of stability (Cohen et al. 2021: training at one process's lr drives the sharpness up to the edge,
     where it hovers), so any gain added would push it over; it stays at level 0 for EDGE_HOLD updates."""
-    if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < tau <= MAX_TAU or not 0 < mu < 1:
-        return False
-    return lr_sharpness * MARGIN >= edges(round(mu, 6), math.ceil(tau))[0]
+    table = _edges_for(lr_sharpness, mu, tau)
+    return table is not None and lr_sharpness * MARGIN >= table[0]
 
 
 def level(lr_sharpness: float, mu: float, tau: float, margin: float = MARGIN) -> float:
     """The gain level for a job at momentum ``mu``, mean staleness ``tau``, whose lr times the loss's
     measured sharpness is ``lr_sharpness`` (0 when it is not a positive finite number)."""
-    if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < tau <= MAX_TAU or not 0 < mu < 1:
-        return 0.0
-    table = edges(round(mu, 6), math.ceil(tau))
-    ok = [i for i, e in enumerate(table) if e >= margin * lr_sharpness]
+    table = _edges_for(lr_sharpness, mu, tau)
+    ok = [i for i, e in enumerate(table or ()) if e >= margin * lr_sharpness]
     return max(ok) / (LEVELS - 1) if ok else 0.0
