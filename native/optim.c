@@ -230,8 +230,10 @@ void psd_apply_sgd(float *restrict w, const void *restrict g, uint32_t gdtype, u
  * it: the scalars are copied into locals and every per-job choice (weight decay, the first step,
  * Nesterov, AdamW's decoupled decay, torch.lerp's side) is a compile-time constant of an always-inlined
  * body, picked once per range, so no branch is left in the loop; with -fno-math-errno, sqrtf is the
- * packed square root. PSD_KERNEL (psd.h) builds each range kernel for AVX-512, AVX2 and the baseline,
- * picked at load time by the CPU (GCC's target_clones). */
+ * packed square root; weight decay is one fused multiply-add (fmaf), rounded as torch's
+ * grad.add(param, alpha=wd) rounds it, which decides Adam's and Adagrad's first step where the gradient and
+ * wd * w nearly cancel. PSD_KERNEL (psd.h) builds each range kernel for x86-64-v4 (AVX-512), v3 (AVX2,
+ * FMA) and the baseline, picked at load time by the CPU (GCC's target_clones). */
 #define PSD_INLINE static inline __attribute__((always_inline))
 
 PSD_INLINE uint32_t sgd_body(const struct step_scalars *k, const int wd_on, float *restrict w,
@@ -241,7 +243,7 @@ PSD_INLINE uint32_t sgd_body(const struct step_scalars *k, const int wd_on, floa
     for (uint64_t i = lo; i < hi; i++) {
         float d = psd_take1(g[i], &bad) * gs;
         if (wd_on)
-            d = d + wd * w[i];
+            d = fmaf(wd, w[i], d);
         w[i] = w[i] + neg_lr * d;
     }
     return bad;
@@ -260,7 +262,7 @@ PSD_INLINE uint32_t momentum_body(const struct step_scalars *k, const int nester
     for (uint64_t i = lo; i < hi; i++) {
         float d = psd_take1(g[i], &bad) * gs;
         if (wd_on)
-            d = d + wd * w[i];
+            d = fmaf(wd, w[i], d);
         float b = first ? d : buf[i] * mom + omd * d;
         buf[i] = b;
         float u = nesterov ? d + mom * b : b;
@@ -292,7 +294,7 @@ PSD_INLINE uint32_t adam_body(const struct step_scalars *k, const int decay, con
         if (decay == 2)
             p = p * dm;
         else if (decay == 1)
-            d = d + wd * p;
+            d = fmaf(wd, p, d);
         float a = m[i];
         float mi = low ? a + b1w * (d - a) : d - (d - a) * b1w_c; /* torch.lerp(m, d, b1w), both sides exact */
         float vi = v[i] * b2 + omb2 * (d * d);
@@ -327,7 +329,7 @@ PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, 
     for (uint64_t i = lo; i < hi; i++) {
         float d = psd_take1(g[i], &bad) * gs;
         if (wd_on)
-            d = d + wd * w[i];
+            d = fmaf(wd, w[i], d);
         float s = sum[i] + d * d;
         sum[i] = s;
         w[i] = w[i] + neg_clr * (d / (sqrtf(s) + eps));

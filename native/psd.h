@@ -266,15 +266,18 @@ static inline void psd_beat(struct psd_beat *b) {
     if (b)
         psd_beat_at(b, psd_now_ns());
 }
-/* The update loop's optimizer kernels (optim.c) are built three times, for AVX-512, AVX2 and the x86-64
- * baseline, and the loader picks the one the CPU runs (GCC's target_clones, an ifunc): no -march=native
- * in the build, full vector width where the machine has it. Other compilers and CPUs: one build. The
- * build is ISO C11 (-std=c11: no floating-point contraction), so every clone rounds exactly alike. */
+/* The update loop's optimizer kernels (optim.c) are built three times, for x86-64-v4 (AVX-512), x86-64-v3
+ * (AVX2 with FMA) and the x86-64 baseline, and the loader picks the one the CPU runs (GCC's target_clones,
+ * an ifunc): no -march=native in the build, full vector width where the machine has it. Other compilers
+ * and CPUs: one build. The build is ISO C11 (-std=c11: no floating-point contraction), so every clone
+ * rounds exactly alike; the one fused multiply-add is written out (fmaf: weight decay, as torch's
+ * grad.add(param, alpha=wd) rounds it), an instruction in the v3 and v4 clones and libm's exact fmaf in the
+ * baseline one. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
     !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
 /* (Not under the sanitizers: an ifunc resolver runs while the program is relocated, before their
  * runtime is up, and its instrumented code crashes. The stress test builds the one baseline version.) */
-#define PSD_KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
+#define PSD_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define PSD_KERNEL
 #endif

@@ -3,10 +3,17 @@
 Every optimizer, weight decay on and off, float32 and bfloat16 gradients, one and two threads, sizes that
 leave every vector tail (1 to 2 vectors of 16 plus odd remainders, and one over the threaded cut-off) and
 buffers that start off a vector boundary: three updates of `_native.optimizer_step` must match torch's
-single-tensor optimizer (foreach=False) to 1e-6 relative.
+single-tensor optimizer (foreach=False) to 1e-6 relative, three seeds each (fixed, so a failure reruns).
+
+Weight decay is torch's `grad.add(param, alpha=wd)`, one fused multiply-add: where the gradient and
+wd * w nearly cancel, the sum's last bit decides Adam's and Adagrad's first step (they divide it by its
+own size), so a kernel that rounded the product first would differ from torch by up to lr there. The
+random data reaches such elements (about one run in seventy at 65,549 elements did before the kernels fused it).
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import pytest
@@ -39,13 +46,14 @@ def unaligned(n: int, fill: np.ndarray | float = 0.0) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
 @pytest.mark.parametrize("wd", [0.0, 0.05], ids=["no-decay", "decay"])
 @pytest.mark.parametrize("name", ["sgd", "momentum", "nesterov", "adam", "adamw", "adagrad"])
-def test_kernels_match_torch_optim(name, wd, bf16, threads):
+def test_kernels_match_torch_optim(name, wd, bf16, threads, seed):
     eps = 1e-10 if name == "adagrad" else 1e-8
-    gen = torch.Generator().manual_seed(hash((name, wd, bf16, threads)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name} {wd} {bf16} {threads} {seed}".encode()))
     for n in (1, 15, 33, 67, (1 << 16) + 13):
         w0 = torch.randn(n, generator=gen)
         w, s0, s1 = unaligned(n, w0.numpy()), unaligned(n), unaligned(n)
