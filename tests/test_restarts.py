@@ -157,3 +157,115 @@ def test_a_lost_arena_without_a_checkpoint_stops_the_job_instead_of_starting_it_
     assert not checkpoint.list_checkpoints(ck)
     subprocess.run([sys.executable, "-m", "psd.cli", "clean"], env=child_env(), check=True, capture_output=True)
     assert not os.path.exists(shm_path(job))
+
+
+# -- the one restart policy (watchdog/restarts.py RestartPolicy), against each restarter's rule as it was written
+# before the policy held it: the same counts, waits and give-ups for every sequence of lives.
+
+
+def _lives(seed: int, n: int = 400) -> list[tuple[float, bool]]:
+    """How long each life ran before it failed, and whether it made progress: short lives, long ones, edges."""
+    import random
+
+    rng = random.Random(seed)
+    return [(rng.choice([0.0, 1.0, 59.9, 60.0, 60.1, 299.9, 300.0, 300.1, 1000.0]), rng.random() < 0.3)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_restart_policy_is_the_watchdogs_rule_for_its_server(seed):
+    from psd.watchdog.restarts import Backoff, RestartPolicy
+
+    base, cap, limit, forgive_after = 0.1, 10.0, 10, 300.0
+    policy = RestartPolicy(Backoff(base, cap), limit=limit, first_step=0, forgive_after=forgive_after)
+    counted, healthy_since, now, gave_up = 0, 0.0, 0.0, 0
+    for ran, _ in _lives(seed):
+        # the server becomes healthy and runs `ran` seconds, polled every second; each forgive_after forgives one
+        policy.healthy(now)
+        healthy_since = now
+        for t in [now + k for k in range(1, int(ran) + 1)]:
+            due = bool(counted) and t - healthy_since >= forgive_after
+            if due:
+                counted -= 1
+                healthy_since = t
+            assert policy.forgive_due(t) == due and policy.count == counted
+        now += ran
+        counted += 1
+        assert policy.failed() == counted
+        if counted > limit:  # given up on: the next watchdog starts counting afresh
+            assert policy.exhausted
+            gave_up += 1
+            counted, policy.count = 0, 0
+            continue
+        assert not policy.exhausted
+        assert policy.delay() == (0.0 if counted == 1 else min(cap, base * 2 ** (counted - 2)))
+    assert gave_up, "the sequence never reached the limit: the test checks less than it says"
+
+
+def test_the_restart_policy_forgives_one_restart_per_forgive_after_of_health():
+    from psd.watchdog.restarts import Backoff, RestartPolicy
+
+    policy = RestartPolicy(Backoff(1.0, 10.0), limit=3, first_step=0, forgive_after=300.0)
+    assert [policy.failed() for _ in range(3)] == [1, 2, 3] and not policy.exhausted
+    assert policy.delay() == 2.0
+    assert not policy.forgive_due(1000.0), "nothing is forgiven before the server is healthy"
+    policy.healthy(10.0)
+    assert not policy.forgive_due(309.9) and policy.count == 3
+    assert policy.forgive_due(310.0) and policy.count == 2
+    assert not policy.forgive_due(609.9), "the next one needs as long again"
+    assert policy.forgive_due(610.0) and policy.forgive_due(910.0) and policy.count == 0
+    assert not policy.forgive_due(5000.0) and policy.count == 0
+    assert [policy.failed() for _ in range(4)] == [1, 2, 3, 4] and policy.exhausted
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_restart_policy_is_the_watchdogs_rule_for_its_node_link(seed):
+    from psd.watchdog.restarts import Backoff, RestartPolicy
+
+    cap = 10.0
+    policy = RestartPolicy(Backoff(0.5, cap), first_step=1, fresh_after=60.0)
+    fails, started, now, most = 0, 0.0, 5.0, 0
+    for ran, _ in _lives(seed):
+        policy.started(now)
+        started = now
+        now += ran
+        fails = 1 if now - started > 60 else fails + 1
+        assert policy.failed(now) == fails and not policy.exhausted
+        assert policy.delay() == Backoff(0.5, cap).delay(fails)
+        now += policy.delay()
+        most = max(most, fails)
+    assert most > 3, "the sequence never made a crash loop: the test checks less than it says"
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1, 3])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_restart_policy_is_psd_runs_rule_for_a_learner(seed, max_restarts):
+    from psd.watchdog.restarts import Backoff, RestartPolicy
+
+    policy = RestartPolicy(Backoff(0.1, 10.0), limit=max_restarts - 1, first_step=2)  # Launcher._policy
+    fruitless, gave_up = 0, 0
+    for _, progress in _lives(seed):
+        fruitless = 0 if progress else fruitless + 1
+        assert policy.failed(progress=progress) == fruitless
+        assert policy.exhausted == (fruitless >= max_restarts)
+        if policy.exhausted:
+            gave_up += 1
+            fruitless, policy.count = 0, 0
+            continue
+        assert policy.delay() == min(10.0, 0.1 * 2 ** fruitless)  # LEARNER_BACKOFF.delay(fruitless + 1)
+    assert gave_up
+
+
+def test_a_backoff_of_no_interval_tries_again_at_once_until_stopped():
+    import threading
+
+    from psd.watchdog.restarts import Backoff
+
+    stop = threading.Event()
+    tries = []
+    for n in Backoff.every(0.0).tries(time.monotonic() + 60, stop):
+        tries.append(n)
+        if n == 4:
+            stop.set()
+    assert tries == [0, 1, 2, 3, 4]
+    assert Backoff.every(0.0).delay(7) == 0.0

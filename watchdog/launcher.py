@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
@@ -36,7 +36,7 @@ from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error
 from psd.events import EventLog
 from psd.watchdog.forkserver import ForkServer, forkable
-from psd.watchdog.restarts import Backoff
+from psd.watchdog.restarts import Backoff, RestartPolicy
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
@@ -100,7 +100,8 @@ class WorkerState(enum.Enum):
     else what it applied itself (it started its data again). A learner that
     is killed while it trains is not crash-looping, so its count starts over;
     one that fails at the same batch every life is. The back-off (0.1 s,
-    doubling up to 10 s) grows only with lives without progress.
+    doubling up to 10 s) grows only with lives without progress. The rule is
+    each learner's ``RestartPolicy`` (watchdog/restarts.py), ``Launcher._policy``.
     """
 
     RUNNING = "running"
@@ -115,7 +116,7 @@ class Worker:
     proc: subprocess.Popen | None = None
     state: WorkerState = WorkerState.RUNNING
     restarts: int = 0
-    fruitless: int = 0  # lives in a row that made no progress
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)  # count: lives in a row that made no progress
     progress_at_start: int = 0
     reach: int = 0  # the furthest any life got through the rank's data (in applied gradients)
     restart_at: float = 0.0
@@ -136,12 +137,13 @@ class Launcher:
             raise ValueError(f"{self.n} learner slots do not split into virtual workers of {stages} stages")
         self.stages = stages
         self._vw_ports: dict[int, int] = {}  # virtual worker -> its process group's port, this life
-        self._vw_fruitless: dict[int, int] = {}  # virtual worker -> its lives in a row without progress
         self.command = command
         self.max_restarts = max_restarts
+        # virtual worker -> its restart policy (count: its lives in a row without progress)
+        self._vw_policies = {vw: self._policy() for vw in range(self.n // stages)}
         # N learners must not oversubscribe the cores: each gets its share of them, at least one.
         self.learner_threads = learner_threads or max(1, len(os.sched_getaffinity(0)) // self.n)
-        self.workers = [Worker(r) for r in range(self.n)]
+        self.workers = [Worker(r, restart_policy=self._policy()) for r in range(self.n)]
         self.pull = pull
         self.sched_policy = learner_sched_policy(learner_sched, self.n)
         self.gpus = gpus or []  # rank r gets GPU gpus[r % len(gpus)]: several learners may share one
@@ -298,10 +300,11 @@ class Launcher:
             how += ", SIGBUS: its arena was truncated or replaced"
         return how
 
-    @staticmethod
-    def _backoff(fruitless: int) -> float:
-        """Seconds before a restart after ``fruitless`` lives in a row without progress: 0.1 s, doubling to 10."""
-        return LEARNER_BACKOFF.delay(fruitless + 1)
+    def _policy(self) -> RestartPolicy:
+        """A learner's (or virtual worker's) restart policy: it counts lives in a row without progress (a life
+        that made progress forgives them all, itself included); the ``max_restarts``-th is not restarted; the
+        restart waits 0.1 s after a life that made progress, 0.2 s after the first without, doubling to 10."""
+        return RestartPolicy(LEARNER_BACKOFF, limit=self.max_restarts - 1, first_step=2)
 
     def _supervise_vws(self) -> None:
         """--stages: a stage that dies takes its virtual worker down (its peers would wait on it in their
@@ -317,13 +320,13 @@ class Launcher:
                         w.proc.kill()
                         w.proc.wait()
                 progressed = [self._made_progress(w) for w in members]
-                fruitless = 0 if any(progressed) else self._vw_fruitless.get(vw, 0) + 1
-                self._vw_fruitless[vw] = fruitless
+                policy = self._vw_policies[vw]
+                fruitless = policy.failed(progress=any(progressed))
                 how = ", ".join(f"stage {w.rank % self.stages} {h}" for w, h in dead)
                 for w, h in dead:
                     self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=h)
                 left = members  # the whole virtual worker goes again, stages that had finished too
-                if fruitless >= self.max_restarts:
+                if policy.exhausted:
                     for w in left:
                         w.state = WorkerState.FAILED
                         w.exit_code = dead[0][0].exit_code  # the dead stage's status, for psd run's own
@@ -336,7 +339,7 @@ class Launcher:
                     continue
                 for w in left:
                     w.state = WorkerState.BACKOFF
-                    w.restart_at = now + self._backoff(fruitless)
+                    w.restart_at = now + policy.delay()
                 log.warning("job %r: virtual worker %d lost %s; restarting its stages", self.job, vw, how)
             elif members and all(w.state != WorkerState.RUNNING for w in members) and any(
                     w.state == WorkerState.BACKOFF and now >= w.restart_at for w in members):
@@ -353,17 +356,17 @@ class Launcher:
                 how = self._poll(w)
                 if how is None:
                     continue
-                w.fruitless = 0 if self._made_progress(w) else w.fruitless + 1
-                if w.fruitless >= self.max_restarts:
+                fruitless = w.restart_policy.failed(progress=self._made_progress(w))
+                if w.restart_policy.exhausted:
                     w.state = WorkerState.FAILED
                     log.error("job %r: learner rank %d (%s) died %d times in a row without getting further "
                               "through its data than before (last: %s); giving up on rank %d, the other learners "
-                              "go on (--max-restarts %d)", self.job, w.rank, " ".join(self.command), w.fruitless,
+                              "go on (--max-restarts %d)", self.job, w.rank, " ".join(self.command), fruitless,
                               how, w.rank, self.max_restarts)
                     self.events.emit("learner_failed", rank=w.rank, exit=how)
                     continue
                 w.state = WorkerState.BACKOFF
-                w.restart_at = now + self._backoff(w.fruitless)
+                w.restart_at = now + w.restart_policy.delay()
                 died.append(f"{w.rank} ({how})")
                 self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=how)
             elif w.state == WorkerState.BACKOFF and now >= w.restart_at:

@@ -22,7 +22,6 @@ removing arenas stays with the server.
 
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import os
@@ -40,7 +39,7 @@ from psd.errors import Error
 from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
-from psd.watchdog.restarts import Backoff
+from psd.watchdog.restarts import Backoff, RestartPolicy
 
 __all__ = ["GIVE_UP_EXIT", "ServerState", "Watchdog", "WatchdogConfig", "terminate"]
 
@@ -49,6 +48,10 @@ log = logging.getLogger("psd.watchdog")
 # The exit status of a watchdog that gave up on its server (max_restarts): `psd run` then stops the job and
 # leaves the arena, instead of starting another watchdog that would start the crash loop again.
 GIVE_UP_EXIT = 86
+# The node link's restarts: 0.5 s doubling (to WatchdogConfig.backoff_cap) while it crash-loops; a link that
+# ran longer than LINK_FRESH_AFTER seconds was not crash-looping, and its count starts over.
+LINK_BACKOFF_BASE = 0.5
+LINK_FRESH_AFTER = 60.0
 
 
 class ServerState(enum.Enum):
@@ -67,7 +70,8 @@ class ServerState(enum.Enum):
     Every restart counts, whether the server had run or not. A counted restart is forgiven once a
     server has run healthy (RUNNING, beating) for ``forgive_after`` seconds; the next one needs as
     long again. With n restarts counted, the n-th waits 0 s if n == 1 (a server killed once comes
-    back at once), else ``min(backoff_cap, backoff_base * 2 ** (n - 2))``.
+    back at once), else ``min(backoff_cap, backoff_base * 2 ** (n - 2))``. The rule is the watchdog's
+    ``RestartPolicy`` (watchdog/restarts.py), ``Watchdog.server_policy``.
     """
 
     STARTING = "starting"
@@ -145,8 +149,11 @@ class Watchdog:
         self.server_pid = 0
         self._server_start = 0
         self._started_at = 0.0
-        self._counted: collections.deque[float] = collections.deque()  # times of restarts not yet forgiven
-        self._healthy_since = 0.0  # when the running server last became healthy or had a restart forgiven
+        # The server's crash loop: restarts counted until forgiven by forgive_after s of healthy running, at most
+        # max_restarts of them, the first at once, then backoff_base doubling to backoff_cap.
+        self.server_policy = RestartPolicy(Backoff(config.backoff_base, config.backoff_cap),
+                                           limit=config.max_restarts, first_step=0,
+                                           forgive_after=config.forgive_after)
         self.restarts = 0
         self.backoffs: list[float] = []  # the wait before each restart, in seconds
         self.last_error = ""  # why the last server died, as the give-up message says it
@@ -162,8 +169,10 @@ class Watchdog:
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
         self.link: subprocess.Popen | None = None  # the node link (--nnodes > 1), psd/nodelink.py
-        self._link_started = 0.0
-        self._link_fails = 0
+        self._link_lives = 0  # node links started by this watchdog
+        # The link's crash loop: no limit; a link that ran a while starts the count over.
+        self.link_policy = RestartPolicy(Backoff(LINK_BACKOFF_BASE, config.backoff_cap), first_step=1,
+                                         fresh_after=LINK_FRESH_AFTER)
         self._link_restart_at = 0.0
 
     # -- the server process -------------------------------------------------
@@ -228,7 +237,7 @@ class Watchdog:
             self.server_pid, self._server_start = h["server_pid"], h["server_start_time"]
             self._started_at = time.monotonic()
             self.state = ServerState.RUNNING
-            self._healthy_since = time.monotonic()
+            self.server_policy.healthy(time.monotonic())
             log.info("job %r: adopted running server pid %d", self.config.serve.job, self.server_pid)
             self.events.emit("server_adopted", server_pid=self.server_pid)
         else:
@@ -242,13 +251,13 @@ class Watchdog:
             terminate(self.proc if self.proc is not None and self.proc.pid == self.server_pid else self.server_pid,
                       deadline=1.0, sig=signal.SIGUSR2)
         self.last_error = why
-        self._counted.append(time.monotonic())
-        n = len(self._counted)
-        if n > self.config.max_restarts:
+        policy = self.server_policy
+        n = policy.failed()
+        if policy.exhausted:
             self._give_up(why)
             return
         self.state = ServerState.RESTARTING
-        wait = 0.0 if n == 1 else self._backoff(self.config.backoff_base, n - 1)
+        wait = policy.delay()
         self.backoffs.append(wait)
         self.events.emit("server_restart", server_pid=self.server_pid, reason=why, counted=n, backoff_s=wait)
         if wait:
@@ -276,7 +285,7 @@ class Watchdog:
                       "instead of starting an empty job. Remove what is left with `psd clean`, then start the job "
                       "again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
                       shm_path(job), self.config.ckpt_dir, job)
-            self.events.emit("watchdog_gave_up", restarts=len(self._counted), reason="arena lost, no checkpoint",
+            self.events.emit("watchdog_gave_up", restarts=self.server_policy.count, reason="arena lost, no checkpoint",
                              fail_msg="")
             return
         self.restarts += 1
@@ -289,7 +298,7 @@ class Watchdog:
         self.state = ServerState.FAILED
         self.exit_code = GIVE_UP_EXIT
         msg = self._fail_msg()
-        n = len(self._counted) - 1
+        n = self.server_policy.count - 1
         log.error("job %r: giving up: the server was restarted %d times (--server-restarts %d; a restart counts "
                   "until a server has run healthy for %g s after it), and the last one %s%s. "
                   "The arena %s is left as it is: `psd inspect --job %s` shows it; fix the cause (the server's "
@@ -357,27 +366,20 @@ class Watchdog:
         age = h["heartbeat_age_s"]
         if self.state == ServerState.STARTING and 0 <= age < self.config.heartbeat_timeout:
             self.state = ServerState.RUNNING
-            self._healthy_since = time.monotonic()
+            self.server_policy.healthy(time.monotonic())
             log.info("job %r: server pid %d running (%.2f s after its start)", self.config.serve.job,
                      self.server_pid, time.monotonic() - self._started_at)
         elif self.state == ServerState.RUNNING and age > self.config.heartbeat_timeout:
             self._restart(f"has not beaten for {age:.1f} s")
             return
-        elif self.state == ServerState.RUNNING and self._counted and \
-                time.monotonic() - self._healthy_since >= self.config.forgive_after:
-            self._counted.popleft()
-            self._healthy_since = time.monotonic()
+        elif self.state == ServerState.RUNNING and self.server_policy.forgive_due(time.monotonic()):
             log.info("job %r: a server restart forgiven after %g s of healthy running (%d still counted)",
-                     self.config.serve.job, self.config.forgive_after, len(self._counted))
+                     self.config.serve.job, self.config.forgive_after, self.server_policy.count)
         if self.checkpoint_requested.is_set() or (
                 self.config.checkpoint_every > 0 and time.monotonic() >= self._next_checkpoint):
             self.checkpoint(force=self.checkpoint_requested.is_set())
 
     # -- the node link (--nnodes > 1) ---------------------------------------------
-
-    def _backoff(self, base: float, n: int) -> float:
-        """The wait before the n-th (from 1) restart of a crash loop: ``base`` doubling, at most ``backoff_cap``."""
-        return Backoff(base, self.config.backoff_cap).delay(n)
 
     def _supervise_link(self) -> None:
         """Start the node link, and restart it (after a back-off) if it died alone."""
@@ -388,9 +390,9 @@ class Watchdog:
             code = self.link.poll()
             if code is None:
                 return
-            # A link that ran a while was not crash-looping: its back-off starts over.
-            self._link_fails = 1 if now - self._link_started > 60 else self._link_fails + 1
-            self._link_restart_at = now + self._backoff(0.5, self._link_fails)
+            # A link that ran a while was not crash-looping: its back-off starts over (link_policy).
+            self.link_policy.failed(now)
+            self._link_restart_at = now + self.link_policy.delay()
             log.warning("job %r: node link pid %d exited with %d; restarting it in %.1f s", self.config.serve.job,
                         self.link.pid, code, self._link_restart_at - now)
             self.events.emit("nodelink_restart", nodelink_pid=self.link.pid, exit=code)
@@ -398,14 +400,15 @@ class Watchdog:
         if now < self._link_restart_at:
             return
         argv = [sys.executable, "-m", "psd.nodelink", *self.config.serve.argv()]
-        if self.config.serve.resume and not self._link_started:
+        if self.config.serve.resume and not self._link_lives:
             # The job resumes: the link's first life takes the agreed state it saved last. A link restarted
             # alone must not: its node's weights moved on since, and it takes the agreed state from a peer.
             argv += ["--resume", self.config.serve.resume]
         if logging.getLogger().level > logging.INFO:
             argv.append("--quiet")
         self.link = subprocess.Popen(argv, env=dict(os.environ, **self.config.extra_env), start_new_session=True)
-        self._link_started = now
+        self._link_lives += 1
+        self.link_policy.started(now)
         log.info("job %r: node %d of %d: node link pid %d", self.config.serve.job, self.config.serve.node_rank,
                  self.config.serve.nnodes, self.link.pid)
 
