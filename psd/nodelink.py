@@ -65,6 +65,7 @@ _POLL_S = 0.001  # the clock is polled: the update loop announces nothing to oth
 _CLOCK_POLL = Backoff.every(_POLL_S)  # the clock, the loop's `held`, a collective's completion
 _ARENA_POLL = Backoff.every(0.05)  # the arena to hold weights (nothing announces READY to other processes)
 _STORE_POLL = Backoff.every(0.02)  # node 0: the epoch's members at the rendezvous (the store announces nothing)
+_ENTER_RETRY = Backoff.every(0.0)  # a later epoch, at once: each try waits for node 0 in _form itself
 _ARENA_CHECK_S = 0.5  # how often the link looks whether its arena was replaced
 _STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
@@ -381,17 +382,17 @@ class NodeLink:
 
     def _enter(self, epoch: int) -> None:
         """A node other than 0: be a member of ``epoch`` or, if node 0 formed it without us, of a later one."""
-        deadline = time.monotonic() + self.cfg.node_timeout * 4
-        while True:
+        for n in _ENTER_RETRY.tries(time.monotonic() + self.cfg.node_timeout * 4, self.stop):
+            if n:  # node 0 formed the last one without us: ask again, for the epoch after its newest
+                self.store.set(f"join/{self.rank}", str(self.me))  # node 0 re-forms at its next round
+                epoch = max(epoch, int(self._get("epoch"))) + 1
             try:
                 self._form(epoch, None, first=False)
                 return
             except _Reform:
-                if time.monotonic() > deadline or self.stop.is_set():
-                    raise Timeout(f"node {self.rank}: the running nodes did not let this node in within "
-                                  f"{self.cfg.node_timeout * 4:g} s") from None
-                self.store.set(f"join/{self.rank}", str(self.me))  # node 0 re-forms at its next round
-                epoch = max(epoch, int(self._get("epoch"))) + 1
+                continue
+        raise Timeout(f"node {self.rank}: the running nodes did not let this node in within "
+                      f"{self.cfg.node_timeout * 4:g} s")
 
     # -- one exchange ------------------------------------------------------------
 
