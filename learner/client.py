@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from psd import _native
-from psd.arena import arena_spec, default_job, open_job
+from psd.arena import ArenaWatch, arena_spec, default_job, open_job
 from psd.choices import PULL_MODES
 from psd.errors import Error, ServerGone, SlotLost, SpecError, StateError  # noqa: F401 (re-exported, below)
 from psd.learner.connection import Connection
@@ -94,6 +94,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         self.predicted_staleness = 0.0
         self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
         self.sharpness = SharpnessProbe([p for p in model.parameters() if p.requires_grad], list(model.buffers()))
+        self._watch = ArenaWatch(self.job, role="learner")  # this learner's mapping, adopted by _connect
         self._connect(slot_timeout)
 
     @property
@@ -240,7 +241,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         if self._closing:
             return
         self._closing = True
-        if self._identity is None:
+        if self._watch.arena is None:
             return  # lost with its arena (see _await_server), nothing left to release
         try:
             self._closing = False

@@ -16,17 +16,16 @@ import torch
 from psd import _native
 from psd.arena import (
     SET_BUFFER_DTYPES,
+    ArenaWatch,
     ParamSpec,
     arena_spec,
     encode_spec,
     first_difference,
     model_sizes,
     open_job,
-    shm_path,
 )
 from psd.choices import ASYNC_MOMENTUM, OPTIMIZERS
 from psd.errors import (
-    ArenaBusy,
     Error,
     Evicted,
     NoFreeSlot,
@@ -104,7 +103,13 @@ def _by_name(p: ParamSpec) -> str:
 
 class Connection:
     """How a learner attaches, claims, reconnects and unmaps. A part of
-    :class:`psd.learner.Learner` (one of its base classes); what it reads and writes lives on the learner."""
+    :class:`psd.learner.Learner` (one of its base classes); what it reads and writes lives on the learner.
+    Its mapping is watched by ``_watch`` (psd.arena.ArenaWatch, the learner's own, made by ``Learner``):
+    ``_connect`` adopts the mapping it opened, ``_unmap`` drops it, and ``_await_server`` looks there whether
+    the job's file still holds it, holds none, or holds a new arena; ``_watch.arena`` is None while this
+    learner maps none (lost with its arena, or closed)."""
+
+    _watch: ArenaWatch
 
     def _check_sparse(self, arena: _native.Arena) -> None:
         if not self._sparse:
@@ -153,7 +158,7 @@ class Connection:
         except BaseException:
             arena.close()
             raise
-        self._identity = arena.identity()
+        self._watch.adopt(arena)  # this life's arena: what _await_server compares the job's file with
         h = arena.header()
         self.sync = arena.training()["sync"]
         self.push_every = h["push_every"]
@@ -340,35 +345,30 @@ class Connection:
             self._pull.unmap()  # stops the pull thread; a view learner's model goes on private memory
             self._pull = None
         self._weights = self._entries = self._arena_buffers = None
-        try:
-            self._arena.close()
-        except ArenaBusy:
-            pass  # the user still holds a tensor over the arena; it unmaps when that goes
+        # Unmapped, and forgotten by the watch; a tensor the user still holds over the arena (ArenaBusy) keeps
+        # the mapping until it goes.
+        self._watch.close()
 
     def _await_server(self, cause: Error) -> None:
         """The server died: wait for its successor, on this arena or (after a loss) on a new one."""
         log.warning("job %r: %s; waiting up to %g s for the server to come back", self.job, cause,
                     self.reconnect_timeout)
         deadline = _Deadline(self.reconnect_timeout)
-        path = shm_path(self.job)
+        watch = self._watch
         while not deadline.expired():
-            try:
-                st = os.stat(path)
-                ident = (st.st_dev, st.st_ino)
-            except FileNotFoundError:
-                ident = None
-            if self._identity is not None and self._arena.state == _native.ARENA_STOPPED:
+            seen = watch.look()  # the arena this learner maps, none, or a new one
+            mapped = watch.arena is not None
+            if mapped and self._arena.state == _native.ARENA_STOPPED:
                 raise ServerGone(f"job {self.job!r} was stopped (`psd stop` or Ctrl-C on its server); "
                                  f"start it again to go on: `psd serve --job {self.job} --resume`") from cause
-            if ident is not None and ident == self._identity:
+            if seen == "same":
                 if self._arena.server_alive():
                     log.warning("job %r: server is back (generation %d)", self.job, self._arena.generation())
                     self.reconnects += 1
                     return
-            elif ident is not None:  # the arena was lost; a server started over from a checkpoint
-                if self._identity is not None:
+            elif seen == "new":  # the arena was lost; a server started over from a checkpoint
+                if mapped:
                     self._unmap()
-                    self._identity = None
                 try:
                     self._connect(slot_timeout=self.timeout)
                 except Error as e:
@@ -389,9 +389,9 @@ class Connection:
             try:
                 return call(*args)
             except ServerGone as e:
-                before = self._identity
+                before = self._watch.arena
                 self._await_server(e)
-                if self._identity != before:
+                if self._watch.arena is not before:
                     return None  # a new arena: the old ring and what was in it are gone
 
     def wait_for_peers(self, n: int, timeout: float | None = None) -> None:

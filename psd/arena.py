@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from psd import _native
 from psd.choices import DEFAULT_JOB, default_job
@@ -322,7 +322,9 @@ class ArenaWatch:
     ``current()`` is the mapping of the arena the job's file holds now, opened again once the file was replaced
     (a new server's), dropped unread once it was truncated under the mapping (touching it would fault with
     SIGBUS), and None while there is none to open. ``opened`` says whether that call mapped it anew. A process
-    that must not follow a replaced arena (the node link: its next life rejoins) asks ``replaced()``."""
+    that must not follow a replaced arena (the node link: its next life rejoins) asks ``replaced()``. A learner,
+    whose reopen is an attach (the job brought to READY, a slot claimed), opens its mapping itself and
+    ``adopt()``s it, then asks ``look()`` while it waits for a server (learner/connection.py)."""
 
     def __init__(self, job: str, role: str = "full") -> None:
         self.job, self.role = job, role
@@ -350,16 +352,27 @@ class ArenaWatch:
         self.arena, self._ident, self.opened = a, a.identity(), True
         return a
 
-    def replaced(self) -> bool:
-        """Whether the job's file no longer holds the arena this watch maps (removed, or another object: a new
-        server's), or it maps none; opens nothing and keeps the mapping."""
-        if self.arena is None:
-            return True
+    def adopt(self, arena: _native.Arena) -> None:
+        """Watch ``arena``, a mapping of the job's arena this process opened itself (``open_job``, which says
+        why it cannot where ``current()`` answers None); a mapping the watch held before is dropped."""
+        if self.arena is not None and self.arena is not arena:
+            self.close()
+        self.arena, self._ident, self.opened = arena, arena.identity(), False
+
+    def look(self) -> Literal["same", "gone", "new"]:
+        """What the job's file holds now, against this watch's mapping: ``"same"``, the arena it maps;
+        ``"gone"``, no file; ``"new"``, another object (a new server's arena), or a file while it maps none.
+        Opens nothing and keeps the mapping."""
         try:
             st = os.stat(shm_path(self.job))
         except FileNotFoundError:
-            return True
-        return (st.st_dev, st.st_ino) != self._ident
+            return "gone"
+        return "same" if self.arena is not None and (st.st_dev, st.st_ino) == self._ident else "new"
+
+    def replaced(self) -> bool:
+        """Whether the job's file no longer holds the arena this watch maps (removed, or another object: a new
+        server's), or it maps none; opens nothing and keeps the mapping."""
+        return self.arena is None or self.look() != "same"
 
     def release(self) -> _native.Arena | None:
         """The current mapping (or None), now the caller's to close: this watch forgets it."""

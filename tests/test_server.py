@@ -194,6 +194,32 @@ def test_the_header_view_reads_each_field_as_the_header_dict_does(job, serve):
     s.stop()
 
 
+def test_an_arena_watch_adopts_a_mapping_and_tells_its_arena_from_none_and_a_new_one(job, serve):
+    """The learner's use of the watch: it opens its mapping itself, and looks whether the job's file still
+    holds that arena ("same"), holds none ("gone": keep the mapping) or holds another ("new": attach again)."""
+    from psd.arena import ArenaWatch, open_job
+
+    watch = ArenaWatch(job, role="reader")
+    assert watch.look() == "gone" and watch.replaced()
+    s = serve(job, "--no-watchdog", "--learners", "1")
+    assert watch.look() == "new" and watch.arena is None  # a file, and no mapping of it: nothing opened
+    first = open_job(job, role="reader")
+    watch.adopt(first)
+    assert watch.arena is first and not watch.opened
+    assert watch.look() == "same" and not watch.replaced()
+    assert watch.current() is first and not watch.opened  # the adopted mapping is the watch's own
+    s.stop()
+    assert watch.look() == "gone" and watch.arena is first and not first.closed  # noticed; the mapping kept
+    s = serve(job, "--no-watchdog", "--learners", "1")
+    assert watch.look() == "new" and watch.replaced()
+    second = open_job(job, role="reader")
+    watch.adopt(second)
+    assert first.closed and watch.arena is second and watch.look() == "same"
+    watch.close()
+    assert second.closed and watch.arena is None and watch.look() == "new"
+    s.stop()
+
+
 def test_an_arena_watch_follows_the_job_from_server_to_server(job, serve):
     from psd.arena import ArenaWatch
     from psd.watchdog.restarts import Backoff
