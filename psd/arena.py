@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -95,6 +96,13 @@ class HeaderView:
 
     def __dir__(self) -> list[str]:
         return [*_native.HEADER_FIELDS, *super().__dir__()]
+
+    @property
+    def heartbeat_age_s(self) -> float:
+        """Seconds since the last heartbeat, -1 before any: ``header()``'s ``heartbeat_age_s`` (py_inspect.c), from
+        ``heartbeat_ns`` alone (CLOCK_MONOTONIC, as ``psd_now_ns``; the clock read after the field, as there)."""
+        beat = self._arena.field("heartbeat_ns")
+        return (time.monotonic_ns() - beat) / 1e9 if beat else -1.0
 
 
 def _header_property(name: str) -> property:
@@ -489,7 +497,7 @@ def arena_spec(arena: _native.Arena) -> list[ParamSpec]:
     two disagree: something overwrote the arena), for callers that read it once the arena holds a spec."""
     data = arena.spec() or b""
     bad = ""
-    if encode_hash(data) != arena.header()["spec_hash"]:
+    if encode_hash(data) != HeaderView(arena).spec_hash:
         bad = "does not match its checksum"
     else:
         try:

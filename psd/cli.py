@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from psd import __version__, _native, chaos, events
-from psd.arena import learner_writable, list_jobs, open_job, shm_name, shm_path
+from psd.arena import HeaderView, learner_writable, list_jobs, open_job, shm_name, shm_path
 from psd.errors import Error, Timeout
 from psd.flags import add_flags, check_args, serve_fields
 from psd.server import ServeConfig, Server
@@ -218,15 +218,18 @@ def _stop(args: argparse.Namespace) -> int:
     from psd.watchdog.supervisor import terminate
 
     a = open_job(args.job, role="reader")
-    h = a.header()
-    a.close()
-    if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
-        who, pid = "watchdog", h["watchdog_pid"]
-    elif _native.owner_alive(h["server_pid"], h["server_start_time"]):
-        who, pid = "server", h["server_pid"]
+    try:
+        h = HeaderView(a)
+        watchdog, server = (h.watchdog_pid, h.watchdog_start_time), (h.server_pid, h.server_start_time)
+    finally:
+        a.close()
+    if _native.owner_alive(*watchdog):
+        who, pid = "watchdog", watchdog[0]
+    elif _native.owner_alive(*server):
+        who, pid = "server", server[0]
     else:
         _native.unlink(shm_name(args.job))
-        print(f"job {args.job!r}: its server (pid {h['server_pid']}) was already dead; removed {shm_path(args.job)}")
+        print(f"job {args.job!r}: its server (pid {server[0]}) was already dead; removed {shm_path(args.job)}")
         return 0
     print(f"stopping job {args.job!r}: SIGTERM to its {who} (pid {pid})", flush=True)
     terminate(pid, deadline=args.timeout)
@@ -246,16 +249,16 @@ def _checkpoint(args: argparse.Namespace) -> int:
 
     a = open_job(args.job)
     try:
-        h = a.header()
-        if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
-            before = h["checkpoint_unix_ns"]
-            os.kill(h["watchdog_pid"], signal.SIGUSR1)
+        h = HeaderView(a)
+        if _native.owner_alive(h.watchdog_pid, h.watchdog_start_time):
+            before = h.checkpoint_unix_ns
+            os.kill(h.watchdog_pid, signal.SIGUSR1)
             deadline = time.monotonic() + args.timeout
-            while a.header()["checkpoint_unix_ns"] == before:
+            while h.checkpoint_unix_ns == before:
                 if time.monotonic() > deadline:
                     raise Timeout(f"the watchdog of job {args.job!r} wrote no checkpoint within {args.timeout:g} s")
                 time.sleep(0.05)  # the watchdog announces it only in the header
-            print(f"job {args.job!r}: checkpoint written by its watchdog at clock {a.header()['checkpoint_clock']}")
+            print(f"job {args.job!r}: checkpoint written by its watchdog at clock {h.checkpoint_clock}")
             return 0
         if a.state != _native.ARENA_READY:
             raise Error(f"job {args.job!r} has no weights yet; nothing to checkpoint")
@@ -433,9 +436,9 @@ def _clean(args: argparse.Namespace) -> int:
         else:
             try:
                 if a.server_alive():
-                    print(f"keeping {shm_path(job)}: its server (pid {a.header()['server_pid']}) is alive")
+                    print(f"keeping {shm_path(job)}: its server (pid {HeaderView(a).server_pid}) is alive")
                     continue
-                reason = f"its server (pid {a.header()['server_pid']}) is dead"
+                reason = f"its server (pid {HeaderView(a).server_pid}) is dead"
             finally:
                 a.close()
         print(f"{'would remove' if args.dry_run else 'removing'} {shm_path(job)}: {reason}")

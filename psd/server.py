@@ -27,6 +27,7 @@ from pathlib import Path
 from psd import __version__, _native, gain
 from psd.arena import (
     EVICTION_RULES,
+    HeaderView,
     ParamSpec,
     arena_spec,
     buffers_set,
@@ -280,7 +281,7 @@ class Server:
             self._crash_at = time.monotonic() + self._crash_after
         st = self.arena.state
         if spec is not None and (st == _native.ARENA_WAITING_SPEC or (
-                st == _native.ARENA_SPEC_OFFERED and self.arena.header()["offer_pid"] == os.getpid())):
+                st == _native.ARENA_SPEC_OFFERED and HeaderView(self.arena).offer_pid == os.getpid())):
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
             log.info("job %r: waiting for the first learner to bring its model", cfg.job)
@@ -348,10 +349,9 @@ class Server:
         me = os.getpid()
         data, digest = encode_spec(spec)
         if not self.arena.set_spec(data, digest, model_sizes(spec), me, _native.proc_start_time(me)):
-            h = self.arena.header()
-            raise Error(f"job {self.config.job!r}: learner pid {h['offer_pid']} offered its model before this "
-                        f"server could load {self.config.init or self.config.resume}; start the server first, "
-                        f"then the learners")
+            raise Error(f"job {self.config.job!r}: learner pid {HeaderView(self.arena).offer_pid} offered its model "
+                        f"before this server could load {self.config.init or self.config.resume}; start the server "
+                        f"first, then the learners")
 
     def _load_weights(self, spec: list[ParamSpec], tensors: dict, ckpt=None) -> None:
         from psd.state import buffers_view, weights_view, write_state
@@ -408,7 +408,7 @@ class Server:
                 a.start_loop(piece_geometry(spec), buffers_set(spec))
                 self._loop_running = True
                 log.info("job %r: ready, %d parameters; update loop running", self.config.job,
-                         a.header()["n_params"])
+                         HeaderView(a).n_params)
             for pid in a.reap():
                 log.warning("job %r: learner pid %d died (or its lease ran out); applying what it pushed, "
                             "then freeing its slot", self.config.job, pid)
@@ -470,10 +470,10 @@ class Server:
     def _evictions_kept(self) -> set[tuple[int, int]]:
         """The eviction records the arena's slots hold now, as (slot, evicted_unix_ns)."""
         a = self.arena
-        h = a.header()
-        if h["state"] < _native.ARENA_INIT_WEIGHTS or not h["weights_off"]:
+        h = HeaderView(a)
+        if h.state < _native.ARENA_INIT_WEIGHTS or not h.weights_off:
             return set()  # no model: the learner blocks (and so no eviction) exist yet
-        return {(i, info["evicted_unix_ns"]) for i in range(h["n_slots"])
+        return {(i, info["evicted_unix_ns"]) for i in range(h.n_slots)
                 if (info := a.slot_info(i))["state"] == _native.SLOT_EVICTED}
 
     def _watch_slots(self) -> None:
@@ -562,7 +562,7 @@ class Server:
     def _drain(self, a: _native.Arena, timeout: float) -> None:
         """Apply what learners had pushed when the stop came (they may go on pushing), for at most ``timeout``
         seconds: a ring far behind (a slow optimizer on a big model, a paused loop) is left as it is."""
-        n = a.header()["n_slots"]
+        n = HeaderView(a).n_slots
         targets = {}
         for i in range(n):
             s = a.slot_info(i)
@@ -581,8 +581,9 @@ class Server:
         pushed but not applied, or None where the ring's indices make no sense (a tail run ahead of its head
         by more than the ring's depth: nothing in it could have been applied)."""
         left = []
-        k = a.header()["ring_k"]
-        for i in range(a.header()["n_slots"]):
+        h = HeaderView(a)
+        k = h.ring_k
+        for i in range(h.n_slots):
             s = a.slot_info(i)
             if s["state"] == _native.SLOT_FREE or s["tail"] == s["head"]:
                 continue

@@ -194,6 +194,30 @@ def test_the_header_view_reads_each_field_as_the_header_dict_does(job, serve):
     s.stop()
 
 
+def test_the_header_views_heartbeat_age_is_the_header_dicts(job, serve):
+    """HeaderView.heartbeat_age_s (what the watchdog polls) derives the age as header() does: with the server
+    stopped (SIGSTOP: no beat moves), a view's reading lies between two of the dict's."""
+    from psd.arena import HeaderView, open_job
+
+    s = serve(job, "--no-watchdog", "--learners", "1")
+    a = open_job(job, role="reader")
+    try:
+        view = HeaderView(a)
+        assert 0 <= view.heartbeat_age_s < 5
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # the age grows while nothing beats
+            before = a.header()["heartbeat_age_s"]
+            age = view.heartbeat_age_s
+            after = a.header()["heartbeat_age_s"]
+        finally:
+            os.kill(s.proc.pid, signal.SIGCONT)
+        assert 0.2 <= before <= age <= after < before + 5, (before, age, after)
+    finally:
+        a.close()
+    s.stop()
+
+
 def test_an_arena_watch_adopts_a_mapping_and_tells_its_arena_from_none_and_a_new_one(job, serve):
     """The learner's use of the watch: it opens its mapping itself, and looks whether the job's file still
     holds that arena ("same"), holds none ("gone": keep the mapping) or holds another ("new": attach again)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from psd import __version__, _native
-from psd.arena import ParamSpec, arena_spec, decode_spec, encode_spec
+from psd.arena import HeaderView, ParamSpec, arena_spec, decode_spec, encode_spec
 from psd.errors import Error
 
 if TYPE_CHECKING:  # torch is imported where it is used: a restarting server must not wait for it
@@ -68,7 +68,7 @@ EVICTED_FIELDS = ("evicted_pid", "evicted_start_time", "evicted_pid_ns", "evicte
 def evicted_records(arena: _native.Arena) -> list[dict]:
     """The arena's eviction records still in force (slots in state EVICTED)."""
     out = []
-    for i in range(arena.header()["n_slots"]):
+    for i in range(HeaderView(arena).n_slots):
         info = arena.slot_info(i)
         if info["state"] == _native.SLOT_EVICTED:
             out.append({k: int(info[k]) for k in EVICTED_FIELDS})

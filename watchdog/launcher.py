@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, ArenaWatch, shm_name, wait_for_job
+from psd.arena import ARENA_LOST_EXIT, ArenaWatch, Header, HeaderView, SlotInfo, shm_name, wait_for_job
 from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error
 from psd.events import EventLog
@@ -411,20 +411,20 @@ class Launcher:
         a = self._arena_or_none()
         if a is None or a.state != _native.ARENA_READY:
             return
-        h = a.header()
+        h = Header.read(a)  # one snapshot: the rate and the mean staleness from the same applied
         c = a.counters()
         t0, applied0 = self._last
-        rate = (h["applied"] - applied0) / max(now - t0, 1e-9)
-        self._last = (now, h["applied"])
-        losses = [s["last_loss"] for s in (a.slot_info(i) for i in range(h["n_slots"]))
-                  if s["state"] != _native.SLOT_FREE and s["last_loss"] == s["last_loss"]]
+        rate = (h.applied - applied0) / max(now - t0, 1e-9)
+        self._last = (now, h.applied)
+        losses = [s.last_loss for s in (SlotInfo.read(a, i) for i in range(h.n_slots))
+                  if s.state != _native.SLOT_FREE and s.last_loss == s.last_loss]
         alive = sum(w.state == WorkerState.RUNNING for w in self.workers)
         done = sum(w.state == WorkerState.SUCCEEDED for w in self.workers)
         restarts = sum(w.restarts for w in self.workers)
         line = (f"psd run {self.job}: clock {c['clock']}  {rate:,.0f} grad/s  "
                 f"loss {f'{sum(losses) / len(losses):.4f}' if losses else '-'}  "
-                f"staleness {h['staleness_sum'] / h['applied'] if h['applied'] else 0:.1f}  "
-                f"learners {alive} running, {done} done  restarts {restarts} (server {h['server_restarts']})")
+                f"staleness {h.staleness_sum / h.applied if h.applied else 0:.1f}  "
+                f"learners {alive} running, {done} done  restarts {restarts} (server {h.server_restarts})")
         if self._tty and not final:
             sys.stderr.write("\r\x1b[K" + line)
         else:
@@ -498,10 +498,11 @@ class Launcher:
         if a is None:
             return
         try:
-            h = a.header()
-            if _native.owner_alive(h["server_pid"], h["server_start_time"]):
-                terminate(h["server_pid"], deadline=10.0)  # it applies what is pending, then stops
-            if not clean and h["n_params"] and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
+            h = HeaderView(a)
+            server, start, n_params = h.server_pid, h.server_start_time, h.n_params  # before the server stops
+            if _native.owner_alive(server, start):
+                terminate(server, deadline=10.0)  # it applies what is pending, then stops
+            if not clean and n_params and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
                 from psd.watchdog import checkpoint
 
                 snap = checkpoint.snapshot(a, self.job, {"learners": self.n})

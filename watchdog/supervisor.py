@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, ArenaWatch, open_job, shm_name, shm_path
+from psd.arena import ARENA_LOST_EXIT, ArenaWatch, HeaderView, open_job, shm_name, shm_path
 from psd.errors import Error
 from psd.events import EventLog
 from psd.server import ServeConfig
@@ -227,14 +227,15 @@ class Watchdog:
         """Adopt the job's live server, or start one."""
         a = self._open_arena(announce=False)
         if a is not None and a.server_alive():
-            h = a.header()
-            if _native.owner_alive(h["watchdog_pid"], h["watchdog_start_time"]):
+            h = HeaderView(a)
+            server, watchdog = (h.server_pid, h.server_start_time), (h.watchdog_pid, h.watchdog_start_time)
+            if _native.owner_alive(*watchdog):
                 self._drop_arena()
-                raise Error(f"job {self.config.serve.job!r} already has a running server (pid {h['server_pid']}, "
-                            f"watchdog pid {h['watchdog_pid']}); stop it first, or choose another --job")
+                raise Error(f"job {self.config.serve.job!r} already has a running server (pid {server[0]}, "
+                            f"watchdog pid {watchdog[0]}); stop it first, or choose another --job")
             me = os.getpid()
             a.note_watchdog(me, _native.proc_start_time(me))  # take over as its watchdog
-            self.server_pid, self._server_start = h["server_pid"], h["server_start_time"]
+            self.server_pid, self._server_start = server
             self._started_at = time.monotonic()
             self.state = ServerState.RUNNING
             self.server_policy.healthy(time.monotonic())
@@ -355,15 +356,15 @@ class Watchdog:
             if time.monotonic() - self._started_at > self.config.start_timeout:
                 self._restart("has no arena")
             return
-        h = a.header()
-        if h["state"] == _native.ARENA_READY and not self._had_model:
+        h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
+        if h.state == _native.ARENA_READY and not self._had_model:
             self._had_model = True  # from now on, losing the arena loses trained weights
             log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
-                     "checkpoint in %s, or the job stops", self.config.serve.job, h["n_params"],
+                     "checkpoint in %s, or the job stops", self.config.serve.job, h.n_params,
                      self.config.ckpt_dir)
-        if h["server_pid"] != self.server_pid:
+        if h.server_pid != self.server_pid:
             return  # not yet attached to its arena
-        age = h["heartbeat_age_s"]
+        age = h.heartbeat_age_s
         if self.state == ServerState.STARTING and 0 <= age < self.config.heartbeat_timeout:
             self.state = ServerState.RUNNING
             self.server_policy.healthy(time.monotonic())
@@ -427,7 +428,7 @@ class Watchdog:
         self.checkpoint_requested.clear()
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
         a = arena or self._open_arena()
-        if a is None or a.state not in (_native.ARENA_READY, _native.ARENA_STOPPED) or not a.header()["n_params"]:
+        if a is None or a.state not in (_native.ARENA_READY, _native.ARENA_STOPPED) or not HeaderView(a).n_params:
             return None
         a.remap()
         if not force and a.clock() == self._last_ckpt_clock:
