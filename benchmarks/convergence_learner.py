@@ -165,12 +165,15 @@ def torch_optimizer(name: str, params, lr: float, momentum: float = 0.9) -> torc
     raise SystemExit(f"no baseline for optimizer {name!r}")
 
 
-def train_single_curve(name: str, optimizer: str, lr: float, batch: int, epochs: int, seed: int = 0) -> list[float]:
-    """One process with torch.optim on all the data: the workload's metric after each epoch."""
+def train_single_curve(name: str, optimizer: str, lr: float, batch: int, epochs: int, seed: int = 0,
+                       order: int = 0) -> list[float]:
+    """One process with torch.optim on all the data: the workload's metric after each epoch. ``order`` other
+    than 0 draws the mini-batches in another order (same data split and initial weights: the matrix's
+    noise floor, one process against itself)."""
     data, model = workload(name, seed)
     opt = torch_optimizer(optimizer, model.parameters(), lr)
     x, y = data.x_train, data.y_train
-    g = torch.Generator().manual_seed(1000 + seed)
+    g = torch.Generator().manual_seed(1000 + seed + 104729 * order)
     curve = []
     for _ in range(epochs):
         for idx in epoch_batches(len(x), batch, 1, g):

@@ -30,7 +30,7 @@ LEVELS = 21  # the levels tried: 0, 0.05, ..., 1
 MARGIN = 1.0  # the chosen level's edge is at least this times lr x sharpness
 EDGE_HOLD = 1000  # updates at level 0 after a measurement at or past the staleness rule's own edge
 HALF_LIFE = 200  # updates: the server holds the largest measurement, halving it over this many
-RISE = 0.01  # the level rises by at most this an update (from 0 to 1 over 100 updates); it falls at once
+RISE = 0.01  # after the first measurement set it, the level rises by at most this an update; it falls at once
 MAX_TAU = 64  # above this staleness, level 0 (keeping any gain there needs lr x sharpness below 0.0025)
 
 

@@ -219,6 +219,7 @@ class Server:
         self._gain_level = math.nan  # the gain level last set (psd/gain.py); a new server sets its own
         self._gain_clock = 0  # the clock it was set at
         self._sharpness = 0.0  # the learners' measurements' decaying maximum (gain.HALF_LIFE)
+        self._measured = False  # whether a learner's measurement has set the level yet
         self._edge_until = 0  # the clock until which the job stays at level 0 (gain.at_edge)
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
@@ -543,9 +544,12 @@ class Server:
             self._edge_until = h["clock"] + gain.EDGE_HOLD  # a job at its edge of stability keeps no more gain
         if h["clock"] < self._edge_until:
             lvl = 0.0
-        # it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
+        # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
+        # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
-        lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
+        if self._measured:
+            lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
+        self._measured = self._measured or bool(seen)
         self._gain_clock = h["clock"]
         if lvl != self._gain_level:
             log.debug("job %r: gain level %.2f (lr x sharpness %s, mean staleness %.2f)", self.config.job, lvl,
