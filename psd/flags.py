@@ -120,7 +120,7 @@ class Flag:
             raise SystemExit(f"psd: {self.env}={raw!r} is not a valid {what}; unset it or fix it") from None
 
 
-TRAINING = "training semantics (see the README's \"Training semantics\")"
+TRAINING = "training semantics (see docs/training.md)"
 
 
 _INF = float("inf")

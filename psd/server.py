@@ -92,7 +92,7 @@ class ServeConfig:
     poll_interval: float = 0.1
     liveness: str = declared("liveness")
     lease: float = declared("lease")
-    # -- training semantics (see the README's "Training semantics")
+    # -- training semantics (docs/training.md)
     sync: str = declared("sync")
     push_every: int = declared("push_every")
     optimizer: str = declared("optimizer")
