@@ -90,8 +90,20 @@ def set_learner_sched(name: str, learners: int) -> None:
     os.sched_setscheduler(0, learner_sched_policy(name, learners), os.sched_param(0))
 
 
+# What the measured processes import before their clock starts, imported once by the fork server they
+# are forked from (torch alone is 1.5-3 s of CPU a process on a small machine; a default run starts
+# hundreds of processes, the suite's --quick run 16). A failed import here is only not preloaded.
+PRELOAD = ("torch", "psd.learner", "psd.bench.round_trip", "psd.bench.training", "psd.bench.peers")
+
+
 def _ctx():
-    return mp.get_context("spawn")
+    """Processes start from multiprocessing's fork server with ``PRELOAD`` imported (as `psd run --fork-server`
+    starts learners): each is still a fresh child that unpickles its target and arguments (as "spawn" does),
+    without importing torch again. Every clock starts after the children's set-up (``_timed``'s barrier; a
+    DDP child's own, after init_process_group), so how a process was started is no part of any figure."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _percentiles(ns: list[int]) -> tuple[float, float]:
