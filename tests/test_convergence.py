@@ -27,17 +27,19 @@ LR = {1: 0.005, 2: 0.01, 4: 0.015, 8: 0.025}
 
 
 def train_psd(job: str, serve, learners: int, batch: int, *flags: str, lr: float | None = None) -> float:
-    import subprocess
     import sys
+
+    import forked
 
     from conftest import child_env
 
     serve(job, "--no-watchdog", "--learners", str(learners), "--lr", str(LR[batch] if lr is None else lr), *flags)
+    # Each learner is `python examples/train_mlp.py ...`, forked with torch imported (tests/forked.py): the
+    # same script and process per learner, without a torch import apiece.
     procs = [
-        subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_mlp.py"), "--job", job,
-                          "--rank", str(r), "--world", str(learners), "--epochs", str(EPOCHS),
-                          "--batch-size", str(batch)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=child_env())
+        forked.start([sys.executable, str(ROOT / "examples" / "train_mlp.py"), "--job", job,
+                      "--rank", str(r), "--world", str(learners), "--epochs", str(EPOCHS),
+                      "--batch-size", str(batch)], child_env())
         for r in range(learners)
     ]
     for p in procs:
