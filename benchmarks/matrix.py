@@ -98,8 +98,16 @@ def _server_flags(opt: str, lr: float, sync: str, flags: list[str]) -> list[str]
     return ["--lr", repr(lr), "--optimizer", opt, *(["--sync", sync] if sync != "asp" else []), *flags]
 
 
-def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed: int, flags: list[str]) -> dict:
-    """One psd run of a cell; its final metric and what the server measured."""
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed: int, flags: list[str],
+            start=_popen) -> dict:
+    """One psd run of a cell; its final metric and what the server measured. ``start(cmd, env)`` starts each
+    learner (``cmd``: ``python benchmarks/convergence_learner.py ...``) and returns what answers
+    ``communicate`` and ``returncode`` as a ``subprocess.Popen`` with text pipes does (the single-node set-ups;
+    tests/test_matrix.py forks them from a process that has imported torch)."""
     from psd import learner
     from psd.arena import wait_for_job
     from psd.status import job_status
@@ -132,9 +140,8 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
                                   stderr=subprocess.PIPE, text=True)
         try:
             wait_for_job(job, timeout=60, server_pid=server.pid)
-            procs = [subprocess.Popen([*_learner_cmd(workload, seed, w), "--job", job, "--rank", str(r), "--world",
-                                       str(learners)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=env) for r in range(learners)]
+            procs = [start([*_learner_cmd(workload, seed, w), "--job", job, "--rank", str(r), "--world",
+                            str(learners)], env) for r in range(learners)]
             for p in procs:
                 out, err = p.communicate(timeout=3600)
                 if p.returncode != 0:

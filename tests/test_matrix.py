@@ -18,6 +18,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import convergence_learner as cl
+import forked
 import matrix
 
 SEEDS = (0, 1)
@@ -37,7 +38,8 @@ def baseline(opt: str, seed: int) -> float:
 def worst_gap(opt: str, learners: int, seeds: tuple[int, ...] = SEEDS) -> tuple[float, list]:
     gaps = []
     for seed in seeds:
-        run = matrix.run_psd("mlp", opt, learners, "asp", 1, seed, [])
+        # Each learner forked with torch imported (tests/forked.py): the same script, a process of its own.
+        run = matrix.run_psd("mlp", opt, learners, "asp", 1, seed, [], start=forked.start)
         gaps.append((run["metric"] - baseline(opt, seed), seed, run))
     return min(g for g, _, _ in gaps), gaps
 
