@@ -35,6 +35,10 @@ def _run(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
         os.close(f)
     os.environ.clear()
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read at torch's import in a fresh interpreter; here, now
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     try:

@@ -6,12 +6,14 @@ The servers run without a watchdog: nothing here needs one, and its last checkpo
 from __future__ import annotations
 
 import json
+import sys
 import time
 
+import forked
 import pytest
 import torch
 
-from conftest import finish, kill, read_line, spawn, wait_until
+from conftest import HELPERS, child_env, finish, kill, read_line, spawn, wait_until
 from psd import _native, learner
 from psd.arena import open_job
 
@@ -47,8 +49,8 @@ def test_bsp_equals_one_learner_with_the_combined_batch_bit_for_bit(job, serve):
     assert ref.abs().sum() > 0
 
     served = serve(job, "--no-watchdog", "--learners", "2", "--sync", "bsp", "--lr", repr(lr))
-    procs = [spawn("sync_learner.py", "bsp", "--job", job, "--rank", str(r), "--world", "2",
-                   "--steps", str(steps)) for r in range(2)]
+    procs = [forked.start([sys.executable, str(HELPERS / "sync_learner.py"), "bsp", "--job", job, "--rank", str(r),
+                           "--world", "2", "--steps", str(steps)], child_env()) for r in range(2)]
     outs = [json.loads(finish(p).strip().splitlines()[-1]) for p in procs]
     for out in outs:
         assert torch.equal(torch.tensor(out), ref), f"bsp {out} != one learner {ref.tolist()}"
@@ -366,8 +368,10 @@ def test_prediction_brings_the_weights_computed_on_closer_to_those_applied_to(jo
     servers = [serve(job, *flags), serve(predicting, *flags, "--predict")]
     # Each step spends 2 ms of CPU time computing, as a mini-batch would: with steps much shorter
     # than a scheduler time slice, 8 learners on 2 cores run in bursts and staleness is erratic.
-    procs = [spawn("sync_learner.py", "drift", "--job", job, "--then-job", predicting, "--world", "8", "--steps",
-                   "150", "--lr", "0.001", "--momentum", "0.9", "--compute-ms", "2") for _ in range(8)]
+    # Forked with torch imported (tests/forked.py): the same script, a process of its own, no torch import apiece.
+    procs = [forked.start([sys.executable, str(HELPERS / "sync_learner.py"), "drift", "--job", job, "--then-job",
+                           predicting, "--world", "8", "--steps", "150", "--lr", "0.001", "--momentum", "0.9",
+                           "--compute-ms", "2"], child_env()) for _ in range(8)]
     runs = [finish(p, timeout=200).strip().splitlines() for p in procs]
     assert all(len(r) == 2 for r in runs), runs  # one line for each job
     off, on = [json.loads(r[0]) for r in runs], [json.loads(r[1]) for r in runs]
