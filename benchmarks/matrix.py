@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -337,6 +338,8 @@ def main() -> int:
     p.add_argument("--fresh", action="store_true", help="forget the runs recorded under --out")
     p.add_argument("--no-plots", action="store_true", help="write the report's JSON and table only (no matplotlib)")
     args = p.parse_args()
+    # stopped with SIGTERM (kill, timeout): exit through the finally blocks that stop the psd servers started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.fresh and args.report:
         p.error("--fresh forgets the runs that --report would report: give one of them")
     if not args.no_plots:  # the report's plot: checked before hours of runs

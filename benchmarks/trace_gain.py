@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,8 @@ def main() -> int:
     p.add_argument("--every", type=float, default=0.2, help="seconds between readings of the header")
     p.add_argument("flags", nargs="*", help="server flags after --, e.g. -- --async-momentum off")
     args = p.parse_args()
+    # stopped with SIGTERM (kill, timeout): exit through the finally blocks that stop the psd servers started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     w = matrix.WORKLOADS[args.workload]
     if args.optimizer not in w["lr"]:
         p.error(f"{args.workload} has no lr for {args.optimizer}: one of {', '.join(w['lr'])}")
