@@ -19,6 +19,12 @@ The arena's weights and this learner's ring entries are registered as pinned
 host memory (cudaHostRegister), so the copies are DMA straight between the GPU
 and shared memory. The same state machine runs on the CPU with ``SyncStreams``
 (every copy complete at once), which is how it is tested without a GPU.
+
+A partial learner (``partial=True``: a pipeline stage) keeps its own tensors
+alone on the device, packed (``Layout._own_runs``): pulls copy its own runs of
+the shared weights, pushes copy each gradient run into its place in the ring
+entry and publish it with the other tensors marked absent (``psd_push_present``),
+and only its own spans of the arena are registered as pinned memory.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -142,6 +149,21 @@ def check_device(device: torch.device) -> None:
         raise Error(f"psd learners run on the CPU or a CUDA device, not {device}")
 
 
+def _page_runs(spans: list[tuple[int, int]], page: int = 4096) -> list[tuple[int, int]]:
+    """Byte ``spans`` (offset, size) widened to whole pages, sorted, and those that share a page merged:
+    (offset, size) each, disjoint (a page registered twice is an error)."""
+    out: list[tuple[int, int]] = []
+    for off, size in sorted(spans):
+        if size <= 0:
+            continue
+        lo, hi = off // page * page, -(-(off + size) // page) * page
+        if out and lo <= out[-1][0] + out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][0] + out[-1][1], hi) - out[-1][0])
+        else:
+            out.append((lo, hi - lo))
+    return out
+
+
 def streams_for(device: torch.device):
     """CUDA streams for a CUDA device, the synchronous stand-in for the CPU."""
     check_device(device)
@@ -168,18 +190,32 @@ class _Staged:
 class DevicePipe:
     """The double-buffered push and pull pipeline of one learner whose model lives on ``streams.device``.
 
-    ``entries`` are the host tensors of the learner's ring entries (``n_grad`` trainable elements)
-    and ``weights`` the shared weights (``n``; both over the arena); ``publish(index, clock, batch,
-    loss)`` advances the ring's tail past entry ``index`` (called by the push thread, in order, once
-    the copy is complete). The caller makes sure entry ``index`` is free before ``push``.
+    ``entries`` are the host tensors of the learner's ring entries (the job's trainable elements) and
+    ``weights`` the shared weights (both over the arena); ``publish(index, clock, batch, loss)`` advances
+    the ring's tail past entry ``index`` (called by the push thread, in order, once the copy is complete).
+    The caller makes sure entry ``index`` is free before ``push``.
+
+    On the device the learner's weights are ``n`` elements (twice: front and back) and its gradients
+    ``n_grad`` (twice: the staging buffers), packed: ``pulls`` lists the runs a pull copies, (offset in
+    ``weights``, offset in the device buffer, length), and ``pushes`` the runs a push copies, (offset in
+    an entry, offset in the staging buffer, length). By default the whole model, one run each (a partial
+    learner's own tensors: ``Layout._own_runs``).
     """
 
     def __init__(self, streams, n: int, entries: list[torch.Tensor], weights: torch.Tensor, publish,
-                 n_grad: int | None = None) -> None:
+                 n_grad: int | None = None, *, pulls: list[tuple[int, int, int]] | None = None,
+                 pushes: list[tuple[int, int, int]] | None = None) -> None:
         self.s = streams
         dev = streams.device
         self.entries, self.weights, self._publish = entries, weights, publish
         g = n if n_grad is None else n_grad  # gradients cover the trainable weights, a prefix of the n
+        self.n, self.n_grad = n, g
+        self.pulls = [(0, 0, n)] if pulls is None else pulls
+        self.pushes = [(0, 0, g)] if pushes is None else pushes
+        if sum(r[2] for r in self.pulls) != n or sum(r[2] for r in self.pushes) != g:
+            raise ValueError(f"the runs copied ({sum(r[2] for r in self.pulls)} weights, "
+                             f"{sum(r[2] for r in self.pushes)} gradients) are not the device buffers' "
+                             f"{n} and {g} elements")
         self.grad = [torch.zeros(g, device=dev), torch.zeros(g, device=dev)]  # staging, double-buffered
         self.w = [torch.empty(n, device=dev), torch.empty(n, device=dev)]  # weights: front / back
         self.cur = 0  # staging buffer the next backward writes
@@ -202,6 +238,12 @@ class DevicePipe:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._pusher, name="psd-push", daemon=True)
         self._thread.start()
+
+    def _gather(self, dst: torch.Tensor, stream) -> None:
+        """Queue the copies of the pulled runs of the shared weights into ``dst`` (packed) on ``stream``: one
+        copy for a whole model."""
+        for src, at, length in self.pulls:
+            self.s.copy(dst[at:at + length], self.weights[src:src + length], stream)
 
     # -- push ---------------------------------------------------------------
 
@@ -228,7 +270,9 @@ class DevicePipe:
         s, b = self.s, self.cur
         backward_done = s.record(s.compute)
         s.wait(s.push, backward_done)
-        s.copy(self.entries[index % len(self.entries)], self.grad[b], s.push)
+        entry, staged = self.entries[index % len(self.entries)], self.grad[b]
+        for at, src, length in self.pushes:  # each run into its place in the entry (the rest is marked absent)
+            s.copy(entry[at:at + length], staged[src:src + length], s.push)
         if isinstance(loss, torch.Tensor):  # to the host on the push stream, read after the event
             host = torch.empty((), dtype=loss.dtype, pin_memory=loss.is_cuda)
             s.copy(host, loss.reshape(()), s.push)
@@ -283,7 +327,7 @@ class DevicePipe:
             s.wait(s.pull, self._front_released)  # kernels still reading it came first
         dst = self.w[1 - self.front]
         if self._bounce is None:
-            s.copy(dst, self.weights, s.pull)
+            self._gather(dst, s.pull)
             self._pull = (s.record(s.pull), clock)
         else:
             self._pull = (_Staged(self._stager.submit(self._stage, dst)), clock)
@@ -291,7 +335,8 @@ class DevicePipe:
     def _stage(self, dst: torch.Tensor):
         """Helper thread: the shared weights into the bounce buffer (torch's copy lets go of the GIL), then
         the bounce buffer to ``dst`` on the pull stream; returns that copy's event."""
-        self._bounce.copy_(self.weights)
+        for src, at, length in self.pulls:
+            self._bounce[at:at + length].copy_(self.weights[src:src + length])
         self.s.copy(dst, self._bounce, self.s.pull)
         return self.s.record(self.s.pull)
 
@@ -301,7 +346,8 @@ class DevicePipe:
             self._pull[0].synchronize()
             self._pull = None
         self.s.synchronize()  # nothing queued still reads the front buffer
-        self.w[self.front].copy_(self.weights)
+        for src, at, length in self.pulls:
+            self.w[self.front][at:at + length].copy_(self.weights[src:src + length])
 
     def close(self) -> None:
         if self._stager is not None:
@@ -319,6 +365,8 @@ class DeviceLearner(Learner):
     completed. Weights come back on the pull stream into a second on-device buffer that ``step()``
     swaps in when its copy has completed. See psd.learner.device. ``streams`` (tests): the stream
     implementation, by default CUDA streams for a CUDA model and the synchronous stand-in for CPU.
+    ``partial=True`` (passed on to ``Learner``): a module holding some of the job's tensors, whose device
+    buffers hold those alone.
     """
 
     def __init__(self, model: torch.nn.Module, job: str | None = None, *, streams=None, **kw) -> None:
@@ -336,35 +384,68 @@ class DeviceLearner(Learner):
             self.predict = False
 
     def _map_buffers(self) -> None:
-        a, n = self._arena, self.n_params
+        a = self._arena
         h = self._map_shared()
         self._entries = [torch.frombuffer(a, dtype=torch.float32, count=self.n_train,
                                           offset=a.grad_offset(self.slot, k)) for k in range(self._k)]
-        # Buffer deltas, one per ring entry: the push thread publishes them with their gradient.
+        # Buffer deltas, one per ring entry: the push thread publishes them with their gradient (a partial
+        # learner without buffers of its own pushes none).
+        self._buffers_pushed = bool(self.n_buffers) and not (self.partial and self._buf_range is None)
         self._bstages = [torch.empty(self.n_buffers, dtype=torch.float64) for _ in range(self._k)]
-        self._streams.register(a, [(h["slots_off"] + self.slot * h["slot_stride"], h["slot_stride"], False),
-                                   (h["weights_off"], h["weights_bytes"], True)])
-        self._pipe = p = DevicePipe(self._streams, n, self._entries, self._weights, self._publish, self.n_train)
+        # What lives on the device: the whole model, or a partial learner's own tensors alone, packed
+        # (Layout._own_runs: its trainable ones first, the frozen ones after them).
+        pulls = self._own_runs()
+        pushes = self._own_runs(frozen=False)  # (offset in an entry, in the staging buffer, length)
+        present = self._present if self._present is not None else [True] * len(self._wspec)
+        self._dev_params = [p for p, mine in zip(self._params, present, strict=True) if mine]
+        self._dev_train = [p for p, mine in zip(self._train, present[:self.n_pieces], strict=True) if mine]
+        own = [p for p, mine in zip(self._wspec, present, strict=True) if mine]
+        if self.partial:
+            # Its tensors' places in the ring: the push marks the others absent (psd_push_present).
+            self._push_pieces = (bytes(present[:self.n_pieces]), struct.pack(f"={self.n_pieces}Q", *self._numels))
+        else:
+            self._push_pieces = (None, None)
+        self._streams.register(a, self._pinned_regions(h, pulls, pushes))
+        self._pipe = p = DevicePipe(self._streams, sum(r[2] for r in pulls), self._entries, self._weights,
+                                    self._publish, sum(r[2] for r in pushes), pulls=pulls, pushes=pushes)
         self._tail = a.tail(self.slot)
         self.clock = a.clock()
         p.pull_now()
         self._pull_buffers()
-        self._staging_views = [split(g, self._wspec[:self.n_pieces]) for g in p.grad]
-        self._w_views = [split(w, self._wspec) for w in p.w]
+        self._staging_views = [split(g, own[:len(self._dev_train)]) for g in p.grad]
+        self._w_views = [split(w, own) for w in p.w]
         self._point_device()
         self._arm_device()
         self._pull = None  # its own pull path (DevicePipe)
 
+    def _pinned_regions(self, h: dict, pulls: list[tuple[int, int, int]],
+                        pushes: list[tuple[int, int, int]]) -> list[tuple[int, int, bool]]:
+        """The parts of the arena the copies read and write, (offset, bytes, read_only) each, to register as
+        pinned memory: this learner's slot and the weights; for a partial learner only its own tensors' spans
+        of the weights and of each ring entry, whole pages, so that the pages of the others' are never
+        touched (registering locks them in memory)."""
+        if not self.partial:
+            return [(h["slots_off"] + self.slot * h["slot_stride"], h["slot_stride"], False),
+                    (h["weights_off"], h["weights_bytes"], True)]
+        a = self._arena
+        weights = [(h["weights_off"] + 4 * off, 4 * length) for off, _, length in pulls]
+        ring = [(a.grad_offset(self.slot, k) + 4 * off, 4 * length) for k in range(self._k)
+                for off, _, length in pushes]
+        return [(lo, size, True) for lo, size in _page_runs(weights)] + \
+               [(lo, size, False) for lo, size in _page_runs(ring)]
+
     def _publish(self, index: int, clock: int, batch: int, loss: float) -> None:
         """Push thread: the copy into entry ``index`` is complete; advance the tail past it."""
-        delta = self._bstages[index % self._k].data_ptr() if self.n_buffers else None
-        self._arena.push(self.slot, clock, batch, loss, 1.0, delta)
+        delta = self._bstages[index % self._k].data_ptr() if self._buffers_pushed else None
+        self._arena.push(self.slot, clock, batch, loss, 1.0, delta, *self._push_pieces)
 
     def _point_device(self) -> None:
-        self._set_params(self._w_views[self._pipe.front])
+        with torch.no_grad():
+            for p, v in zip(self._dev_params, self._w_views[self._pipe.front], strict=True):
+                p.data = v
 
     def _arm_device(self) -> None:
-        for prm, v in zip(self._train, self._grad_views(), strict=True):
+        for prm, v in zip(self._dev_train, self._grad_views(), strict=True):
             prm.grad = v
         self.note_armed()
 
@@ -382,7 +463,7 @@ class DeviceLearner(Learner):
         ``add`` (a --push-every wave goes on) add them to what it holds. Returns whether there was any."""
         got = False
         written = self._pipe.grad[self._pipe.cur]._version != self._armed_version  # views share the version
-        for p, v in zip(self._train, self._grad_views(), strict=True):
+        for p, v in zip(self._dev_train, self._grad_views(), strict=True):
             g = p.grad
             if g is None:
                 if not add:
@@ -421,7 +502,7 @@ class DeviceLearner(Learner):
         if wave is None:
             # The wave's sum stays in the staging buffer: the next backward writes fresh gradients (a
             # zero_grad() in between cannot touch the sum), and the next step adds them in.
-            for p in self._train:
+            for p in self._dev_train:
                 p.grad = None
             return
         lv, batch_size, size = wave
@@ -440,10 +521,9 @@ class DeviceLearner(Learner):
             if self._arena is not a:
                 return
         rounds = a.rounds() if self.sync == "bsp" else 0
-        if self.n_buffers:
-            delta = self._buffer_delta()
+        if self._buffers_pushed:
+            self._buffer_delta()
             self._bstages[self._tail % self._k].copy_(self._bdelta)
-            del delta
         pipe.push(self._tail, self.clock, int(batch_size), lv)
         self._tail += 1
         self.pushed += 1
@@ -458,7 +538,7 @@ class DeviceLearner(Learner):
         clock = pipe.maybe_swap()
         if clock is not None:
             self.clock = clock
-            self.pulled_bytes += self._pipe.weights.numel() * 4
+            self.pulled_bytes += 4 * pipe.n
             self._point_device()
             self._pull_buffers()
             a.note_pull(self.slot, clock, False)
@@ -470,7 +550,7 @@ class DeviceLearner(Learner):
         """Copy the current shared weights into the model now; returns their clock."""
         clock = self._arena.clock()
         self._pipe.pull_now()
-        self.pulled_bytes += self._pipe.weights.numel() * 4
+        self.pulled_bytes += 4 * self._pipe.n
         self.clock = clock
         self._pull_buffers()
         self._arena.note_pull(self.slot, clock, False)

@@ -8,7 +8,6 @@ import os
 
 import torch
 
-from psd.errors import SpecError
 from psd.learner.client import Learner
 from psd.learner.device import DeviceLearner, check_device
 
@@ -47,19 +46,16 @@ def attach(model: torch.nn.Module, job: str | None = None, *, timeout: float = 6
     full name, shape and dtype (``SpecError`` naming the first that is not the job's). The job's model
     must be declared already (a full attach, ``--init``, ``--resume``): this waits up to ``timeout``
     for it. The learner pushes gradients of its own parameters only and copies only those back; the
-    others take no memory in it. CPU learners, modules without buffers, for now.
+    others take no memory in it (on a GPU: no device memory; its weights and gradient buffers there hold
+    its own tensors alone). Its buffers (BatchNorm statistics) are its own: its pushes set its real-valued
+    buffers, which must be one run of the job's (else ``SpecError`` names the other stage's buffer between
+    them), and add its counters; the other stages' stay as their pushes left them.
     """
     if device is not None:
         check_device(torch.device(device))
         model.to(torch.device(device))
     dev = next(iter(model.parameters()), torch.empty(0)).device
-    if dev.type == "cpu":
-        cls = Learner
-    else:
-        cls = DeviceLearner
-    if partial and cls is not Learner:
-        raise SpecError(f"a partial attach takes a module on the CPU for now (this one is on {dev}); attach the "
-                        f"whole model on the GPU, or the stage's module on the CPU")
+    cls = Learner if dev.type == "cpu" else DeviceLearner
     kw = {"partial": True} if partial else {}
     learner = cls(model, job, timeout=timeout, slot_timeout=slot_timeout, rank=rank,
                   reconnect_timeout=reconnect_timeout, pull=pull, **kw)

@@ -25,6 +25,18 @@ def _sparse_tensors(model: torch.nn.Module, train: list[torch.Tensor]) -> list[i
     return [k for k, p in enumerate(train) if id(p) in sparse]
 
 
+def _runs_by_device(members: list[tuple[ParamSpec, tuple[torch.nn.Module, str]]]) -> list[list]:
+    """``members`` (spec, (module, attribute)) split into runs of consecutive buffers on one device."""
+    runs: list[list] = []
+    for m in members:
+        mod, attr = m[1]
+        if runs and getattr(runs[-1][0][1][0], runs[-1][0][1][1]).device == getattr(mod, attr).device:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return runs
+
+
 class Layout:
     """The learner's private buffers and its model's buffers. A part of
     :class:`psd.learner.Learner` (one of its base classes); what it reads and writes lives on the learner."""
@@ -73,6 +85,24 @@ class Layout:
         self._front = 0
         self._adopt_buffers(spec, owners)
 
+    def _own_runs(self, frozen: bool = True) -> list[tuple[int, int, int]]:
+        """This learner's weights (``_own``: the trainable ones, and the frozen ones with ``frozen``) packed one
+        after another in the job's order, as (offset in the job's weights, offset packed, length), consecutive
+        ranges merged: one run for a whole model. The trainable ones come first (the job's weights begin with
+        them), so the trainable runs of a packed buffer are also those of its gradients. A learner on a GPU
+        keeps its weights and gradients packed so (learner/device.py)."""
+        runs: list[tuple[int, int, int]] = []
+        packed = 0
+        for off, length, is_frozen in self._own:
+            if is_frozen and not frozen:
+                continue
+            if runs and runs[-1][0] + runs[-1][2] == off:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+            else:
+                runs.append((off, packed, length))
+            packed += length
+        return runs
+
     def _adopt_buffers(self, spec: list[ParamSpec], owners: list[tuple[torch.nn.Module, str]]) -> None:
         """Make the model's buffers views of one private tensor per dtype, so that pushing how far they
         moved and taking the job's merged values are one copy per dtype, not one per buffer."""
@@ -83,16 +113,19 @@ class Layout:
         self._bset = buffers_set(spec)
         specs = [p for p in spec if p.kind == "buffer"]
         i = 0
-        for lo, hi, dt in buffer_groups(spec):  # the spec lists buffers grouped by dtype
+        for lo, _, dt in buffer_groups(spec):  # the spec lists buffers grouped by dtype
             members = []
             while i < len(specs) and torch_dtype(specs[i].dtype) == dt:
                 members.append((specs[i], owners[i]))
                 i += 1
-            old = [getattr(mod, attr) for _, (mod, attr) in members]
-            flat = torch.cat([t.detach().reshape(-1) for t in old]).to(dt)
-            for (_, (mod, attr)), v in zip(members, split(flat, [p for p, _ in members]), strict=True):
-                setattr(mod, attr, v)
-            self._bgroups.append((lo, hi, flat))
+            # One tensor per run of them on one device: all of them on a CPU learner; a partial learner on a
+            # GPU has its own buffers there and the stand-ins for the other stages' on the CPU.
+            for run in _runs_by_device(members):
+                flat = torch.cat([getattr(mod, attr).detach().reshape(-1) for _, (mod, attr) in run]).to(dt)
+                for (_, (mod, attr)), v in zip(run, split(flat, [p for p, _ in run]), strict=True):
+                    setattr(mod, attr, v)
+                self._bgroups.append((lo, lo + flat.numel(), flat))
+                lo += flat.numel()
         self._bbase.copy_(self._buffers_now())
 
     def _buffers_now(self) -> torch.Tensor:

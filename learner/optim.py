@@ -105,6 +105,8 @@ def _mask_of(learner: Learner, wanted: list[torch.nn.Parameter]) -> tuple[tuple[
     if len(mine) == len(trained):
         return None, wanted
     if isinstance(learner, DeviceLearner):
+        if learner.partial and mine == [k for k in range(len(trained)) if learner._present[k]]:
+            return None, wanted  # a partial learner's own tensors: all that it steps
         raise Error(f"job {learner.job!r}: an optimizer of some of the model's parameters (params=, or a sub-module "
                     f"of a model attached in this process) is not supported on a {learner.device} learner yet; "
                     f"use one psd.learner.Optimizer for the whole model there")

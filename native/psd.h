@@ -368,6 +368,12 @@ bool psd_ring_has_space(const struct psd_map *m, uint32_t slot);
  * loop rejects it. `bufdelta` (n_buffers doubles, or NULL) is copied along. */
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
              const double *bufdelta);
+/* psd_push for a learner that wrote some tensors' gradients in place (a partial attach on a GPU):
+ * `present` (n_pieces bytes; NULL: every tensor) says which, `lens` (n_pieces, adding up to
+ * n_train, else EINVAL) how long each tensor's span is. The others are marked PSD_PIECE_ABSENT and
+ * neither read nor checked. */
+int psd_push_present(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
+                     const uint8_t *present, const uint64_t *lens, const double *bufdelta);
 /* One trainable tensor's gradient, for psd_push_from. */
 struct psd_src {
     const void *data;    /* dense: len elements; sparse: nnz rows of row_len; NULL: no gradient */

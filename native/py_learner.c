@@ -110,23 +110,58 @@ static PyObject *arena_release(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* push(slot, clock, batch, loss, scale=1, bufdelta=None, present=None, lens=None): psd_push_present; `present`
+ * (n_pieces bytes) and `lens` (n_pieces native uint64s) come together, or neither (every tensor). */
 static PyObject *arena_push(Arena *a, PyObject *args) {
     unsigned int slot, batch;
     unsigned long long clock;
     double loss;
     float scale = 1.0f;
-    PyObject *bo = Py_None;
-    if (!PyArg_ParseTuple(args, "IKId|fO", &slot, &clock, &batch, &loss, &scale, &bo) || check_slot(a, slot))
+    PyObject *bo = Py_None, *po = Py_None, *lo = Py_None;
+    if (!PyArg_ParseTuple(args, "IKId|fOOO", &slot, &clock, &batch, &loss, &scale, &bo, &po, &lo) ||
+        check_slot(a, slot))
         return NULL;
     const double *bufdelta = bo == Py_None ? NULL : PyLong_AsVoidPtr(bo);
     if (PyErr_Occurred())
         return NULL;
+    Py_buffer pb = {0}, lb = {0};
+    if ((po == Py_None) != (lo == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "push: give present and lens together, or neither");
+        return NULL;
+    }
+    if (po != Py_None) {
+        if (PyObject_GetBuffer(po, &pb, PyBUF_SIMPLE))
+            return NULL;
+        if (PyObject_GetBuffer(lo, &lb, PyBUF_SIMPLE)) {
+            PyBuffer_Release(&pb);
+            return NULL;
+        }
+        if ((uint64_t)pb.len != a->map.g.n_pieces || (uint64_t)lb.len != 8 * a->map.g.n_pieces) {
+            PyErr_Format(PyExc_ValueError, "push: present must be %llu bytes and lens %llu uint64s (one per "
+                         "trainable tensor)", (unsigned long long)a->map.g.n_pieces,
+                         (unsigned long long)a->map.g.n_pieces);
+            PyBuffer_Release(&pb);
+            PyBuffer_Release(&lb);
+            return NULL;
+        }
+    }
+    const uint8_t *present = pb.obj ? pb.buf : NULL;
+    const uint64_t *lens = lb.obj ? lb.buf : NULL;
     int rc;
     if (a->map.g.n_params < (UINT64_C(1) << 16)) {
-        rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
+        rc = psd_push_present(&a->map, slot, clock, batch, loss, scale, present, lens, bufdelta);
     } else {
-        Py_BEGIN_ALLOW_THREADS rc = psd_push(&a->map, slot, clock, batch, loss, scale, bufdelta);
+        Py_BEGIN_ALLOW_THREADS rc = psd_push_present(&a->map, slot, clock, batch, loss, scale, present, lens, bufdelta);
         Py_END_ALLOW_THREADS
+    }
+    if (pb.obj)
+        PyBuffer_Release(&pb);
+    if (lb.obj)
+        PyBuffer_Release(&lb);
+    if (rc == EINVAL) {
+        PyErr_Format(PyExc_ValueError, "push: the lengths do not add up to the job's %llu trainable elements",
+                     (unsigned long long)a->map.g.n_train);
+        return NULL;
     }
     if (rc)
         return raise_code(rc, "push gradient", a->name);
@@ -614,8 +649,9 @@ PyMethodDef py_learner_methods[] = {
      "assign(pid, start_time, rank=-1) -> (slot, claim): a full mapping takes a free slot without the loop"},
     {"release", (PyCFunction)arena_release, METH_VARARGS, "release(slot, claim)"},
     {"push", (PyCFunction)arena_push, METH_VARARGS,
-     "push(slot, clock, batch, loss, scale=1, bufdelta=None): scale and check the entry at the tail (every tensor "
-     "dense), copy n_buffers doubles from the address bufdelta along, publish it."},
+     "push(slot, clock, batch, loss, scale=1, bufdelta=None, present=None, lens=None): scale and check the entry "
+     "at the tail (every tensor dense; with present, n_pieces bytes, and lens, n_pieces native uint64s: the tensors "
+     "written in place, the others absent), copy n_buffers doubles from the address bufdelta along, publish it."},
     {"push_from", (PyCFunction)arena_push_from, METH_VARARGS,
      "push_from(slot, clock, batch, loss, scale, ptrs, lens, dtype=0, bufdelta=None, sparse=None, store=0): copy the "
      "gradient tensor by tensor from the addresses ptrs (0: none) into the entry at the tail, converted to float32 "

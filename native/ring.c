@@ -646,13 +646,40 @@ bool psd_ring_has_space(const struct psd_map *m, uint32_t slot) {
 
 int psd_push(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
              const double *bufdelta) {
+    return psd_push_present(m, slot, clock, batch, loss, scale, NULL, NULL, bufdelta);
+}
+
+int psd_push_present(struct psd_map *m, uint32_t slot, uint64_t clock, uint32_t batch, double loss, float scale,
+                     const uint8_t *present, const uint64_t *lens, const double *bufdelta) {
+    if (present) {
+        uint64_t total = 0;
+        for (uint64_t k = 0; k < m->g.n_pieces; k++) {
+            if (lens[k] > m->g.n_train - total)
+                return EINVAL; /* more than the model (checked piece by piece: a sum could wrap) */
+            total += lens[k];
+        }
+        if (total != m->g.n_train)
+            return EINVAL;
+    }
     struct psd_entry *e;
     uint64_t tail;
     int rc = tail_entry(m, slot, &e, &tail);
     if (rc)
         return rc;
-    bool finite = scale_and_check(psd_entry_grad(e), m->g.n_train, scale);
-    memset(psd_entry_pieces(m, e), PSD_PIECE_DENSE, m->g.n_pieces);
+    float *g = psd_entry_grad(e);
+    uint8_t *map = psd_entry_pieces(m, e);
+    bool finite = true;
+    if (!present) {
+        finite = scale_and_check(g, m->g.n_train, scale);
+        memset(map, PSD_PIECE_DENSE, m->g.n_pieces);
+    } else {
+        /* Only the spans written in place are read: the others hold whatever an earlier push left there. */
+        for (uint64_t k = 0; k < m->g.n_pieces; g += lens[k], k++) {
+            map[k] = present[k] ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
+            if (present[k])
+                finite = scale_and_check(g, lens[k], scale) && finite;
+        }
+    }
     uint32_t flags = put_buffers(m, e, bufdelta) | (finite ? 0 : PSD_ENTRY_NONFINITE);
     return publish(m, slot, e, tail, clock, batch, loss, flags);
 }

@@ -217,6 +217,45 @@ def test_unpinned_weights_are_pulled_through_the_bounce_buffer_whole():
 
 
 @pytest.mark.parametrize("streams", [SyncStreams, BounceStreams])
+def test_a_pipe_of_some_tensors_copies_their_runs_alone(streams):
+    """A partial learner's pipe: the device holds the pulled runs packed, a pull copies them alone (also through
+    the bounce buffer), and a push puts each gradient run in its place in the entry and writes nothing else."""
+    weights = torch.arange(100, dtype=torch.float32)
+    entry = torch.full((60,), -1.0)
+    pulls, pushes = [(10, 0, 5), (50, 5, 20)], [(10, 0, 5), (40, 5, 3)]
+    with pytest.raises(ValueError, match="not the device buffers' 24 and 8 elements"):
+        DevicePipe(streams(), 24, [entry], weights, lambda *a: None, 8, pulls=pulls, pushes=pushes)
+    published = []
+    pipe = DevicePipe(streams(), 25, [entry], weights, lambda *a: published.append(a), 8, pulls=pulls,
+                      pushes=pushes)
+    try:
+        assert [w.numel() for w in pipe.w] == [25, 25] and [g.numel() for g in pipe.grad] == [8, 8]
+        pipe.pull_now()
+        assert torch.equal(pipe.w[pipe.front], torch.cat([weights[10:15], weights[50:70]]))
+        weights.add_(1000)
+        pipe.start_pull(3)
+        pipe._pull[0].synchronize()
+        assert pipe.maybe_swap() == 3
+        assert torch.equal(pipe.w[pipe.front], torch.cat([weights[10:15], weights[50:70]]))
+        pipe.grad[pipe.cur].copy_(torch.arange(100, 108, dtype=torch.float32))
+        pipe.push(0, 3, 1, 0.5)
+        pipe.drain(10)
+        assert published == [(0, 3, 1, 0.5)]
+        expected = torch.full((60,), -1.0)
+        expected[10:15], expected[40:43] = torch.arange(100, 105), torch.arange(105, 108)
+        assert torch.equal(entry, expected)
+    finally:
+        pipe.close()
+
+
+def test_the_pages_to_pin_are_whole_and_each_once():
+    from psd.learner.device import _page_runs
+
+    spans = [(8192 + 100, 40), (4096 * 5, 4096), (8192 + 4000, 200), (0, 0), (4096 * 6 - 4, 8)]
+    assert _page_runs(spans) == [(8192, 8192), (4096 * 5, 8192)]
+
+
+@pytest.mark.parametrize("streams", [SyncStreams, BounceStreams])
 def test_a_device_learner_trains_a_real_model(job, serve, streams):
     from psd.workloads import evaluate, make_classification, make_mlp, shard
 
@@ -294,4 +333,63 @@ def test_gpu_step_overlaps_the_transfers(job, serve):
         ours = timed(with_psd)
     print(f"step {base:.2f} ms alone, {ours:.2f} ms through psd ({ours / base:.2f}x)")
     assert ours <= 1.1 * base
+    served.stop()
+
+
+class GpuStageNet(torch.nn.Module):
+    """A small layer, a wide one (4 MB), then BatchNorm twice: a stage of ``a`` and ``a_bn`` holds two runs of
+    the job's trainable weights (the wide layer between them) and some of its statistics (``z_bn``'s are
+    another stage's: stand-ins on the CPU beside its own on the GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(64, 64)
+        self.wide = torch.nn.Linear(1024, 1024)
+        self.a_bn = torch.nn.BatchNorm1d(64)
+        self.z_bn = torch.nn.BatchNorm1d(8)
+
+
+@needs_gpu
+def test_gpu_stage_holds_pushes_and_pulls_its_own_tensors_alone(job, serve):
+    """attach(stage.cuda(), partial=True) is a DeviceLearner on the GPU: it takes device memory for its own
+    tensors alone (weights and gradient staging, twice each), its gradients arrive in their places of the
+    entry bit for bit, the wide layer it does not hold is never stepped, its BatchNorm statistics on the
+    GPU become the job's, and a pull brings the job's weights of its own tensors to the GPU."""
+    served = serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.5")
+    with learner.attach(GpuStageNet(), job=job):  # declares the job's model (on the CPU)
+        part = GpuStageNet()
+        del part.wide, part.z_bn
+        part.cuda()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with learner.attach(part, job=job, partial=True) as s:
+            assert isinstance(s, DeviceLearner) and s.partial and s._pipe.w[0].is_cuda
+            own = sum(p.numel() for p in part.parameters())
+            assert [t.numel() for t in (*s._pipe.w, *s._pipe.grad)] == [own] * 4
+            assert len(s._pipe.pushes) == 2  # a, then a_bn after the wide layer
+            assert [flat.device.type for *_, flat in s._bgroups] == ["cuda", "cpu", "cuda", "cpu"]  # by dtype
+            grown = torch.cuda.memory_allocated() - before
+            assert grown < 4 * own * 4 + 64 * 1024, f"the stage took {grown} bytes of device memory"
+            x = torch.randn(32, 64, device="cuda")
+            for t in range(6):
+                part.a_bn(part.a(x + t)).square().mean().backward()
+                computed = torch.cat([p.grad.reshape(-1) for p in part.parameters()]).cpu()
+                s.step()
+                s._pipe.drain(10)
+                entry = s._entries[t % s._k]
+                arrived = torch.cat([entry[off:off + n] for off, _, n in s._pipe.pushes])
+                assert torch.equal(arrived, computed), f"gradient {t} changed on its way"
+            s.flush()
+            theirs = learner.pull_state_dict(job)
+            start = GpuStageNet().state_dict()
+            for k in ("wide.weight", "z_bn.weight", "z_bn.running_mean", "z_bn.running_var",
+                      "z_bn.num_batches_tracked"):
+                assert torch.equal(theirs[k], start[k]), k  # the other stage's, untouched
+            for k in ("a.weight", "a_bn.bias", "a_bn.running_mean", "a_bn.running_var"):
+                assert not torch.equal(theirs[k], start[k]), k
+            assert int(theirs["a_bn.num_batches_tracked"]) == 6
+            s.pull()
+            for k, v in part.state_dict().items():
+                assert v.is_cuda and torch.equal(v.cpu(), theirs[k]), k
     served.stop()

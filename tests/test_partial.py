@@ -11,6 +11,7 @@ import torch
 from conftest import HELPERS, read_line, spawn
 from psd import learner
 from psd.errors import SpecError, Timeout
+from psd.learner.device import DeviceLearner, SyncStreams
 
 
 class Net(torch.nn.Module):
@@ -269,3 +270,252 @@ def test_a_stage_counts_as_stale_only_the_updates_that_moved_its_own_tensors(job
     assert whole >= 0.9, whole  # the other learner's update: at least one tick each
     assert staged <= 0.65 * whole, (staged, whole)
     assert abs(mixed - whole) <= 0.05 * whole, (mixed, whole)
+
+
+# -- a partial learner on a device (DeviceLearner), driven on the CPU through the synchronous stream stand-in
+
+
+class RecordingStreams(SyncStreams):
+    """Synchronous copies that remember what the learner asked to register as pinned memory."""
+
+    def __init__(self) -> None:
+        self.regions: list[tuple[int, int, bool]] = []
+
+    def register(self, buf, regions: list[tuple[int, int, bool]]) -> None:
+        self.regions = list(regions)
+
+
+def frozen_net(*keep: str) -> Net:
+    """``stage(*keep)`` (the whole model without ``keep``: all of it) with ``b.bias`` frozen, so that a stage
+    holding ``b`` has a frozen tensor, which the job keeps after its trainable ones."""
+    net = stage(*keep) if keep else Net()
+    if hasattr(net, "b"):
+        net.b.bias.requires_grad_(False)
+    return net
+
+
+def _steps(job: str) -> list[int]:
+    """Each trainable tensor's optimizer steps, in the job's order."""
+    from psd.arena import open_job
+    from psd.state import pieces_view
+
+    a = open_job(job, role="reader")
+    try:
+        a.remap()
+        v = pieces_view(a, a.header())
+        out = [int(s) for s in v[:, 0]]
+        del v
+        return out
+    finally:
+        a.close()
+
+
+def test_a_partial_device_learner_pushes_and_pulls_its_own_tensors_alone(job, serve):
+    """A stage on a device (its copies synchronous on the CPU) holding a trainable and a frozen tensor that are
+    not consecutive in the job's weights: the device holds its own elements alone, its pushes move its own
+    tensors by exactly its gradients and step no other tensor (the rest of its entries is marked absent, so
+    not even the NaN left there is read), and a pull copies its own tensors alone."""
+    serve(job, "--no-watchdog", "--learners", "3", "--lr", "1")
+    full = frozen_net()
+    start = {k: v.clone() for k, v in full.state_dict().items()}
+    with learner.attach(full, job=job) as whole:  # declares the job's model: b.bias frozen, after c's
+        part, other = frozen_net("b"), stage("a", "c")
+        with DeviceLearner(part, job, partial=True, streams=SyncStreams()) as s1, \
+                learner.attach(other, job=job, partial=True) as s2:
+            own = part.b.weight.numel() + part.b.bias.numel()
+            assert [w.numel() for w in s1._pipe.w] == [own, own]  # its weights, front and back
+            assert [g.numel() for g in s1._pipe.grad] == [part.b.weight.numel()] * 2  # its gradients
+            assert s1._pipe.pulls == [(40, 0, 64), (122, 64, 8)]  # b.weight among the trainable, b.bias frozen
+            for entry in s1._entries:  # what another learner of this slot might have left in the ring
+                entry.fill_(float("nan"))
+            for _ in range(3):
+                ones_grad(part)
+                s1.step()
+            for _ in range(2):
+                ones_grad(other)
+                s2.step()
+            s1.flush()
+            s2.flush()
+            assert _steps(job) == [2, 2, 3, 2, 2]  # a.weight, a.bias, b.weight, c.weight, c.bias
+            counters = s1._arena.counters()
+            assert counters["applied"] == 5 and counters["rejected"] == 0, counters
+            before = s1.pulled_bytes
+            s1.pull()
+            assert s1.pulled_bytes - before == 4 * own
+            theirs = learner.pull_state_dict(job)
+            for k, v in theirs.items():
+                expected = start[k].clone()
+                for _ in range(3 if k == "b.weight" else 0 if k == "b.bias" else 2):
+                    expected -= 1
+                assert torch.equal(v, expected), k
+            assert torch.equal(part.b.weight, theirs["b.weight"]) and torch.equal(part.b.bias, theirs["b.bias"])
+            assert part.b.weight.grad is not None and part.b.weight.grad.data_ptr() == \
+                s1._pipe.grad[s1._pipe.cur].data_ptr()  # the next backward writes its staging buffer
+            # The clock moved: a step starts a pull of its own tensors and the next swaps it in, counted as such.
+            ones_grad(other)
+            s2.step()
+            s2.flush()
+            before = s1.pulled_bytes
+            ones_grad(part)
+            s1.step()
+            s1.flush()
+            assert s1.pulled_bytes == before
+            ones_grad(part)
+            s1.step()
+            assert s1.pulled_bytes - before == 4 * own
+            whole.pull()
+
+
+def _adam_stage(job: str, serve, on_device: bool) -> dict[str, torch.Tensor]:
+    """Stage ``b`` (on a device learner, or a CPU partial one) and stage ``a``, ``c`` (CPU) push seeded random
+    gradients in turn under Adam; the job's state after."""
+    serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.01", "--optimizer", "adam")
+    with learner.attach(Net(), job=job):
+        part, other = stage("b"), stage("a", "c")
+        make = (lambda: DeviceLearner(part, job, partial=True, streams=SyncStreams())) if on_device else \
+            (lambda: learner.attach(part, job=job, partial=True))
+        g = torch.Generator().manual_seed(1)
+        with make() as s1, learner.attach(other, job=job, partial=True) as s2:
+            assert isinstance(s1, DeviceLearner) == on_device
+            for _ in range(4):
+                for model, ps in ((part, s1), (other, s2)):
+                    for p in model.parameters():
+                        p.grad = torch.randn(p.shape, generator=g)
+                    ps.step()
+                    ps.flush()
+            s1.pull()
+            theirs = learner.pull_state_dict(job)
+            assert torch.equal(part.b.weight, theirs["b.weight"])
+            return theirs
+
+
+def test_a_partial_device_learner_trains_as_the_cpu_partial_learner_bit_for_bit(job, serve):
+    on_cpu = _adam_stage(f"{job}-cpu", serve, on_device=False)
+    on_device = _adam_stage(job, serve, on_device=True)
+    start = Net().state_dict()
+    for k, v in on_device.items():
+        assert torch.equal(v, on_cpu[k]), k
+        assert not torch.equal(v, start[k]), k  # every stage's tensors moved
+
+
+def test_a_partial_device_learner_through_the_drop_in_optimizer(job, serve):
+    """``psd.learner.Optimizer`` of a stage whose learner is on a device: its own tensors are all it steps."""
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    with learner.attach(Net(), job=job):
+        part = stage("c")
+        opt = learner.Optimizer(part, learner=DeviceLearner(part, job, partial=True, streams=SyncStreams()))
+        try:
+            before = learner.pull_state_dict(job)
+            ones_grad(part)
+            opt.step()
+            opt.zero_grad()
+            opt.step()  # zeroed, not written: no update
+            opt.learner.flush()
+            after = learner.pull_state_dict(job)
+            for k, v in after.items():
+                assert torch.equal(v, before[k] - (1 if k.startswith("c.") else 0)), k
+            assert opt.learner._arena.counters()["applied"] == 1
+        finally:
+            opt.close()
+
+
+@pytest.mark.parametrize("on_device", ["first", "second"])
+def test_a_partial_device_learner_sets_its_own_statistics_alone(job, serve, on_device):
+    """As test_stages_with_buffers_set_their_own_statistics_alone, with one of the stages a device learner."""
+    serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.1")
+    stats = ("running_mean", "running_var")
+
+    def attach(module: torch.nn.Module, which: str):
+        if which == on_device:
+            return DeviceLearner(module, job, partial=True, streams=SyncStreams())
+        return learner.attach(module, job=job, partial=True)
+
+    with learner.attach(BNNet(), job=job):
+        first, second = bn_stage("a", "a_bn"), bn_stage("b", "b_bn", "c", "c_bn")
+        with attach(first, "first") as s1, attach(second, "second") as s2:
+            assert isinstance(s1 if on_device == "first" else s2, DeviceLearner)
+            for i in range(3):
+                s1.pull()
+                second.c_bn(second.c(second.b_bn(second.b(torch.randn(16, 8) + i)))).sum().backward()
+                s2.step()
+                s2.flush()
+                theirs = learner.pull_state_dict(job)
+                seconds = {f"{n}.{st}": theirs[f"{n}.{st}"] for n in ("b_bn", "c_bn") for st in stats}
+                first.a_bn(first.a(torch.randn(16, 4) - i)).sum().backward()
+                pushed = {f"a_bn.{st}": getattr(first.a_bn, st).clone() for st in stats}
+                s1.step()
+                s1.flush()
+                theirs = learner.pull_state_dict(job)
+                for k, v in {**seconds, **pushed}.items():
+                    assert torch.equal(theirs[k], v), (i, k)
+            initial = BNNet().state_dict()
+            assert all(not torch.equal(theirs[k], initial[k]) for k in (*seconds, *pushed))
+            assert [int(theirs[f"{n}.num_batches_tracked"]) for n in ("a_bn", "b_bn", "c_bn")] == [3, 3, 3]
+            s2.pull()
+            assert torch.equal(second.b_bn.running_var, theirs["b_bn.running_var"])
+
+
+def test_a_partial_device_learner_without_buffers_of_its_own_pushes_none(job, serve):
+    """In a job with BatchNorm statistics, a stage on a device that holds none of them pushes no buffers: the
+    statistics and counts the other stage set stay as they are through its pushes."""
+    serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.1")
+    with learner.attach(BNNet(), job=job):
+        mine, rest = bn_stage("b"), bn_stage("a", "a_bn", "b_bn", "c", "c_bn")
+        with DeviceLearner(mine, job, partial=True, streams=SyncStreams()) as s1, \
+                learner.attach(rest, job=job, partial=True) as s2:
+            rest.c_bn(rest.c(rest.b_bn(torch.randn(16, 8) + 3))).sum().backward()
+            rest.a_bn(rest.a(torch.randn(16, 4))).sum().backward()
+            s2.step()
+            s2.flush()
+            set_by_rest = {k: v for k, v in learner.pull_state_dict(job).items() if "_bn." in k}
+            assert int(set_by_rest["b_bn.num_batches_tracked"]) == 1
+            for _ in range(3):
+                ones_grad(mine)
+                s1.step()
+            s1.flush()
+            theirs = learner.pull_state_dict(job)
+            assert s1._arena.counters()["applied"] == 4
+            for k, v in set_by_rest.items():
+                assert torch.equal(theirs[k], v), k
+
+
+def test_a_partial_device_learner_holds_and_pins_its_own_tensors_alone(job, serve):
+    """Beside a 40 MB layer it does not hold (declared by a learner in another process), a stage on a device
+    sizes its device buffers to its own 40 elements, asks to pin only the pages of its own tensors (in the
+    weights and in each ring entry), pulls its own bytes alone, and grows by far less than the wide layer."""
+    serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2")
+    sys.path.insert(0, str(HELPERS))
+    from wide_learner import Wide
+
+    holder = spawn("wide_learner.py", job)
+    try:
+        assert read_line(holder, timeout=60) == "ready"
+        part = Wide()
+        del part.b
+        before = _rss_mib()
+        streams = RecordingStreams()
+        with DeviceLearner(part, job, partial=True, streams=streams) as s:
+            own = sum(p.numel() for p in part.parameters())
+            assert own == 40
+            assert [t.numel() for t in (*s._pipe.w, *s._pipe.grad)] == [own] * 4
+            h = s._arena.header()
+            wide = (h["weights_off"] + 4 * own, 4 * (h["n_params"] - own))  # b's weights, after a's
+            pinned = [(lo, size) for lo, size, read_only in streams.regions if read_only]
+            assert sum(size for _, size in pinned) <= 4096 * 2
+            assert all(lo + size <= wide[0] + 4096 for lo, size in pinned)  # a's page, none of b's beyond it
+            ring = [(lo, size) for lo, size, read_only in streams.regions if not read_only]
+            assert len(ring) == 2 and sum(size for _, size in ring) <= 4096 * 2 * 2  # a page of each entry
+            assert all(lo // 4096 * 4096 <= s._arena.grad_offset(s.slot, k) < lo + size
+                       for k, (lo, size) in enumerate(ring))
+            pulled = s.pulled_bytes
+            for _ in range(6):
+                ones_grad(part)
+                s.step()
+            s.flush()
+            s.pull()
+            assert (s.pulled_bytes - pulled) % (4 * own) == 0 and s.pulled_bytes > pulled
+            grown = _rss_mib() - before
+        assert grown < 12, f"the stage grew by {grown} MiB"
+    finally:
+        holder.kill()
+        holder.wait()
