@@ -3,13 +3,16 @@
 HetPipe's virtual workers through psd: ``psd run --learners V --stages K`` starts V virtual workers of K
 stage processes; each stage holds a slice of the model (torch.distributed.pipelining's manual split: build
 the whole model, delete the layers other stages hold), runs torch.distributed.pipelining's schedule with
-the other stages of its virtual worker (gloo on CPU), and pushes its own parameters' gradients to the psd
-job (``psd.learner.Optimizer(stage, partial=True)``); the virtual workers train asynchronously against
-the job's one copy of the weights.
+the other stages of its virtual worker (gloo on the CPU; with ``psd run --gpus``, each stage on the GPU
+that PSD_DEVICE names, over nccl), and pushes its own parameters' gradients to the psd job
+(``psd.learner.Optimizer(stage, partial=True)``); the virtual workers train asynchronously against the
+job's one copy of the weights.
 
     python examples/pipeline_lm.py --save-init /tmp/lm.safetensors       # the job's initial model
     psd run --job lm --learners 2 --stages 2 --init /tmp/lm.safetensors --optimizer adam --lr 0.003 \\
         -- python examples/pipeline_lm.py
+    psd run --job lm --learners 2 --stages 2 --gpus 0,1 --init /tmp/lm.safetensors --optimizer adam \\
+        --lr 0.003 -- python examples/pipeline_lm.py                      # the stages on GPUs 0 and 1
     python examples/pipeline_lm.py --single                               # one process, torch.optim.Adam
     psd run --job lm --learners 4 --optimizer adam --lr 0.003 -- python examples/pipeline_lm.py  # data-parallel
 
@@ -62,7 +65,7 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
 
@@ -81,7 +84,7 @@ class CharTransformer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok is not None:  # the first stage: token ids in
-            x = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
         for layer in self.layers.values():
             x = layer(x)
         if self.head is not None:  # the last stage: logits out
@@ -149,23 +152,33 @@ def data_parallel(args: argparse.Namespace) -> int:
     from psd import learner
 
     rank, world = int(os.environ["PSD_RANK"]), int(os.environ["PSD_WORLD"])
+    device = device_and_backend()[0]
     train, val, vocab = load_text(args.windows)
-    model = CharTransformer(vocab)
+    model = CharTransformer(vocab).to(device)
     opt = learner.Optimizer(model)
     done = opt.learner.resume_step
     for i, (x, y) in enumerate(batches(train, rank, world, args.batch, args.epochs, args.seed)):
         if i < done:
             continue
-        lm_loss(model(x), y).backward()
+        lm_loss(model(x.to(device)), y.to(device)).backward()
         opt.step()
         opt.zero_grad()
     opt.learner.flush()
     opt.close()
     if rank == 0:
+        model = CharTransformer(vocab)
         model.load_state_dict(learner.pull_state_dict())
         print(f"learner 0: val loss {val_loss(model, val):.4f} (the job's model)", flush=True)
     print(f"learner {rank}: peak RSS {peak_rss_mib():.0f} MiB", flush=True)
     return 0
+
+
+def device_and_backend(env: dict[str, str] | None = None) -> tuple[torch.device, str]:
+    """The learner's device (PSD_DEVICE, which ``psd run --gpus`` sets; else the CPU) and, for a stage, its
+    virtual worker's process group backend: nccl between stages on GPUs, gloo on the CPU (torchrun's
+    convention: the script picks)."""
+    device = torch.device((os.environ if env is None else env).get("PSD_DEVICE") or "cpu")
+    return device, "nccl" if device.type == "cuda" else "gloo"
 
 
 def stage_main(args: argparse.Namespace) -> int:
@@ -178,24 +191,27 @@ def stage_main(args: argparse.Namespace) -> int:
     stage, stages = int(os.environ["PSD_STAGE"]), int(os.environ["PSD_STAGES"])
     if LAYERS % stages:
         raise SystemExit(f"pipeline_lm.py splits {LAYERS} blocks evenly: use --stages 1, 2 or 4")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    device, backend = device_and_backend()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # nccl's communicators and the schedule's buffers go to this GPU
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     train, val, vocab = load_text(args.windows)
-    part = stage_slice(CharTransformer(vocab), stage, stages)
-    opt = learner.Optimizer(part, partial=True)
-    pipe = PipelineStage(part, stage, stages, torch.device("cpu"))
+    part = stage_slice(CharTransformer(vocab), stage, stages).to(device)
+    opt = learner.Optimizer(part, partial=True)  # on a GPU: a DeviceLearner of the stage's own tensors
+    pipe = PipelineStage(part, stage, stages, device)
     schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(
         pipe, n_microbatches=args.microbatches, loss_fn=lm_loss)
     mine = opt.learner.resume_step
-    start = torch.tensor([mine])
+    start = torch.tensor([mine], device=device)
     dist.all_reduce(start, op=dist.ReduceOp.MIN)  # the stages go on from the slower one
     losses: list[torch.Tensor] = []
     for i, (x, y) in enumerate(batches(train, vw, vws, args.batch, args.epochs, args.seed)):
         if i < int(start):
             continue
         if stage == 0:
-            schedule.step(x)
+            schedule.step(x.to(device))
         elif stage == stages - 1:
-            schedule.step(target=y, losses=losses)
+            schedule.step(target=y.to(device), losses=losses)
         else:
             schedule.step()
         if i >= mine:  # this stage's gradient of mini-batch i was not applied before

@@ -152,9 +152,6 @@ def _run(args: argparse.Namespace) -> int:
         # Every learner would refuse it at attach and be restarted until the job fails: say so now.
         raise SystemExit(f"psd run: --pull view makes CPU learners' parameters views of the shared weights; "
                          f"it cannot go with {'--gpus' if gpus else '--predict'}: use --pull copy")
-    if args.stages > 1 and gpus:
-        raise SystemExit("psd run: --stages attaches each stage with partial=True, which takes CPU modules for now: "
-                         "drop --gpus (or run whole-model learners on the GPUs without --stages)")
     cfg = _watchdog_config(args)
     cfg.serve.learners *= args.stages  # a slot for every stage of every virtual worker
     return Launcher(cfg, command, max_restarts=args.max_restarts, gpus=gpus,

@@ -291,7 +291,9 @@ def _build() -> tuple[Flag, ...]:
              "(PSD_VW, PSD_STAGE, PSD_STAGES, and RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for a "
              "torch.distributed process group of its own; PSD_RANK = VW * K + STAGE), each attaching its stage "
              "with partial=True; the server gets --learners x K slots. A stage that dies restarts its whole "
-             "virtual worker; the others go on", 1, type=int, commands=(RUN,), metavar="K", **at_least(1)),
+             "virtual worker; the others go on. With --gpus each stage runs on a GPU of its own (PSD_DEVICE), "
+             "and the script's process group uses nccl there (gloo on the CPU)", 1, type=int, commands=(RUN,),
+             metavar="K", **at_least(1)),
         Flag("--learner-threads", "torch threads per learner; 0: the cores divided among the learners, at least 1",
              0, type=int, commands=(RUN,), metavar="T", **at_least(0)),
         Flag("--pull", "how learners get the job's weights (PSD_PULL for them, attach(pull=...)): copy, a private "
@@ -304,7 +306,8 @@ def _build() -> tuple[Flag, ...]:
              "normal", "auto", choices=LEARNER_SCHED_CHOICES,
              commands=(RUN,), metavar="POLICY"),
         Flag("--gpus", "GPU indices, e.g. 0,1: learner RANK gets PSD_DEVICE=cuda:LIST[RANK % len(LIST)] (more "
-             "learners than GPUs share them)", "", commands=(RUN,), metavar="LIST", readme_default=""),
+             "learners than GPUs share them; with --stages K, RANK = VW * K + STAGE, and the K stages of a "
+             "virtual worker must land on K different GPUs)", "", commands=(RUN,), metavar="LIST", readme_default=""),
         Flag("--quiet", "log warnings and errors only", False, switch=True, short="-q", readme_default="off"),
         # -- the other commands
         Flag("--job", "job name (default: every job on the machine)", None, commands=("status", "top")),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, child_env
 
@@ -69,3 +70,30 @@ def test_pipeline_example_trains_a_transformer_split_into_stages(job, tmp_path):
     loss = float(re.search(r"virtual worker 0: val loss ([0-9.]+)", out).group(1))
     assert loss < 3.3, out
     assert len(re.findall(r"learner \d: peak RSS", out)) == 2, out
+
+
+def test_pipeline_example_puts_a_stage_where_psd_device_says_with_the_backend_for_it():
+    """Each stage of examples/pipeline_lm.py runs on PSD_DEVICE (set per stage by `psd run --gpus`), and its
+    virtual worker's process group takes nccl between GPUs, gloo on the CPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline_lm", ROOT / "examples" / "pipeline_lm.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.device_and_backend({"PSD_DEVICE": "cuda:1"}) == (torch.device("cuda:1"), "nccl")
+    assert example.device_and_backend({"PSD_DEVICE": "cpu"}) == (torch.device("cpu"), "gloo")
+    assert example.device_and_backend({}) == (torch.device("cpu"), "gloo")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (nccl takes one GPU per stage)")
+def test_pipeline_example_trains_with_its_stages_on_two_gpus(job, tmp_path):
+    """examples/pipeline_lm.py under `psd run --stages 2 --gpus 0,1`: each stage a partial DeviceLearner on its
+    own GPU, the stages' pipeline over nccl; the job's model learns as on the CPU."""
+    example = str(ROOT / "examples" / "pipeline_lm.py")
+    init = tmp_path / "lm.safetensors"
+    subprocess.run([sys.executable, example, "--save-init", str(init)], check=True, env=child_env(), timeout=60)
+    out = psd_run(job, tmp_path, 1, ["--stages", "2", "--gpus", "0,1", "--init", str(init), "--optimizer", "adam",
+                                     "--lr", "0.003"], example, "--epochs", "1", "--windows", "800")
+    loss = float(re.search(r"virtual worker 0: val loss ([0-9.]+)", out).group(1))
+    assert loss < 3.3, out

@@ -98,3 +98,29 @@ def test_ssp_bounds_the_distance_between_virtual_workers_in_waves(job, tmp_path)
     assert samples > 50 and worst == bound + 1, (samples, worst)
     last = checkpoint.latest(tmp_path / "ck")
     assert last is not None and last.ranks[:4] == [steps // wave] * 4, last.ranks  # waves, each applied once
+
+
+def test_stages_on_gpus_get_a_gpu_each_and_a_virtual_worker_never_shares_one(job, tmp_path):
+    """`psd run --stages 2 --gpus 0,1`: stage process r = VW * K + STAGE gets PSD_DEVICE=cuda:LIST[r % len], so
+    the two stages of each virtual worker are on GPUs 0 and 1 (no GPU is touched: the script prints its
+    environment and exits without attaching). A LIST that would put two stages of one virtual worker on one
+    GPU (NCCL takes one GPU per rank) is refused before anything starts."""
+    script = tmp_path / "show_env.py"
+    script.write_text("import os\n"
+                      "print('stage', *(os.environ[k] for k in ('PSD_RANK', 'PSD_VW', 'PSD_STAGE', 'RANK', "
+                      "'WORLD_SIZE', 'PSD_DEVICE')), flush=True)\n")
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--stages", "2",
+                        "--gpus", "0,1", "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script)],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = sorted(line for line in r.stdout.splitlines() if line.startswith("stage "))
+    assert seen == ["stage 0 0 0 0 2 cuda:0", "stage 1 0 1 1 2 cuda:1",
+                    "stage 2 1 0 0 2 cuda:0", "stage 3 1 1 1 2 cuda:1"], r.stdout
+    for gpus, stages, shared in (("0", 2, "cuda:0, cuda:0"), ("0,1", 3, "cuda:0, cuda:1, cuda:0"),
+                                 ("0,1,1", 3, "cuda:0, cuda:1, cuda:1")):
+        r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--stages",
+                            str(stages), "--gpus", gpus, "--", sys.executable, str(script)],
+                           capture_output=True, text=True, env=child_env(), timeout=60)
+        said = f"puts stages of virtual worker 0 on one GPU ({shared} for its {stages} stages)"
+        assert r.returncode == 1 and said in r.stderr, (gpus, r.stderr)
+        assert "stage " not in r.stdout

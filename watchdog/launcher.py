@@ -147,6 +147,15 @@ class Launcher:
         self.pull = pull
         self.sched_policy = learner_sched_policy(learner_sched, self.n)
         self.gpus = gpus or []  # rank r gets GPU gpus[r % len(gpus)]: several learners may share one
+        if stages > 1 and self.gpus:
+            for vw in range(self.n // stages):
+                mine = [self.gpus[r % len(self.gpus)] for r in range(vw * stages, (vw + 1) * stages)]
+                if len(set(mine)) < stages:
+                    raise Error(f"--gpus {','.join(map(str, self.gpus))} puts stages of virtual worker {vw} on one "
+                                f"GPU (cuda:{', cuda:'.join(map(str, mine))} for its {stages} stages): a virtual "
+                                f"worker's process group runs NCCL between its stages on GPUs, which takes one GPU "
+                                f"per stage. Give --gpus at least {stages} different GPUs, or drop --gpus to run "
+                                f"the stages on the CPU (gloo)")
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
         self._gave_up = False  # the watchdog exited GIVE_UP_EXIT: keep the arena at the end
