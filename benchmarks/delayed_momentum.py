@@ -24,7 +24,10 @@ epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
 - ``local``: ``tau + 1`` learners in turn, each with its own momentum buffer, pushing ``lr * buffer`` to plain
   sgd (learner-side momentum);
 - ``curv``: psd/gain.py's level between ``auto`` and ``keep``, from the sharpness measured here every
-  ``--every`` updates (8 power iterations on autograd's Hessian-vector products), margin ``--margin``;
+  ``--every`` updates, margin ``--margin``: the Hessian's largest eigenvalue (8 power iterations on
+  autograd's Hessian-vector products; ``--along top``) or the curvature along the mini-batch's gradient
+  (one product; ``--along grad``, what psd's learners measure now), held as a maximum halving over
+  ``--half-life`` updates (0: each reading as it comes);
 - ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then).
 
 The metric is the matrix's (test accuracy); ``tau`` 0 with ``off`` is one process, the baseline.
@@ -90,10 +93,15 @@ class Watch:
 
 def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> float:
     """The largest eigenvalue of the mini-batch loss's Hessian (power iteration on autograd's
-    Hessian-vector products)."""
+    Hessian-vector products); with ``OPTS["along"]`` "grad", the curvature along the mini-batch's
+    gradient instead (its Rayleigh quotient g.Hg / g.g: one product)."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, create_graph=True)
-    v = [torch.randn_like(p) for p in params]
+    if OPTS["along"] == "grad":
+        iters = 1
+        v = [g.detach() for g in grads]
+    else:
+        v = [torch.randn_like(p) for p in params]
     lam = 0.0
     for _ in range(iters):
         norm = math.sqrt(sum(float((x * x).sum()) for x in v))
@@ -101,11 +109,13 @@ def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> flo
         hv = torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
         lam = sum(float((a * b).sum()) for a, b in zip(hv, v, strict=True))
         v = [h.detach() for h in hv]
+    if OPTS["along"] == "grad":
+        return lam if lam > 0 else math.nan  # no curvature up along the gradient: no reading
     return abs(lam)
 
 
 OPTS = {"ratio": 4.0, "angular": False, "signal": "grad", "progress": 0.0, "cut": 0.5, "slow_down": 0.5,
-        "cap": 0.0, "margin": 1.5, "every": 20}
+        "cap": 0.0, "margin": 1.5, "every": 20, "along": "top", "half_life": 0}
 
 
 def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> dict:
@@ -151,7 +161,12 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
         if rule == "curv" and tau and t % OPTS["every"] == 0:
             model.train()
             saved = [b.clone() for b in model.buffers()]  # the measurement leaves BatchNorm's statistics
-            lam_lr[0] = lr * sharpness(model, cl.loss_of(workload, model, data.x_train[idx], data.y_train[idx]))
+            now = lr * sharpness(model, cl.loss_of(workload, model, data.x_train[idx], data.y_train[idx]))
+            if OPTS["half_life"]:  # the server's decaying maximum of the readings
+                held = lam_lr[0] * 0.5 ** (OPTS["every"] / OPTS["half_life"])
+                lam_lr[0] = max(now, held) if math.isfinite(now) else held
+            elif math.isfinite(now):
+                lam_lr[0] = now
             with torch.no_grad():
                 for b, old in zip(model.buffers(), saved, strict=True):
                     b.copy_(old)
@@ -253,6 +268,10 @@ def main() -> int:
     p.add_argument("--cap", type=float, default=0.0, help="the probe's lr factor at most this (0: keep's)")
     p.add_argument("--margin", type=float, default=1.5, help="curv: the edge at least this x lr x sharpness")
     p.add_argument("--every", type=int, default=20, help="curv: the sharpness measured every N updates")
+    p.add_argument("--along", choices=("top", "grad"), default="top",
+                   help="curv: the curvature measured: the Hessian's largest eigenvalue, or along the gradient")
+    p.add_argument("--half-life", type=float, default=0,
+                   help="curv: hold the largest reading, halving over this many updates (0: each as it comes)")
     p.add_argument("--progress", type=float, default=0.0,
                    help="the probe raises the gain only once the signal's log is this far below its first 32's")
     p.add_argument("--signal", choices=("grad", "loss"), default="grad",
@@ -263,7 +282,7 @@ def main() -> int:
     torch.set_num_threads(1)
     OPTS.update(ratio=args.ratio, angular=args.angular, signal=args.signal, progress=args.progress, cut=args.cut,
                 slow_down=args.slow_down, cap=args.cap,
-                margin=args.margin, every=args.every)
+                margin=args.margin, every=args.every, along=args.along, half_life=args.half_life)
     if args.only:
         wl, rule, tau = args.only.split(":")
         print(json.dumps(run(wl, rule, int(tau), trace=args.trace)))

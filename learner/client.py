@@ -93,7 +93,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         self._stepper = None
         self.predicted_staleness = 0.0
         self._staleness: collections.deque[int] = collections.deque(maxlen=STALENESS_WINDOW)
-        self.sharpness = SharpnessProbe([p for p in model.parameters() if p.requires_grad], list(model.buffers()))
+        self.sharpness = SharpnessProbe([p for p in model.parameters() if p.requires_grad], module=model)
         self._watch = ArenaWatch(self.job, role="learner")  # this learner's mapping, adopted by _connect
         self._connect(slot_timeout)
 

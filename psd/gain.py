@@ -8,15 +8,16 @@ delayed gradient has two ways to go (native/optim.c ``psd_async_rule``), and the
   ``lr / (1 - momentum)`` at momentum 0.9: a job at a small lr trains ten times slower along flat directions;
 - level 1, the gain-keeping rule: a gradient's mean age stays one process's (``mu' / (1 - mu') = mu / (1 - mu)
   - tau``) and the lr rises to keep ``lr / (1 - mu)``. One process's gain, but stable only while the job's lr
-  times the loss's sharpness (the largest eigenvalue of its Hessian) is small.
+  times the loss's sharpness (its curvature where the job moves: learner/sharpness.py) is small.
 
 Where each is stable is exact on a quadratic (one coordinate of curvature ``h``): the delayed iteration is
 linear, and converges while every root of its characteristic polynomial lies inside the unit circle
 (``stable``; benchmarks/delay_stability.py tabulates the same edges from the companion matrix's eigenvalues).
 So the server takes the largest level whose edge, in units of ``lr h``, is at least ``MARGIN`` times the lr
-times the sharpness the learners measure (learner/sharpness.py, reported through their slots); without a
-measurement the level is 0. Screened on the convergence matrix's workloads in benchmarks/delayed_momentum.py
-(rule ``curv``), then through psd (benchmarks/matrix.py).
+times the sharpness the learners measure (learner/sharpness.py: the loss's curvature along the mini-batch's
+gradient, reported through their slots); without a measurement the level is 0. Screened on the
+convergence matrix's workloads in benchmarks/delayed_momentum.py (rule ``curv``, ``--along grad``), then
+through psd (benchmarks/matrix.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from __future__ import annotations
 import functools
 import math
 
-__all__ = ["EDGE_HOLD", "HALF_LIFE", "LEVELS", "MARGIN", "RISE", "at_edge", "edge", "edges", "level", "rule", "stable"]
+__all__ = ["HALF_LIFE", "LEVELS", "MARGIN", "RISE", "edge", "edges", "level", "rule", "stable"]
 
 LEVELS = 21  # the levels tried: 0, 0.05, ..., 1
 MARGIN = 1.0  # the chosen level's edge is at least this times lr x sharpness
-EDGE_HOLD = 1000  # updates at level 0 after a measurement at or past the staleness rule's own edge
-HALF_LIFE = 200  # updates: the server holds the largest measurement, halving it over this many
+HALF_LIFE = 50  # updates: the server holds the largest measurement, halving it over this many
 RISE = 0.01  # after the first measurement set it, the level rises by at most this an update; it falls at once
 MAX_TAU = 64  # above this staleness, level 0 (keeping any gain there needs lr x sharpness below 0.0025)
 
@@ -89,14 +89,6 @@ def _edges_for(lr_sharpness: float, mu: float, tau: float) -> tuple[float, ...] 
     if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < tau <= MAX_TAU or not 0 < mu < 1:
         return None
     return edges(round(mu, 6), math.ceil(tau))
-
-
-def at_edge(lr_sharpness: float, mu: float, tau: float) -> bool:
-    """Whether ``lr_sharpness`` reaches the edge of the staleness rule itself (level 0): the job lives at its
-    edge of stability (Cohen et al. 2021: training at one process's lr drives the sharpness up to the edge,
-    where it hovers), so any gain added would push it over; it stays at level 0 for EDGE_HOLD updates."""
-    table = _edges_for(lr_sharpness, mu, tau)
-    return table is not None and lr_sharpness * MARGIN >= table[0]
 
 
 def level(lr_sharpness: float, mu: float, tau: float, margin: float = MARGIN) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -220,7 +221,6 @@ class Server:
         self._gain_clock = 0  # the clock it was set at
         self._sharpness = 0.0  # the learners' measurements' decaying maximum (gain.HALF_LIFE)
         self._measured = False  # whether a learner's measurement has set the level yet
-        self._edge_until = 0  # the clock until which the job stays at level 0 (gain.at_edge)
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
         self._stopped = False
@@ -525,11 +525,12 @@ class Server:
         self._steer_gain(h, sharpness)
 
     def _steer_gain(self, h: dict, sharpness: list[float]) -> None:
-        """--async-momentum auto: the gain level (psd/gain.py) from the largest sharpness the live learners
-        measured (learner/sharpness.py). A value that is not a positive finite number (none measured, or
-        a learner's stray write: the slot is learner-writable) counts for nothing; the largest of the rest
-        is the cautious choice (a learner can only lower the level, toward the staleness rule), held as a
-        maximum that halves over gain.HALF_LIFE updates."""
+        """--async-momentum auto: the gain level (psd/gain.py) from the sharpness the live learners measured
+        (learner/sharpness.py: each its last reading, the curvature along its mini-batch's gradient). A value
+        that is not a positive finite number (none measured, or a learner's stray write: the slot is
+        learner-writable) counts for nothing; the median of the rest (one mini-batch's reading is noisy:
+        the largest of 8 learners' would read the job sharper the more learners it has, and no one learner
+        moves a median far) is held as a maximum that halves over gain.HALF_LIFE updates."""
         mu = h["momentum"]  # the header's configuration: the flags' defaults filled in
         if (ASYNC_MOMENTUM[h["async_momentum"]] != "auto" or OPTIMIZERS[h["optimizer"]] not in ("momentum", "nesterov")
                 or not 0 < mu < 1):
@@ -538,18 +539,16 @@ class Server:
         # a decaying maximum of the measurements: one mini-batch's reading can dip far below the loss's
         # sharpness, and the level must not follow it up
         hold = 0.5 ** (max(0, h["clock"] - self._gain_clock) / gain.HALF_LIFE)
-        self._sharpness = max(max(seen, default=0.0), self._sharpness * hold)
+        self._sharpness = max(statistics.median(seen) if seen else 0.0, self._sharpness * hold)
         lvl = gain.level(h["lr_now"] * self._sharpness, mu, h["staleness_avg"]) if seen else 0.0
-        if seen and gain.at_edge(h["lr_now"] * max(seen), mu, h["staleness_avg"]):
-            self._edge_until = h["clock"] + gain.EDGE_HOLD  # a job at its edge of stability keeps no more gain
-        if h["clock"] < self._edge_until:
-            lvl = 0.0
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
         if self._measured:
             lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
-        self._measured = self._measured or bool(seen)
+        # Without staleness yet (the first updates) the rule applies the configured momentum at any level, and
+        # gain.level says 0: the first level is set by the first measurement that meets some staleness.
+        self._measured = self._measured or (bool(seen) and h["staleness_avg"] > 0)
         self._gain_clock = h["clock"]
         if lvl != self._gain_level:
             log.debug("job %r: gain level %.2f (lr x sharpness %s, mean staleness %.2f)", self.config.job, lvl,
