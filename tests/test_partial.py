@@ -3,6 +3,7 @@ only its own, matched by full name; anything that is not the job's is refused by
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -131,16 +132,25 @@ def bn_stage(*keep: str) -> BNNet:
     return net
 
 
-def test_stages_with_buffers_set_their_own_statistics_alone(job, serve):
+@pytest.mark.parametrize("on_device", [None, "first", "second"])
+def test_stages_with_buffers_set_their_own_statistics_alone(job, serve, on_device):
     """Each stage's pushes set its own BatchNorm statistics and add its own batch counts; the other stages'
     stay as their own pushes left them: the first stage pulls, the second moves its statistics, then the
-    first pushes (a push that set every statistic would put back what the first stage had pulled)."""
+    first pushes (a push that set every statistic would put back what the first stage had pulled). With
+    ``on_device``, that stage is a device learner (on the CPU, through the synchronous stream stand-in)."""
     serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.1")
     stats = ("running_mean", "running_var")
+
+    def attach(module: torch.nn.Module, which: str):
+        if which == on_device:
+            return DeviceLearner(module, job, partial=True, streams=SyncStreams())
+        return learner.attach(module, job=job, partial=True)
+
     with learner.attach(BNNet(), job=job):  # declares the job's model
         first, second = bn_stage("a", "a_bn"), bn_stage("b", "b_bn", "c", "c_bn")
-        with learner.attach(first, job=job, partial=True) as s1, \
-                learner.attach(second, job=job, partial=True) as s2:
+        with attach(first, "first") as s1, attach(second, "second") as s2:
+            if on_device:
+                assert isinstance(s1 if on_device == "first" else s2, DeviceLearner)
             for i in range(3):
                 s1.pull()  # its stand-ins for the second stage's statistics: the job's now
                 second.c_bn(second.c(second.b_bn(second.b(torch.randn(16, 8) + i)))).sum().backward()
@@ -160,6 +170,8 @@ def test_stages_with_buffers_set_their_own_statistics_alone(job, serve):
             assert [int(theirs[f"{n}.num_batches_tracked"]) for n in ("a_bn", "b_bn", "c_bn")] == [3, 3, 3]
             s1.pull()  # a stage takes the job's statistics of its own blocks
             assert torch.equal(first.a_bn.running_mean, theirs["a_bn.running_mean"])
+            s2.pull()
+            assert torch.equal(second.b_bn.running_var, theirs["b_bn.running_var"])
 
 
 def test_a_stage_whose_statistics_are_not_one_run_of_the_jobs_is_refused_by_name(job, serve):
@@ -201,12 +213,10 @@ def _rss_mib() -> int:
         return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
 
 
-@pytest.mark.parametrize("flags", [[], ["--optimizer", "adam", "--predict"]], ids=["sgd", "adam-predict"])
-def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve, flags):
-    """The wide layer lives in the job (a full learner in another process declared it); the stage that
-    holds only the small one grows by far less than the wide layer's 40 MB, also when it extrapolates its
-    weights (--predict: its own tensors alone)."""
-    serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2", *flags)
+@contextlib.contextmanager
+def _stage_beside_wide(job: str):
+    """A stage (``Wide`` without its 40 MB layer ``b``) of a job whose wide layer a full learner in another
+    process declared and holds; yields the stage and this process's RSS before it attached."""
     sys.path.insert(0, str(HELPERS))
     from wide_learner import Wide
 
@@ -215,7 +225,19 @@ def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve, f
         assert read_line(holder, timeout=60) == "ready"
         part = Wide()
         del part.b
-        before = _rss_mib()
+        yield part, _rss_mib()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("flags", [[], ["--optimizer", "adam", "--predict"]], ids=["sgd", "adam-predict"])
+def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve, flags):
+    """The wide layer lives in the job (a full learner in another process declared it); the stage that
+    holds only the small one grows by far less than the wide layer's 40 MB, also when it extrapolates its
+    weights (--predict: its own tensors alone)."""
+    serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2", *flags)
+    with _stage_beside_wide(job) as (part, before):
         with learner.attach(part, job=job, partial=True) as s:
             for _ in range(6):
                 ones_grad(part)
@@ -228,9 +250,6 @@ def test_the_parameters_a_stage_does_not_hold_take_no_memory_in_it(job, serve, f
                 assert s.predicted_staleness == 2
             grown = _rss_mib() - before
         assert grown < 12, f"the stage grew by {grown} MiB"
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def _turns(job: str, serve, first: torch.nn.Module, second: torch.nn.Module, partial: tuple[bool, bool],
@@ -419,42 +438,6 @@ def test_a_partial_device_learner_through_the_drop_in_optimizer(job, serve):
             opt.close()
 
 
-@pytest.mark.parametrize("on_device", ["first", "second"])
-def test_a_partial_device_learner_sets_its_own_statistics_alone(job, serve, on_device):
-    """As test_stages_with_buffers_set_their_own_statistics_alone, with one of the stages a device learner."""
-    serve(job, "--no-watchdog", "--learners", "3", "--lr", "0.1")
-    stats = ("running_mean", "running_var")
-
-    def attach(module: torch.nn.Module, which: str):
-        if which == on_device:
-            return DeviceLearner(module, job, partial=True, streams=SyncStreams())
-        return learner.attach(module, job=job, partial=True)
-
-    with learner.attach(BNNet(), job=job):
-        first, second = bn_stage("a", "a_bn"), bn_stage("b", "b_bn", "c", "c_bn")
-        with attach(first, "first") as s1, attach(second, "second") as s2:
-            assert isinstance(s1 if on_device == "first" else s2, DeviceLearner)
-            for i in range(3):
-                s1.pull()
-                second.c_bn(second.c(second.b_bn(second.b(torch.randn(16, 8) + i)))).sum().backward()
-                s2.step()
-                s2.flush()
-                theirs = learner.pull_state_dict(job)
-                seconds = {f"{n}.{st}": theirs[f"{n}.{st}"] for n in ("b_bn", "c_bn") for st in stats}
-                first.a_bn(first.a(torch.randn(16, 4) - i)).sum().backward()
-                pushed = {f"a_bn.{st}": getattr(first.a_bn, st).clone() for st in stats}
-                s1.step()
-                s1.flush()
-                theirs = learner.pull_state_dict(job)
-                for k, v in {**seconds, **pushed}.items():
-                    assert torch.equal(theirs[k], v), (i, k)
-            initial = BNNet().state_dict()
-            assert all(not torch.equal(theirs[k], initial[k]) for k in (*seconds, *pushed))
-            assert [int(theirs[f"{n}.num_batches_tracked"]) for n in ("a_bn", "b_bn", "c_bn")] == [3, 3, 3]
-            s2.pull()
-            assert torch.equal(second.b_bn.running_var, theirs["b_bn.running_var"])
-
-
 def test_a_partial_device_learner_without_buffers_of_its_own_pushes_none(job, serve):
     """In a job with BatchNorm statistics, a stage on a device that holds none of them pushes no buffers: the
     statistics and counts the other stage set stay as they are through its pushes."""
@@ -484,15 +467,7 @@ def test_a_partial_device_learner_holds_and_pins_its_own_tensors_alone(job, serv
     sizes its device buffers to its own 40 elements, asks to pin only the pages of its own tensors (in the
     weights and in each ring entry), pulls its own bytes alone, and grows by far less than the wide layer."""
     serve(job, "--no-watchdog", "--learners", "2", "--ring-depth", "2")
-    sys.path.insert(0, str(HELPERS))
-    from wide_learner import Wide
-
-    holder = spawn("wide_learner.py", job)
-    try:
-        assert read_line(holder, timeout=60) == "ready"
-        part = Wide()
-        del part.b
-        before = _rss_mib()
+    with _stage_beside_wide(job) as (part, before):
         streams = RecordingStreams()
         with DeviceLearner(part, job, partial=True, streams=streams) as s:
             own = sum(p.numel() for p in part.parameters())
@@ -516,6 +491,3 @@ def test_a_partial_device_learner_holds_and_pins_its_own_tensors_alone(job, serv
             assert (s.pulled_bytes - pulled) % (4 * own) == 0 and s.pulled_bytes > pulled
             grown = _rss_mib() - before
         assert grown < 12, f"the stage grew by {grown} MiB"
-    finally:
-        holder.kill()
-        holder.wait()
