@@ -26,29 +26,22 @@ def _ctx():
 
 
 def _run(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """In the forked child: become ``python SCRIPT ARGS`` (``argv`` without the interpreter)."""
-    import runpy
+    """In the forked child: become ``python SCRIPT ARGS`` (``argv`` without the interpreter) as the fork server's
+    children do (psd.watchdog.forkserver.run_as_main), its stdout and stderr into the files ``out``, ``err``."""
+    from psd.watchdog.forkserver import finish_interpreter, run_as_main
 
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
         os.close(f)
-    os.environ.clear()
-    os.environ.update(env)
     if env.get("OMP_NUM_THREADS", "").isdigit():  # read at torch's import in a fresh interpreter; here, now
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     try:
-        runpy.run_path(argv[0], run_name="__main__")  # a SystemExit's code is the child's exit status
-    finally:  # what the interpreter does at exit, which a multiprocessing child skips (os._exit)
-        import atexit
-        import threading
-
-        threading._shutdown()
-        atexit._run_exitfuncs()
+        run_as_main(argv, env)  # a SystemExit's code is the child's exit status (multiprocessing's)
+    finally:
+        finish_interpreter()
 
 
 class Forked:

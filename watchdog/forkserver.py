@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ForkServer", "Forked", "forkable"]
+__all__ = ["ForkServer", "Forked", "finish_interpreter", "forkable", "run_as_main"]
 
 
 def forkable(command: list[str]) -> bool:
@@ -202,20 +202,7 @@ def _child(req: dict[str, Any], sock: socket.socket, server_pid: int) -> None:
             signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        argv = req["argv"][1:]
-        import runpy
-
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path[:0] = ["", *extra]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[:0] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
-            runpy.run_path(argv[0], run_name="__main__")
+        run_as_main(req["argv"][1:], req["env"])
         code = 0
     except SystemExit as e:
         if e.code is None:
@@ -232,18 +219,43 @@ def _child(req: dict[str, Any], sock: socket.socket, server_pid: int) -> None:
         code = 1
     finally:
         try:
-            import threading
-
-            shutdown = getattr(threading, "_shutdown", None)
-            if shutdown is not None:
-                shutdown()  # join non-daemon threads, as the interpreter does at exit
-            import atexit
-
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
+            finish_interpreter()
         finally:
             os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def run_as_main(argv: list[str], env: dict[str, str]) -> None:
+    """In a forked child: run ``argv`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``, without the interpreter) in
+    ``env`` as ``python`` would, as ``__main__`` (a SystemExit it raises is the child's to turn into its exit
+    status). Also tests/forked.py's."""
+    os.environ.clear()
+    os.environ.update(env)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[:0] = ["", *extra]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[:0] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def finish_interpreter() -> None:
+    """What the interpreter does at exit, which a forked child that leaves by os._exit skips: join the
+    non-daemon threads, run the atexit functions, flush stdout and stderr."""
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def serve(fd: int) -> int:
