@@ -40,6 +40,7 @@ replaces ``matrix.jsonl`` only when the whole matrix has run: an interrupted ``-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +112,6 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
     ``communicate`` and ``returncode`` as a ``subprocess.Popen`` with text pipes does (the single-node set-ups;
     tests/test_matrix.py forks them from a process that has imported torch)."""
     from psd import learner
-    from psd.arena import wait_for_job
     from psd.status import job_status
 
     w = WORKLOADS[workload]
@@ -136,13 +137,7 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
                 raise RuntimeError(f"{len(outs)} of {nodes * learners} learners reported")
             return {"metric": statistics.mean(o["metric"] for o in outs), "seconds": round(time.monotonic() - t0, 1),
                     "scored": "learners' mean"}
-        server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--quiet", "--job", job, "--learners",
-                                   str(learners), *_server_flags(opt, lr, sync, flags)], env=env,
-                                  stderr=subprocess.PIPE, text=True)
-        try:
-            wait_for_job(job, timeout=60, server_pid=server.pid)
-            procs = [start([*_learner_cmd(workload, seed, w), "--job", job, "--rank", str(r), "--world",
-                            str(learners)], env) for r in range(learners)]
+        with serving(job, workload, opt, learners, sync, seed, flags, env, start) as procs:
             for p in procs:
                 out, err = p.communicate(timeout=3600)
                 if p.returncode != 0:
@@ -153,9 +148,27 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
             return {"metric": cl.score(workload, model, data), "seconds": round(time.monotonic() - t0, 1),
                     "scored": "job's model", "staleness_mean": round(st["staleness_mean"], 2),
                     "updates": st["clock"]}
-        finally:
-            server.terminate()
-            server.wait(timeout=120)
+
+
+@contextlib.contextmanager
+def serving(job: str, workload: str, opt: str, learners: int, sync: str, seed: int, flags: list[str],
+            env: dict[str, str], start=_popen, server_stderr=subprocess.PIPE) -> Iterator[list]:
+    """A one-node cell running: ``psd serve`` for ``job`` with the cell's server flags, and its learners started
+    with ``start`` (see ``run_psd``), which it yields; the server is stopped on the way out. benchmarks/
+    trace_gain.py runs its cell with it too."""
+    from psd.arena import wait_for_job
+
+    w = WORKLOADS[workload]
+    server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--quiet", "--job", job, "--learners",
+                               str(learners), *_server_flags(opt, w["lr"][opt], sync, flags)], env=env,
+                              stderr=server_stderr, text=True)
+    try:
+        wait_for_job(job, timeout=60, server_pid=server.pid)
+        yield [start([*_learner_cmd(workload, seed, w), "--job", job, "--rank", str(r), "--world", str(learners)],
+                     env) for r in range(learners)]
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
 
 
 def cells(workloads: list[str], optimizers: list[str], plans: list[str]) -> list[tuple]:

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import matrix
 
 from psd import _native
-from psd.arena import open_job, wait_for_job
+from psd.arena import open_job
 
 
 def main() -> int:
@@ -44,34 +43,29 @@ def main() -> int:
         p.error(f"{args.workload} has no lr for {args.optimizer}: one of {', '.join(w['lr'])}")
     lr = w["lr"][args.optimizer]
     job = f"trace-{os.getpid()}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_STATE_HOME=tempfile.mkdtemp(prefix="psd-trace-"))
-    server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--quiet", "--job", job, "--learners",
-                               str(args.learners), *matrix._server_flags(args.optimizer, lr, "asp", args.flags)],
-                              env=env)
-    try:
-        wait_for_job(job, timeout=60, server_pid=server.pid)
-        learners = [subprocess.Popen([*matrix._learner_cmd(args.workload, args.seed, w), "--job", job, "--rank",
-                                      str(r), "--world", str(args.learners)], stdout=subprocess.PIPE, text=True,
-                                     env=env) for r in range(args.learners)]
-        arena = open_job(job, role="reader")
-        last = None
-        while any(q.poll() is None for q in learners):
-            h = arena.header()
-            if h["state"] == _native.ARENA_READY:
-                arena.remap()
-                sharp = [arena.slot_info(i).get("sharpness", float("nan")) for i in range(h["n_slots"])]
-                row = (round(h["gain_level"], 2), round(h["momentum_now"], 3), round(h["staleness_avg"], 1))
-                if row != last:
-                    print(json.dumps({"clock": h["clock"], "gain_level": row[0], "momentum_now": row[1],
-                                      "staleness_avg": row[2], "lr_sharpness": [round(lr * x, 4) for x in sharp]}),
-                          flush=True)
-                    last = row
-            time.sleep(args.every)
-        for q in learners:
-            print(q.communicate()[0].strip(), flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="psd-trace-") as state:
+        env = dict(os.environ, OMP_NUM_THREADS="1", XDG_STATE_HOME=state)
+        with matrix.serving(job, args.workload, args.optimizer, args.learners, "asp", args.seed, args.flags, env,
+                            server_stderr=None) as learners:
+            arena = open_job(job, role="reader")
+            last = None
+            while any(q.poll() is None for q in learners):
+                h = arena.header()
+                if h["state"] == _native.ARENA_READY:
+                    arena.remap()
+                    sharp = [arena.slot_info(i).get("sharpness", float("nan")) for i in range(h["n_slots"])]
+                    row = (round(h["gain_level"], 2), round(h["momentum_now"], 3), round(h["staleness_avg"], 1))
+                    if row != last:
+                        print(json.dumps({"clock": h["clock"], "gain_level": row[0], "momentum_now": row[1],
+                                          "staleness_avg": row[2],
+                                          "lr_sharpness": [round(lr * x, 4) for x in sharp]}), flush=True)
+                        last = row
+                time.sleep(args.every)
+            for q in learners:
+                out, err = q.communicate()
+                print(out.strip(), flush=True)
+                if err.strip():
+                    print(err.strip(), file=sys.stderr, flush=True)
     return 0
 
 
