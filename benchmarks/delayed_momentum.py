@@ -28,7 +28,8 @@ epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
   autograd's Hessian-vector products; ``--along top``) or the curvature along the mini-batch's gradient
   (one product; ``--along grad``, what psd's learners measure now), held as a maximum halving over
   ``--half-life`` updates (0: each reading as it comes);
-- ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then).
+- ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then);
+  ``--dc LAMBDA`` adds the same compensation, g + LAMBDA g * g * (w_now - w_then), to any rule.
 
 The metric is the matrix's (test accuracy); ``tau`` 0 with ``off`` is one process, the baseline.
 """
@@ -182,8 +183,9 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
             for mb, wb in zip(model.buffers(), worker.buffers(), strict=True):
                 mb.copy_(wb)
             grads = [q.grad.to_dense() if q.grad.is_sparse else q.grad for q in worker.parameters()]
-            if rule == "dc":
-                grads = [g + 2.0 * g * g * (p - q)
+            lam = OPTS.get("dc") or (2.0 if rule == "dc" else 0.0)
+            if lam:
+                grads = [g + lam * g * g * (p - q)
                          for g, p, q in zip(grads, params, worker.parameters(), strict=True)]
             ms = sum(float((g * g).sum()) for g in grads) / sum(p.numel() for p in params)
             dw2 = w2 = 0.0
@@ -276,13 +278,15 @@ def main() -> int:
                    help="the probe raises the gain only once the signal's log is this far below its first 32's")
     p.add_argument("--signal", choices=("grad", "loss"), default="grad",
                    help="what the watch follows: the gradients' mean square, or the mini-batch loss")
+    p.add_argument("--dc", type=float, default=0.0,
+                   help="add DC-ASGD's compensation with this lambda to any rule (0: none)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="delayed_momentum", help="the results' file name (.md, .json)")
     args = p.parse_args()
     torch.set_num_threads(1)
     OPTS.update(ratio=args.ratio, angular=args.angular, signal=args.signal, progress=args.progress, cut=args.cut,
                 slow_down=args.slow_down, cap=args.cap,
-                margin=args.margin, every=args.every, along=args.along, half_life=args.half_life)
+                margin=args.margin, every=args.every, along=args.along, half_life=args.half_life, dc=args.dc)
     if args.only:
         wl, rule, tau = args.only.split(":")
         print(json.dumps(run(wl, rule, int(tau), trace=args.trace)))

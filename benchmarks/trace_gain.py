@@ -5,8 +5,8 @@
 Runs the cell as benchmarks/matrix.py does (its server flags, its learners, which pass torch.optim's closure
 so they measure the loss's sharpness) and prints, each time it changes, the update count, the gain level,
 the momentum the update loop applies (`momentum_now`), the running mean staleness and each learner slot's
-lr x sharpness (psd/gain.py), read from the arena's header as `psd inspect` reads it. Ends with the learners'
-final metric. Nothing is written to benchmarks/results.
+lr x sharpness (psd/gain.py), read from the arena's header as `psd inspect` reads it. Ends with the staleness
+histogram (as `psd status` buckets it) and the learners' final metric. Nothing is written to benchmarks/results.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import matrix
 
 from psd import _native
 from psd.arena import open_job
+from psd.status import stale_bucket_label
 
 
 def main() -> int:
@@ -49,10 +50,12 @@ def main() -> int:
                             server_stderr=None) as learners:
             arena = open_job(job, role="reader")
             last = None
+            hist: list[int] = []
             while any(q.poll() is None for q in learners):
                 h = arena.header()
                 if h["state"] == _native.ARENA_READY:
                     arena.remap()
+                    hist = h["staleness_hist"]
                     sharp = [arena.slot_info(i).get("sharpness", float("nan")) for i in range(h["n_slots"])]
                     row = (round(h["gain_level"], 2), round(h["momentum_now"], 3), round(h["staleness_avg"], 1))
                     if row != last:
@@ -61,6 +64,8 @@ def main() -> int:
                                           "lr_sharpness": [round(lr * x, 4) for x in sharp]}), flush=True)
                         last = row
                 time.sleep(args.every)
+            buckets = {stale_bucket_label(i): n for i, n in enumerate(hist) if n}
+            print(json.dumps({"staleness_hist": buckets}), flush=True)
             for q in learners:
                 out, err = q.communicate()
                 print(out.strip(), flush=True)
