@@ -9,9 +9,9 @@ weighs each direction's curvature by how much of the gradient lies along it.
 The Hessian's largest eigenvalue (what an earlier version measured, by power iteration) is too cautious:
 the convergence matrix's character-level LSTM runs at lr x (largest eigenvalue) 0.2, four times past the
 quadratic model's edge for the full gain at a staleness of 2, and trains there as one process does; its
-curvature along the gradient is 0.04-0.05, at that edge. The BatchNorm CNN at one process's edge reads
-0.1-0.3 along its gradient, where the full gain diverges (benchmarks/delayed_momentum.py, ``--along``;
-benchmarks/results/matrix/README.md).
+curvature along the gradient is 0.02-0.05, at that edge. The BatchNorm CNN at one process's edge reads
+0.08-0.29 along its gradient over one process's run (0.70 at the start), where the full gain diverges
+(benchmarks/delayed_momentum.py, ``--along``; benchmarks/results/matrix/README.md).
 
 Measured by one finite-difference Hessian-vector product, ``H v ~ (g(w + eps v) - g(w)) / eps`` with ``v``
 the gradient's direction, each gradient from the user's closure (torch.optim's ``step(closure)``: it
@@ -43,15 +43,14 @@ FLAT = 1e-12  # the reading of a loss that is flat or bends down along the gradi
 class SharpnessProbe:
     """Measures the curvature of a model's loss along its gradient now and then from a closure.
 
-    ``params``: the trainable tensors; ``buffers``: the module's buffers, restored after each
-    measurement, or ``module``, whose buffers are taken at each measurement (a learner replaces them with
-    views of its own storage after this is built). ``every``: measure at calls 1, 2, 4, ... below
+    ``params``: the trainable tensors; ``module``: the model, whose buffers (BatchNorm's statistics) are taken
+    at each measurement and restored after it (taken then, not now: a learner replaces them with views of its
+    own storage after this is built; None: no buffers). ``every``: measure at calls 1, 2, 4, ... below
     ``every`` of :meth:`due`, then at every ``every``-th (0: never)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = (), every: int = EVERY,
+    def __init__(self, params: Sequence[torch.Tensor], every: int = EVERY,
                  module: torch.nn.Module | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.buffers = list(buffers)
         self.module = module
         self.every = int(every)
         self.calls = 0
@@ -76,7 +75,7 @@ class SharpnessProbe:
         """The loss's curvature along the mini-batch's gradient at the current weights (at least ``FLAT``; NaN if
         the closure gave no usable gradient)."""
         params = self.params
-        buffers = list(self.module.buffers()) if self.module is not None else self.buffers
+        buffers = list(self.module.buffers()) if self.module is not None else []
         devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
         seed = int(torch.randint(0, 2**62, (), generator=self._gen))
         with torch.no_grad():
