@@ -133,11 +133,13 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         a, n = self._arena, self.n_params
         h = self._map_shared()
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
-        # a thread. Larger ones use the native pull thread (it never waits for the GIL): step() asks
-        # it for a pull and, at the next step, takes the buffer it filled if the clock had moved.
+        # a thread. Larger ones in a job with --overlap use the native pull thread (it never waits for
+        # the GIL): step() asks it for a pull and, at the next step, takes the buffer it filled if the
+        # clock had moved. Without --overlap the pull waits for this learner's push to be applied, so
+        # nothing is left for a thread to do beside the step.
         if self.pull_mode == "view":
             self._pull = ViewPull(self)
-        elif (n * 4 > INLINE_PULL_BYTES and not self._rows_pull and not self.partial
+        elif (n * 4 > INLINE_PULL_BYTES and not self._rows_pull and not self.partial and not self.waits_for_own
               and pull_thread_has_a_core(h["n_slots"], h["threads"])):
             self._pull = ThreadPull(self)
         else:
@@ -161,7 +163,8 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
             return
         front = None if self.pull_mode == "view" else self._bufs[self._front].numpy()
         self._stepper = self._arena.stepper(self.slot, tuple(self._train), self.dtype, self._dtype_code,
-                                            torch.strided, front, self._store)
+                                            torch.strided, front, self._store, self.waits_for_own,
+                                            self._claim_token)
 
     # -- a step ---------------------------------------------------------------
 

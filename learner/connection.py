@@ -170,6 +170,11 @@ class Connection:
         else:
             self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
+        # Without --overlap an asp / ssp learner takes newer weights only once the server applied its
+        # push: its next gradient always holds its last one (one learner: no staleness at all). kasync
+        # applies a gradient only with K others (a learner waiting for its own could wait for itself),
+        # bsp waits for the round already.
+        self.waits_for_own = self.sync in ("asp", "ssp") and not h["cfg_flags"] & _native.CFG_OVERLAP
         # Sharpness is measured (with a closure) only where the server uses it: momentum under
         # --async-momentum auto (psd/gain.py).
         self.measures_sharpness = (OPTIMIZERS[h["optimizer"]] in ("momentum", "nesterov") and h["momentum"] > 0

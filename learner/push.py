@@ -91,6 +91,8 @@ class Pushing:
             self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
         elif self.sync == "ssp":
             self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
+        if self.waits_for_own and self._arena is a:  # no --overlap: the next gradient holds this one
+            self._with_server(a.wait_drained, self.slot, self._claim_token, self.timeout)
         if self._arena is not a:
             return
         self._take_newer(a)

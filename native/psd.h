@@ -362,6 +362,8 @@ int psd_slot_release(struct psd_map *m, uint32_t slot, uint64_t claim);
 uint32_t psd_admit(struct psd_map *m);
 /* Whether the slot's ring has a free entry (pairs with the store-release of head in the update loop). */
 bool psd_ring_has_space(const struct psd_map *m, uint32_t slot);
+/* Whether the server has applied (or dropped) every entry this slot's learner pushed. */
+bool psd_ring_drained(const struct psd_map *m, uint32_t slot);
 /* Publish the entry at the tail, whose gradient was written in place (every
  * piece dense). The gradient is first multiplied by `scale` (unless 1) and
  * checked: a NaN or infinity marks it PSD_ENTRY_NONFINITE, and the update

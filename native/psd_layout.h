@@ -642,6 +642,7 @@ enum psd_async_momentum {
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */
 #define PSD_CFG_LEASE_ONLY 4u   /* --liveness lease: never consult /proc, judge learners by their lease */
 #define PSD_CFG_GRAD_BF16 8u    /* --grad-dtype bf16: learners push dense gradients as bfloat16 */
+#define PSD_CFG_OVERLAP 16u     /* --overlap: an asp/ssp learner pulls without waiting for its own gradient */
 #define PSD_LEASE_MS_DEFAULT 5000u
 
 /* Optimizer state vectors (n_train floats each) an arena holds. */

@@ -667,7 +667,8 @@ PyMethodDef py_learner_methods[] = {
      "set_push_buffers(lo, hi): this mapping's pushes set only the job's real-valued buffers [lo, hi) (a partial "
      "attach)"},
     {"stepper", (PyCFunction)arena_stepper, METH_VARARGS,
-     "stepper(slot, params, dtype, dtype_code, strided, front, store=0) -> Stepper: the whole step in one call"},
+     "stepper(slot, params, dtype, dtype_code, strided, front, store=0, own=False, claim=0) -> Stepper: the whole step "
+     "in one call; own: pull only once the server applied the push (claim: the slot's claim token)"},
     {"seen_clock", (PyCFunction)arena_seen_clock, METH_VARARGS,
      "seen_clock(slot) -> clock: the weights clock now, recorded as the slot's learner clock (pull='view')"},
     {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
@@ -720,10 +721,15 @@ typedef struct {
     PyObject **grads;  /* this step's gradients, held across the push */
     struct psd_src *src;
     int copy; /* pull: 1 = copy into front, 0 = view (none) */
+    int own;  /* pull only once the server applied this push (asp/ssp without --overlap) */
+    unsigned long long claim; /* the slot's claim token, for that wait */
     int busy; /* a step is running (its push may have released the GIL): close() must wait for it */
     Py_buffer front;
     unsigned long long push_ns;
 } Stepper;
+
+/* How long a step waits in C for the server to apply its gradient before leaving it to the general path. */
+#define OWN_WAIT_NS 200000000ull
 
 static PyObject *str_grad, *str_layout, *str_dtype, *str_is_contiguous, *str_data_ptr;
 
@@ -854,6 +860,17 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
     S->push_ns = psd_now_ns() - t0;
     if (failed)
         goto out;
+    if (S->own && psd_ring_has_space(m, S->slot) && !psd_ring_drained(m, S->slot)) {
+        /* The next gradient is computed on weights that hold this one (no --overlap): wait for the
+         * server to apply it, a while here without the GIL; past that the general path waits, with the
+         * learner's timeout and its checks on the server. */
+        int rc;
+        Py_BEGIN_ALLOW_THREADS rc = psd_wait_drained(m, S->slot, S->claim, OWN_WAIT_NS);
+        Py_END_ALLOW_THREADS if (rc) {
+            result = PyLong_FromLong(-1);
+            goto out;
+        }
+    }
     if (!psd_ring_has_space(m, S->slot)) {
         result = PyLong_FromLong(-1);
         goto out;
@@ -923,8 +940,10 @@ PyTypeObject StepperType = {
 static PyObject *arena_stepper(Arena *a, PyObject *args) {
     unsigned int slot, dtype_code, store = PSD_DTYPE_F32;
     PyObject *params, *dtype, *strided, *front;
-    if (!PyArg_ParseTuple(args, "IO!OIOO|I", &slot, &PyTuple_Type, &params, &dtype, &dtype_code, &strided, &front,
-                          &store) ||
+    int own = 0;
+    unsigned long long claim = 0;
+    if (!PyArg_ParseTuple(args, "IO!OIOO|IpK", &slot, &PyTuple_Type, &params, &dtype, &dtype_code, &strided, &front,
+                          &store, &own, &claim) ||
         check_slot(a, slot))
         return NULL;
     if ((uint64_t)PyTuple_GET_SIZE(params) != a->map.g.n_pieces) {
@@ -946,6 +965,8 @@ static PyObject *arena_stepper(Arena *a, PyObject *args) {
     S->grads = NULL;
     S->src = NULL;
     S->copy = 0;
+    S->own = own;
+    S->claim = claim;
     S->busy = 0;
     S->push_ns = 0;
     S->slot = slot;

@@ -828,9 +828,14 @@ static bool has_space(struct psd_map *m, uint32_t slot, uint64_t claim) {
     return psd_ring_has_space(m, slot);
 }
 
+bool psd_ring_drained(const struct psd_map *m, uint32_t slot) {
+    /* Pairs with the store-release of head in the update loop: the weights hold every entry up to it. */
+    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) == PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head);
+}
+
 static bool is_drained(struct psd_map *m, uint32_t slot, uint64_t claim) {
     (void)claim;
-    return PSD_LOAD_RLX(&psd_lslot_at(m, slot)->tail) == PSD_LOAD_ACQ(&psd_slot_at(m, slot)->head);
+    return psd_ring_drained(m, slot);
 }
 
 static bool is_freed(struct psd_map *m, uint32_t slot, uint64_t claim) {

@@ -212,6 +212,10 @@ def _build() -> tuple[Flag, ...]:
         _training("--predict", "learners train on weights extrapolated by their staleness along the optimizer's "
                   "update direction (PipeOptim); needs momentum, nesterov, adam or adamw", False, switch=True,
                   readme_default="off"),
+        _training("--overlap", "asp / ssp: a learner takes newer weights right after its push, without waiting for "
+                  "the server to apply it (GaDei's hand-off: its next gradient is computed beside the server's update, "
+                  "and every gradient is one update staler); off, a learner's next gradient always holds its last one",
+                  False, switch=True, readme_default="off"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
                   "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "
                   "than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",

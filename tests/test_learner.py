@@ -82,10 +82,11 @@ def test_user_zero_grad_is_harmless(job, serve):
 @pytest.mark.parametrize("pull", ["inline", "thread"])
 def test_steps_swap_in_weights_pushed_by_others(job, serve, monkeypatch, pull):
     """Inline (a small model, or no core for a thread) and by the pull thread (a model over
-    INLINE_PULL_BYTES where the job leaves the thread a core: asked for here, on 2 cores it never is)."""
+    INLINE_PULL_BYTES in a job with --overlap, where the job leaves the thread a core: asked for here, on
+    2 cores it never is)."""
     from psd.learner import client
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *["--overlap"] * (pull == "thread"))
     monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
     a, b = Flat(n), Flat(n)
@@ -114,7 +115,7 @@ def test_pulls_leave_the_frozen_weights_in_place(job, serve, monkeypatch, pull):
     an explicit pull(), which copies everything."""
     from psd.learner import client
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *["--overlap"] * (pull == "thread"))
     monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
 
@@ -250,8 +251,9 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
                                                                                        monkeypatch):
     """A float32 asp learner steps in one native call; a gradient it does not take as it is (not
     contiguous, sparse) sends that step down the general path, with the same result; a full
-    ring (depth 2) waits in Python; every p.grad is None after each step either way."""
-    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "2")
+    ring (depth 2) waits in Python; every p.grad is None after each step either way. (--overlap: a
+    step returns before the server applied its push, so that the paused loop below lets the ring fill.)"""
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "2", "--overlap")
     m = torch.nn.Module()
     m.mat = torch.nn.Parameter(torch.zeros(3, 4))
     m.vec = torch.nn.Parameter(torch.zeros(5))
