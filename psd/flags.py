@@ -362,6 +362,8 @@ def _build() -> tuple[Flag, ...]:
         Flag("--grad-dtypes", "what psd's learners push (--grad-dtype): float32 (the psd figures), bf16 "
              "(psd_bf16, psd_view_bf16)", None, nargs="+", choices=grad_dtypes, commands=("bench",),
              env_prefix="PSD_BENCH_", readme_default="float32 bf16"),
+        Flag("--with-overlap", "also measure psd's learners in a job with --overlap (psd_overlap: copy pulls, "
+             "float32)", False, switch=True, commands=("bench",), env_prefix="PSD_BENCH_"),
         Flag("--learner-sched", "psd's learners' scheduling policy, as psd run --learner-sched gives it", None,
              choices=LEARNER_SCHED_CHOICES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="auto"),

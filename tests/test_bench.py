@@ -82,10 +82,13 @@ def test_bench_json_has_every_field():
 def test_the_default_bench_measures_every_variant():
     from psd.bench import BenchConfig
 
-    assert BenchConfig().variants() == {"psd": ("copy", "float32"), "psd_view": ("view", "float32"),
-                                        "psd_bf16": ("copy", "bf16"), "psd_view_bf16": ("view", "bf16")}
+    assert BenchConfig().variants() == {"psd": ("copy", "float32", False), "psd_view": ("view", "float32", False),
+                                        "psd_bf16": ("copy", "bf16", False), "psd_view_bf16": ("view", "bf16", False)}
     assert BenchConfig.quick().variants() == BenchConfig().variants()
-    assert BenchConfig(pull_modes=("copy",), grad_dtypes=("float32",)).variants() == {"psd": ("copy", "float32")}
+    assert BenchConfig(pull_modes=("copy",), grad_dtypes=("float32",)).variants() == \
+        {"psd": ("copy", "float32", False)}
+    assert BenchConfig(pull_modes=("copy",), grad_dtypes=("float32",), with_overlap=True).variants() == \
+        {"psd": ("copy", "float32", False), "psd_overlap": ("copy", "float32", True)}
 
 
 @pytest.mark.parametrize("text, size", [("32768K", 32 << 20), ("1M", 1 << 20), ("512", 512), ("48K\n", 48 << 10),

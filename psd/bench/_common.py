@@ -48,6 +48,9 @@ class BenchConfig:
     # What psd's learners push (--grad-dtype): "float32" (always measured) and "bf16" (half the bytes of a
     # gradient: the "psd_bf16" figures, and "psd_view_bf16" with the view pull).
     grad_dtypes: tuple[str, ...] = ("float32", "bf16")
+    # Also measure psd's learners with --overlap (pulling right after a push, not once it was applied: GaDei's
+    # hand-off): the "psd_overlap" figures, copy pulls and float32 gradients.
+    with_overlap: bool = False
     # Sizes to measure the server's optimizer kernels at, against torch's fused CPU optimizers (and DeepSpeed's
     # CPU Adam where installed) at one thread and at every usable core (with the peers only).
     optimizer_sizes: tuple[int, ...] = (10_000_000,)
@@ -73,13 +76,17 @@ class BenchConfig:
         """Whether to measure pull="view" beside the default copy."""
         return "view" in self.pull_modes
 
-    def variants(self) -> dict[str, tuple[str, str]]:
-        """psd's measured set-ups, name -> (pull mode, --grad-dtype): "psd" (copy, float32) always, then
-        "psd_view", "psd_bf16" and "psd_view_bf16" as pull_modes and grad_dtypes ask."""
+    def variants(self) -> dict[str, tuple[str, str, bool]]:
+        """psd's measured set-ups, name -> (pull mode, --grad-dtype, --overlap): "psd" (copy, float32, the
+        default's no overlap) always, then "psd_view", "psd_bf16" and "psd_view_bf16" as pull_modes and
+        grad_dtypes ask, and "psd_overlap" with with_overlap."""
         out = {}
         for dtype in ("float32", *(["bf16"] if "bf16" in self.grad_dtypes else [])):
             for pull in ("copy", *(["view"] if self.view_pulls() else [])):
-                out["psd" + ("_view" if pull == "view" else "") + ("_bf16" if dtype == "bf16" else "")] = (pull, dtype)
+                name = "psd" + ("_view" if pull == "view" else "") + ("_bf16" if dtype == "bf16" else "")
+                out[name] = (pull, dtype, False)
+        if self.with_overlap:
+            out["psd_overlap"] = ("copy", "float32", True)
         return out
 
 

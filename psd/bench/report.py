@@ -45,6 +45,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     out["pull_modes"] = ["copy", "view"] if cfg.view_pulls() else ["copy"]
     out["grad_dtypes"] = ["float32", "bf16"] if "bf16" in cfg.grad_dtypes else ["float32"]
     out["learner_sched"] = cfg.learner_sched
+    out["with_overlap"] = cfg.with_overlap
     out["round_trip"] = round_trip(cfg, log)
     out["training"] = training(cfg, log) if cfg.training else []
     out["gpu_round_trip"] = gpu_round_trip(cfg, log)

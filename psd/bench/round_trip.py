@@ -5,7 +5,8 @@ Model traffic counts the pulls the learners actually made (the slot's ``pulls`` 
 skips a pull when the clock has not moved and its pull thread merges requests, so "one pull per update"
 would overstate it. ``psd_view`` is the same learner attached with ``pull="view"``: its parameters are
 views of the shared weights and it copies nothing back; ``psd_bf16`` (and ``psd_view_bf16``) push
-bfloat16 gradients (``--grad-dtype bf16``).
+bfloat16 gradients (``--grad-dtype bf16``); ``psd_overlap`` is the default learner in a job with ``--overlap``
+(it pulls right after its push, not once the server applied it).
 """
 
 from __future__ import annotations
@@ -139,11 +140,12 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
 
 
 def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", sched: str = "auto",
-                    grad_dtype: str = "float32") -> dict:
+                    grad_dtype: str = "float32", overlap: bool = False) -> dict:
     from psd.server import ServeConfig, Server
 
-    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}-{grad_dtype}"
-    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1, grad_dtype=grad_dtype))
+    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}-{grad_dtype}{'-overlap' * overlap}"
+    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1, grad_dtype=grad_dtype,
+                                overlap=overlap))
     server.start()
     stop = _server_thread(server)
     try:
@@ -166,13 +168,13 @@ VARIANT_OVER = ("hogwild", "hogwild_snapshot", "psd")
 
 def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
     """The round-trip table: one row per (size, learners) with psd's figures (``psd``, and ``psd_view``,
-    ``psd_bf16``, ``psd_view_bf16`` as ``cfg.variants()`` says) and, if asked, the peers'."""
+    ``psd_bf16``, ``psd_view_bf16``, ``psd_overlap`` as ``cfg.variants()`` says) and, if asked, the peers'."""
     variants = cfg.variants()
     rows = []
     for n in cfg.sizes:
         for k in cfg.learners:
-            measures = {name: partial(_psd_round_trip, n, k, cfg.duration, pull, cfg.learner_sched, dtype)
-                        for name, (pull, dtype) in variants.items()}
+            measures = {name: partial(_psd_round_trip, n, k, cfg.duration, pull, cfg.learner_sched, dtype, overlap)
+                        for name, (pull, dtype, overlap) in variants.items()}
             if cfg.peers:
                 measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)
                 measures["hogwild_snapshot"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=True)

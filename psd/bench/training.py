@@ -60,9 +60,9 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
 
     data = make_classification(0)
 
-    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str, grad_dtype: str) -> dict:
-        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}-{grad_dtype}"
-        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1, grad_dtype=grad_dtype))
+    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str, grad_dtype: str, overlap: bool = False) -> dict:
+        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}-{grad_dtype}{'-overlap' * overlap}"
+        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1, grad_dtype=grad_dtype, overlap=overlap))
         server.start()
         stop = _server_thread(server)
         try:
@@ -86,8 +86,8 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
         lr = TRAIN_LR.get(b, 0.03)
         epochs = cfg.epochs or b
         for k in cfg.learners:
-            measures = {name: partial(psd_run, b, k, lr, epochs, pull, dtype)
-                        for name, (pull, dtype) in variants.items()}
+            measures = {name: partial(psd_run, b, k, lr, epochs, pull, dtype, overlap)
+                        for name, (pull, dtype, overlap) in variants.items()}
             if cfg.peers:
                 measures["hogwild"] = partial(hogwild_run, b, k, lr, epochs)
             row = {"batch": b, "learners": k, "epochs": epochs, **_interleaved(cfg, measures, "samples_per_s")}
