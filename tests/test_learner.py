@@ -297,6 +297,41 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
     assert st["pushed"] == st["applied"] == 42
 
 
+@pytest.mark.parametrize("pull", ["copy", "view"])
+def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
+    """Without --overlap (the default) step() returns only once the server applied that step's gradient, and
+    with the weights that hold it: no flush, no wait here. Also when the loop is held past the native step's
+    own wait (200 ms; a pause here): the step then waits on in Python, and still returns with its update."""
+    import time
+
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    m = Flat()
+    with learner.attach(m, job=job, pull=pull) as ps:
+        assert ps._stepper is not None and not isinstance(ps._pull, ThreadPull)
+        for i in range(1, 6):
+            m.w.grad = torch.ones(64)
+            ps.step()
+            assert ps.clock == i and torch.equal(m.w.detach(), torch.full((64,), -float(i)))
+        holder = open_job(job)
+        me = os.getpid()
+        holder.pause(me, _native.proc_start_time(me), 10.0)
+        t0 = time.monotonic()
+        m.w.grad = torch.ones(64)
+        stepped = threading.Thread(target=ps.step)
+        stepped.start()
+        # past the native step's 200 ms: the step waits in Python now (resumed from here, not by a timer)
+        wait_until(lambda: time.monotonic() - t0 > 0.5 and holder.slot_info(ps.slot)["waiters"] > 0,
+                   what="the step to wait for its own update")
+        assert stepped.is_alive() and ps.clock == 5
+        holder.resume()
+        stepped.join(timeout=30)
+        holder.close()
+        assert not stepped.is_alive()
+        assert ps.clock == 6 and torch.equal(m.w.detach(), torch.full((64,), -6.0))
+    st = job_status(job)
+    assert st["pushed"] == st["applied"] == 6 and st["staleness_max"] == 0
+
+
 def test_a_pull_thread_only_where_the_job_leaves_it_a_core():
     from psd.learner import client
 

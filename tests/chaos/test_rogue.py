@@ -234,14 +234,15 @@ def test_a_rogue_write_evicts_that_process_for_good_and_the_job_goes_on(job, ser
     assert f"evicted learner pid {rogue.pid} (rank 1)" in out
 
 
-def test_a_learner_evicted_while_it_waits_for_ring_space_hears_it_at_once(job, serve):
-    """A learner waiting for space in its full ring (the loop paused) whose block a stray write then breaks:
-    once the loop goes on it evicts the slot, and the waiting step raises at once (within a wait slice),
-    not after the learner's 30 s timeout."""
+@pytest.mark.parametrize("wait", ["space", "own"])
+def test_a_learner_evicted_while_it_waits_for_ring_space_hears_it_at_once(job, serve, wait):
+    """A learner waiting (the loop paused) for space in its full ring (with --overlap), or for the server to
+    apply its push (the default), whose block a stray write then breaks: once the loop goes on it evicts the
+    slot, and the waiting step raises at once (within a wait slice), not after the learner's 30 s timeout."""
     import os
     import threading
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "2")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "2", *["--overlap"] * (wait == "space"))
     model = torch.nn.Linear(8, 2, bias=False)
     ps = learner.attach(model, job=job, timeout=30)
     holder = open_job(job)
@@ -261,7 +262,8 @@ def test_a_learner_evicted_while_it_waits_for_ring_space_hears_it_at_once(job, s
     t.start()
     raw = RawArena(job)
     try:
-        wait_until(lambda: holder.slot_info(ps.slot)["full_waits"] > 0, what="the learner to wait for space")
+        counter = "full_waits" if wait == "space" else "waiters"
+        wait_until(lambda: holder.slot_info(ps.slot)[counter] > 0, what=f"the learner to wait ({wait})")
         h = arena_header(job)
         raw.write(h["slots_off"] + ps.slot * h["slot_stride"] + _native.SLOT_TAIL_OFFSET,
                   _tail(raw, h, ps.slot) + (1 << 40), np.uint64)  # a stray write: rule TAIL
