@@ -5,11 +5,16 @@ mini-batch's gradients (``p.grad``, in the model's dtype; sparse embedding
 gradients as their rows) into the next free entry of the slot's ring in one C
 pass that converts and checks them, with how far the model's buffers (BatchNorm
 statistics) moved since they were last pulled, then store-releases the ring's
-tail. Weights come back through a pull thread that copies the shared weights
-into a second private buffer whenever the server's clock has moved; ``step()``
+tail. Then (asp and ssp under the job's ``--overlap off``, or ``auto`` with one
+learner slot) it waits until the server has applied that gradient and copies
+the shared weights into the model's private buffer, so the next gradient is
+computed on weights that hold this one.
+Otherwise (GaDei's hand-off) it takes newer weights right after the
+push instead: for a large model, a pull thread copies the shared weights into a
+second private buffer whenever the server's clock has moved, and ``step()``
 swaps that buffer in by re-pointing the parameters, so a forward pass never sees
-weights change under it, and takes the job's merged buffers with it. Both
-hand-offs are queues of one, as in GaDei.
+weights change under it, and takes the job's merged buffers with it; both
+hand-offs are then queues of one, as in GaDei.
 
 With ``pull="view"`` there is no pull at all: the parameters are read-only views
 of the shared weights themselves, as in torch's Hogwild example, so the model
@@ -133,10 +138,10 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
         a, n = self._arena, self.n_params
         h = self._map_shared()
         # Small models pull inline, between steps: a copy of a few hundred KB costs less than waking
-        # a thread. Larger ones in a job with --overlap use the native pull thread (it never waits for
+        # a thread. Larger ones under the hand-off (--overlap) use the native pull thread (it never waits for
         # the GIL): step() asks it for a pull and, at the next step, takes the buffer it filled if the
-        # clock had moved. Without --overlap the pull waits for this learner's push to be applied, so
-        # nothing is left for a thread to do beside the step.
+        # clock had moved. A learner that waits for its own update pulls once it is applied, so nothing
+        # is left for a thread to do beside the step.
         if self.pull_mode == "view":
             self._pull = ViewPull(self)
         elif (n * 4 > INLINE_PULL_BYTES and not self._rows_pull and not self.partial and not self.waits_for_own
@@ -207,7 +212,7 @@ class Learner(Connection, Layout, Weights, Pushing, Waves):
                     if r != self.clock and self.pull_mode == "copy":  # the step copied the weights in
                         self.pulled_bytes += 4 * self.n_train
                     self.clock = r
-                else:  # the ring is full: wait for space, then pull
+                else:  # the ring is full, or the push is not applied yet: wait (_after_push), then pull
                     self._after_push(self._arena, 0)
                 return
         if not self._has_gradient(only):

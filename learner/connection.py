@@ -109,6 +109,10 @@ class Connection:
     the job's file still holds it, holds none, or holds a new arena; ``_watch.arena`` is None while this
     learner maps none (lost with its arena, or closed)."""
 
+    # Whether this kind of learner pulls right after its push whatever the job's --overlap (a learner on a
+    # GPU: its copies run beside the device's work).
+    HAND_OFF = False
+
     _watch: ArenaWatch
 
     def _check_sparse(self, arena: _native.Arena) -> None:
@@ -170,11 +174,13 @@ class Connection:
         else:
             self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
-        # Without --overlap an asp / ssp learner takes newer weights only once the server applied its
-        # push: its next gradient always holds its last one (one learner: no staleness at all). kasync
+        # --overlap off (auto: in a job of one learner slot) an asp / ssp learner takes newer weights only
+        # once the server applied its push: its next gradient always holds its last one. kasync
         # applies a gradient only with K others (a learner waiting for its own could wait for itself),
-        # bsp waits for the round already.
-        self.waits_for_own = self.sync in ("asp", "ssp") and not h["cfg_flags"] & _native.CFG_OVERLAP
+        # bsp waits for the round already. A learner on a GPU keeps the hand-off (HAND_OFF).
+        flags = h["cfg_flags"]
+        self.waits_for_own = (self.sync in ("asp", "ssp") and not self.HAND_OFF and not flags & _native.CFG_OVERLAP
+                              and bool(flags & _native.CFG_NO_OVERLAP or h["n_slots"] == 1))
         # Sharpness is measured (with a closure) only where the server uses it: momentum under
         # --async-momentum auto (psd/gain.py).
         self.measures_sharpness = (OPTIMIZERS[h["optimizer"]] in ("momentum", "nesterov") and h["momentum"] > 0

@@ -369,6 +369,8 @@ class DeviceLearner(Learner):
     buffers hold those alone.
     """
 
+    HAND_OFF = True  # its step pulls right after the push, --overlap or not (docs/training.md)
+
     def __init__(self, model: torch.nn.Module, job: str | None = None, *, streams=None, **kw) -> None:
         dev = next(iter(model.parameters())).device
         dtype = next(iter(model.parameters())).dtype

@@ -65,8 +65,9 @@ class Pushing:
             ptrs.append(g.data_ptr())
         return keep, ptrs, sparse
 
-    def _push(self, lv: float, batch_size: int, gs: list[torch.Tensor | None]) -> None:
-        """Push the gradients ``gs``, then wait for ring space and the sync mode, and pull."""
+    def _push(self, lv: float, batch_size: int, gs: list[torch.Tensor | None], own: bool = True) -> None:
+        """Push the gradients ``gs``, then wait for ring space, the sync mode and (``own``, where --overlap says so)
+        the server's update with them, and pull."""
         a = self._arena
         if self.predict and self._tail >= self._k:
             self._sample_staleness(self._tail - self._k)
@@ -79,10 +80,11 @@ class Pushing:
         del grads
         self._tail += 1
         self.pushed += 1
-        self._after_push(a, rounds)
+        self._after_push(a, rounds, own)
 
-    def _after_push(self, a: _native.Arena, rounds: int) -> None:
-        """What follows a push: wait for ring space and for the sync mode, then take newer weights."""
+    def _after_push(self, a: _native.Arena, rounds: int, own: bool = True) -> None:
+        """What follows a push: wait for ring space, for the sync mode and (``own``: where --overlap says so)
+        for the server to apply it, then take newer weights."""
         if not a.has_space(self.slot):
             self._with_server(self._arena.wait_space, self.slot, self._claim_token, self.timeout)
             if self._arena is not a:
@@ -91,7 +93,7 @@ class Pushing:
             self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
         elif self.sync == "ssp":
             self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
-        if self.waits_for_own and self._arena is a:  # no --overlap: the next gradient holds this one
+        if own and self.waits_for_own and self._arena is a:  # the next gradient holds this one (--overlap)
             self._with_server(a.wait_drained, self.slot, self._claim_token, self.timeout)
         if self._arena is not a:
             return

@@ -93,7 +93,8 @@ class Waves:
             lv, batch, n = self._wave_loss / self._wave, self._wave_batch, self._wave
             self._wave, self._wave_loss, self._wave_batch = 0, 0.0, 0
             log.info("job %r: pushing the unfinished wave of %d mini-batch(es) at close", self.job, n)
-            self._push(lv, batch, self._wave_grads())
+            # own=False: a close need not wait for the server (flush() does, where asked)
+            self._push(lv, batch, self._wave_grads(), own=False)
 
     def _sample_staleness(self, seq: int) -> None:
         """Note the exact staleness of gradient ``seq`` (its ring entry is about to be reused)."""

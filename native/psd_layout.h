@@ -642,7 +642,15 @@ enum psd_async_momentum {
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */
 #define PSD_CFG_LEASE_ONLY 4u   /* --liveness lease: never consult /proc, judge learners by their lease */
 #define PSD_CFG_GRAD_BF16 8u    /* --grad-dtype bf16: learners push dense gradients as bfloat16 */
-#define PSD_CFG_OVERLAP 16u     /* --overlap: an asp/ssp learner pulls without waiting for its own gradient */
+#define PSD_CFG_OVERLAP 16u     /* --overlap on: an asp/ssp learner pulls without waiting for its own gradient */
+#define PSD_CFG_NO_OVERLAP 32u  /* --overlap off: it pulls once the loop applied its gradient (neither: auto) */
+
+/* Whether asp / ssp learners wait after each push until the loop applied it: --overlap off, or auto (neither
+ * bit) in a job of one learner slot. kasync and bsp never do (their own waits). */
+static inline int psd_learners_wait_for_their_own(uint32_t sync_mode, uint32_t cfg_flags, uint32_t n_slots) {
+    return (sync_mode == PSD_SYNC_ASP || sync_mode == PSD_SYNC_SSP) && !(cfg_flags & PSD_CFG_OVERLAP) &&
+           ((cfg_flags & PSD_CFG_NO_OVERLAP) || n_slots == 1);
+}
 #define PSD_LEASE_MS_DEFAULT 5000u
 
 /* Optimizer state vectors (n_train floats each) an arena holds. */

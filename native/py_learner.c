@@ -668,7 +668,9 @@ PyMethodDef py_learner_methods[] = {
      "attach)"},
     {"stepper", (PyCFunction)arena_stepper, METH_VARARGS,
      "stepper(slot, params, dtype, dtype_code, strided, front, store=0, own=False, claim=0) -> Stepper: the whole step "
-     "in one call; own: pull only once the server applied the push (claim: the slot's claim token)"},
+     "in one call (None: a gradient it does not take, the general path's; -1: the ring is full or the server has "
+     "yet to apply the push: the caller waits); own: pull only once the server applied the push (claim: the slot's "
+     "claim token)"},
     {"seen_clock", (PyCFunction)arena_seen_clock, METH_VARARGS,
      "seen_clock(slot) -> clock: the weights clock now, recorded as the slot's learner clock (pull='view')"},
     {"wait_round", (PyCFunction)arena_wait_round, METH_VARARGS,
@@ -860,7 +862,7 @@ static PyObject *stepper_step_locked(Stepper *S, unsigned long long clock, doubl
     S->push_ns = psd_now_ns() - t0;
     if (failed)
         goto out;
-    if (S->own && psd_ring_has_space(m, S->slot) && !psd_ring_drained(m, S->slot)) {
+    if (S->own && !psd_ring_drained(m, S->slot)) {
         /* The next gradient is computed on weights that hold this one (no --overlap): wait for the
          * server to apply it, a while here without the GIL; past that the general path waits, with the
          * learner's timeout and its checks on the server. */

@@ -435,6 +435,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "CFG_GRAD_BF16", PSD_CFG_GRAD_BF16);
     PyModule_AddIntConstant(m, "CFG_PREDICT", PSD_CFG_PREDICT);
     PyModule_AddIntConstant(m, "CFG_OVERLAP", PSD_CFG_OVERLAP);
+    PyModule_AddIntConstant(m, "CFG_NO_OVERLAP", PSD_CFG_NO_OVERLAP);
     PyModule_AddIntConstant(m, "CFG_LEASE_ONLY", PSD_CFG_LEASE_ONLY);
     return m;
 }

@@ -108,11 +108,12 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
                              "async_momentum", "lease_ms", "lease_only", "grad_bf16", "overlap", NULL};
     const char *opt = "sgd", *sync = "asp", *sched = "constant";
     unsigned int sync_param = 0, push_every = 1, async_momentum = 0, lease_ms = PSD_LEASE_MS_DEFAULT;
-    int staleness_lr = 0, predict = 0, lease_only = 0, grad_bf16 = 0, overlap = 0;
+    int staleness_lr = 0, predict = 0, lease_only = 0, grad_bf16 = 0;
+    unsigned int overlap = 0; /* choices.OVERLAP: 0 auto, 1 on, 2 off */
     double momentum = 0, dampening = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0, lr_decay = 0,
            gamma = 0.1, eta_min = 0;
     unsigned long long step_size = 0, t_max = 0, warmup = 0, max_staleness = UINT64_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKIIppp", kwlist, &opt, &sync, &sync_param,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKIIppI", kwlist, &opt, &sync, &sync_param,
                                      &push_every, &sched, &staleness_lr, &predict, &momentum, &dampening,
                                      &beta1, &beta2, &eps, &wd, &lr_decay, &gamma, &eta_min, &step_size,
                                      &t_max, &warmup, &max_staleness, &async_momentum, &lease_ms, &lease_only,
@@ -131,7 +132,7 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     h->cfg.schedule = (uint32_t)c;
     h->cfg.cfg_flags = (staleness_lr ? PSD_CFG_STALENESS_LR : 0) | (predict ? PSD_CFG_PREDICT : 0) |
                        (lease_only ? PSD_CFG_LEASE_ONLY : 0) | (grad_bf16 ? PSD_CFG_GRAD_BF16 : 0) |
-                       (overlap ? PSD_CFG_OVERLAP : 0);
+                       (overlap == 1 ? PSD_CFG_OVERLAP : 0) | (overlap == 2 ? PSD_CFG_NO_OVERLAP : 0);
     h->cfg.lease_ms = lease_ms ? lease_ms : PSD_LEASE_MS_DEFAULT;
     h->cfg.momentum = momentum;
     h->cfg.async_momentum = async_momentum;

@@ -646,8 +646,10 @@ static uint64_t spin_budget(const struct psd_loop *L, uint64_t gap_ewma, uint32_
  * half the time a learner takes to fill its ring (ring_k gradients, one every
  * `busy` gaps), so each wake-up finds several gradients and no learner waits
  * for ring space; if learners do fill their rings, the gaps measured shrink
- * and so do the naps. Not under bsp, or while learners wait for the slowest
- * (ssp): they hold no core then. After PSD_NAP_WINDOW_NS without a gradient
+ * and so do the naps. Not under bsp, while learners wait for the slowest
+ * (ssp), or where each learner waits for its own gradient after a push (asp and
+ * ssp, --overlap off or auto with one slot): they hold no core then, and a nap would only add to
+ * their wait. After PSD_NAP_WINDOW_NS without a gradient
  * the loop sleeps on the doorbell, so an idle server still costs nothing.
  * (`busy` counts attached learners, busy or not: an idle one makes naps
  * longer until the busy ones fill their rings and the gaps measured shrink.) */
@@ -662,7 +664,8 @@ static uint64_t nap_length(const struct psd_loop *L, uint64_t gap_ewma, uint32_t
         return 0;
     /* Learners blocked on a round or on the slowest peer use no core, and the gradient that
      * releases them must not wait out a nap: sleep on the doorbell instead. */
-    if (L->cfg.sync_mode == PSD_SYNC_BSP || PSD_LOAD_RLX(&h->sync_cond.waiters))
+    if (L->cfg.sync_mode == PSD_SYNC_BSP || psd_learners_wait_for_their_own(L->cfg.sync_mode, L->cfg.cfg_flags, m->g.n_slots) ||
+        PSD_LOAD_RLX(&h->sync_cond.waiters))
         return 0;
     uint64_t nap = m->g.ring_k * busy * gap_ewma / 2;
     return nap < PSD_NAP_MIN_NS ? PSD_NAP_MIN_NS : nap > PSD_NAP_MAX_NS ? PSD_NAP_MAX_NS : nap;

@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 
 __all__ = ["ASYNC_MOMENTUM", "DEFAULT_JOB", "GRAD_DTYPES", "LEARNER_SCHED_CHOICES", "LIVENESS", "OPTIMIZERS",
-           "OUTER_OPTIMIZERS", "PULL_MODES", "SCHEDULES", "default_job"]
+           "OUTER_OPTIMIZERS", "OVERLAP", "PULL_MODES", "SCHEDULES", "default_job"]
 
 # --optimizer: the server's optimizers, in the order of enum psd_optimizer (psd_layout.h).
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # --async-momentum, in the order of enum psd_async_momentum (psd_layout.h).
 ASYNC_MOMENTUM = ("off", "auto")
+# --overlap: whether an asp / ssp CPU learner pulls right after its push (on) or once the server applied it
+# (off); auto: off in a job of one learner slot, on otherwise (docs/training.md).
+OVERLAP = ("auto", "on", "off")
 # --grad-dtype: what a CPU learner pushes of a dense gradient (float32, or bfloat16: half the bytes).
 GRAD_DTYPES = ("float32", "bf16")
 # --schedule: the server's learning-rate schedules.

@@ -26,6 +26,7 @@ from psd.choices import (
     LIVENESS,
     OPTIMIZERS,
     OUTER_OPTIMIZERS,
+    OVERLAP,
     PULL_MODES,
     SCHEDULES,
     default_job,
@@ -168,7 +169,8 @@ def _build() -> tuple[Flag, ...]:
                "starts)", 8, type=int, metavar="N"),
         _serve("--lr", "base learning rate of the server's optimizer", 0.01, type=float, metavar="LR", **positive()),
         _serve("--ring-depth", "ring entries per learner, a power of two: gradients a learner may have in flight "
-               "(--slots, its old name, still works for now, with a warning)", 4, type=int, metavar="K"),
+               "(a CPU learner in asp / ssp under --overlap off has one; --slots, its old name, still works for now, "
+               "with a warning)", 4, type=int, metavar="K"),
         _serve("--threads", "update-loop threads; 0: a quarter of the cores, 1 to 8", 0, type=int, metavar="T",
                **at_least(0, "0 (automatic) or more")),
         _serve("--spin-us", "how long the update loop spins for more work before it sleeps, in microseconds",
@@ -212,10 +214,11 @@ def _build() -> tuple[Flag, ...]:
         _training("--predict", "learners train on weights extrapolated by their staleness along the optimizer's "
                   "update direction (PipeOptim); needs momentum, nesterov, adam or adamw", False, switch=True,
                   readme_default="off"),
-        _training("--overlap", "asp / ssp: a learner takes newer weights right after its push, without waiting for "
-                  "the server to apply it (GaDei's hand-off: its next gradient is computed beside the server's update, "
-                  "and every gradient is one update staler); off, a learner's next gradient always holds its last one",
-                  False, switch=True, readme_default="off"),
+        _training("--overlap", "asp / ssp (others ignore it): on, a CPU learner takes newer weights right after its "
+                  "push (GaDei's hand-off: its next gradient is computed beside the server's update, every gradient "
+                  "one update staler; GPU learners always do); off, only once the server applied it (its next "
+                  "gradient holds its last one); auto: off in a job of one learner slot (one learner is then one "
+                  "process), on otherwise", "auto", choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
                   "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "
                   "than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
@@ -362,8 +365,9 @@ def _build() -> tuple[Flag, ...]:
         Flag("--grad-dtypes", "what psd's learners push (--grad-dtype): float32 (the psd figures), bf16 "
              "(psd_bf16, psd_view_bf16)", None, nargs="+", choices=grad_dtypes, commands=("bench",),
              env_prefix="PSD_BENCH_", readme_default="float32 bf16"),
-        Flag("--with-overlap", "also measure psd's learners in a job with --overlap (psd_overlap: copy pulls, "
-             "float32)", False, switch=True, commands=("bench",), env_prefix="PSD_BENCH_"),
+        Flag("--overlap-modes", "more --overlap modes to measure psd's learners in beside the job's default (auto): on "
+             "(psd_overlap_on), off (psd_overlap_off); copy pulls, float32", None, nargs="+", choices=OVERLAP[1:],
+             commands=("bench",), env_prefix="PSD_BENCH_", readme_default="none"),
         Flag("--learner-sched", "psd's learners' scheduling policy, as psd run --learner-sched gives it", None,
              choices=LEARNER_SCHED_CHOICES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="auto"),

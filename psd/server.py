@@ -41,7 +41,7 @@ from psd.arena import (
     shm_name,
     shm_path,
 )
-from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, SCHEDULES
+from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, OVERLAP, SCHEDULES
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
 from psd.flags import NODES, declared, serve_argv, serve_fields
@@ -112,7 +112,7 @@ class ServeConfig:
     staleness_lr: bool = declared("staleness_lr")
     max_staleness: int | None = declared("max_staleness")
     predict: bool = declared("predict")
-    overlap: bool = declared("overlap")
+    overlap: str = declared("overlap")
     async_momentum: str = declared("async_momentum")
     grad_dtype: str = declared("grad_dtype")
     # -- several nodes (psd/nodelink.py; see the README's "Several machines")
@@ -155,7 +155,7 @@ class ServeConfig:
                     max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness,
                     async_momentum=ASYNC_MOMENTUM.index(self.async_momentum),
                     lease_ms=max(1, round(self.lease * 1000)), lease_only=self.liveness == "lease",
-                    grad_bf16=self.grad_dtype == "bf16", overlap=self.overlap)
+                    grad_bf16=self.grad_dtype == "bf16", overlap=OVERLAP.index(self.overlap))
 
     def state_vectors(self) -> int:
         """Vectors the size of the weights that the optimizer state and accumulator take."""

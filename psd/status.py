@@ -90,7 +90,7 @@ class JobStatus(TypedDict, total=False):
     push_every: int
     staleness_lr: bool
     predict: bool
-    overlap: bool
+    overlap: str  # --overlap: auto, on, off
     grad_dtype: str
     max_staleness: int | None
     opt_steps: int
@@ -169,7 +169,8 @@ def job_status(job: str, sample: float = 0.0) -> JobStatus:
             "push_every": h.push_every,
             "staleness_lr": bool(h.cfg_flags & _native.CFG_STALENESS_LR),
             "predict": bool(h.cfg_flags & _native.CFG_PREDICT),
-            "overlap": bool(h.cfg_flags & _native.CFG_OVERLAP),
+            "overlap": "on" if h.cfg_flags & _native.CFG_OVERLAP else "off" if h.cfg_flags & _native.CFG_NO_OVERLAP
+            else "auto",
             "grad_dtype": "bf16" if h.cfg_flags & _native.CFG_GRAD_BF16 else "float32",
             "max_staleness": None if h.max_staleness >= (1 << 63) else h.max_staleness,
             "opt_steps": h.opt_steps,
@@ -269,7 +270,8 @@ def format_job(j: JobStatus) -> str:
         sync = j["sync"] + (f":{j['sync_param']}" if j["sync"] in ("ssp", "kasync") else "")
         extras = [f"push-every {j['push_every']}"] * (j["push_every"] > 1) + ["staleness-lr"] * j["staleness_lr"] \
             + [f"max-staleness {j['max_staleness']}"] * (j["max_staleness"] is not None) + ["predict"] * j["predict"] \
-            + ["grad-dtype bf16"] * (j["grad_dtype"] == "bf16") + ["overlap"] * j["overlap"]
+            + ["grad-dtype bf16"] * (j["grad_dtype"] == "bf16") \
+            + [f"overlap {j['overlap']}"] * (j["overlap"] != "auto" and j["sync"] in ("asp", "ssp"))
         lines.append(f"  {j['optimizer']} ({j['schedule']} schedule, lr now {j['lr_now']:g}, {j['opt_steps']} "
                      f"updates)  sync {sync}" + "".join(f"  {e}" for e in extras))
     lines.append(f"  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']} (non-finite)  dropped "

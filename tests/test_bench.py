@@ -82,13 +82,14 @@ def test_bench_json_has_every_field():
 def test_the_default_bench_measures_every_variant():
     from psd.bench import BenchConfig
 
-    assert BenchConfig().variants() == {"psd": ("copy", "float32", False), "psd_view": ("view", "float32", False),
-                                        "psd_bf16": ("copy", "bf16", False), "psd_view_bf16": ("view", "bf16", False)}
+    assert BenchConfig().variants() == {"psd": ("copy", "float32", "auto"), "psd_view": ("view", "float32", "auto"),
+                                        "psd_bf16": ("copy", "bf16", "auto"), "psd_view_bf16": ("view", "bf16", "auto")}
     assert BenchConfig.quick().variants() == BenchConfig().variants()
     assert BenchConfig(pull_modes=("copy",), grad_dtypes=("float32",)).variants() == \
-        {"psd": ("copy", "float32", False)}
-    assert BenchConfig(pull_modes=("copy",), grad_dtypes=("float32",), with_overlap=True).variants() == \
-        {"psd": ("copy", "float32", False), "psd_overlap": ("copy", "float32", True)}
+        {"psd": ("copy", "float32", "auto")}
+    assert BenchConfig(pull_modes=("copy",), grad_dtypes=("float32",), overlap_modes=("on", "off")).variants() == \
+        {"psd": ("copy", "float32", "auto"), "psd_overlap_on": ("copy", "float32", "on"),
+         "psd_overlap_off": ("copy", "float32", "off")}
 
 
 @pytest.mark.parametrize("text, size", [("32768K", 32 << 20), ("1M", 1 << 20), ("512", 512), ("48K\n", 48 << 10),

@@ -121,8 +121,8 @@ def steer(ps, closure, until, timeout: float = 60.0, report=None) -> dict:
 
 
 def test_a_server_keeps_the_gain_a_learners_measured_sharpness_allows_and_shrugs_off_junk(job, serve):
-    # --overlap: the one learner's gradients meet staleness (without it, one learner meets none)
-    served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001", "--overlap")
+    # --overlap on: the one learner's gradients meet staleness (off, one learner meets none)
+    served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001", "--overlap", "on")
     torch.manual_seed(0)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     model = torch.nn.Linear(8, 1)

@@ -82,11 +82,11 @@ def test_user_zero_grad_is_harmless(job, serve):
 @pytest.mark.parametrize("pull", ["inline", "thread"])
 def test_steps_swap_in_weights_pushed_by_others(job, serve, monkeypatch, pull):
     """Inline (a small model, or no core for a thread) and by the pull thread (a model over
-    INLINE_PULL_BYTES in a job with --overlap, where the job leaves the thread a core: asked for here, on
+    INLINE_PULL_BYTES in a job with --overlap on, where the job leaves the thread a core: asked for here, on
     2 cores it never is)."""
     from psd.learner import client
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *["--overlap"] * (pull == "thread"))
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *["--overlap", "on"] * (pull == "thread"))
     monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
     a, b = Flat(n), Flat(n)
@@ -115,7 +115,7 @@ def test_pulls_leave_the_frozen_weights_in_place(job, serve, monkeypatch, pull):
     an explicit pull(), which copies everything."""
     from psd.learner import client
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *["--overlap"] * (pull == "thread"))
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *["--overlap", "on"] * (pull == "thread"))
     monkeypatch.setattr(client, "pull_thread_has_a_core", lambda *_: pull == "thread")
     n = 64 if pull == "inline" else client.INLINE_PULL_BYTES // 4 + 1
 
@@ -253,7 +253,7 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
     contiguous, sparse) sends that step down the general path, with the same result; a full
     ring (depth 2) waits in Python; every p.grad is None after each step either way. (--overlap: a
     step returns before the server applied its push, so that the paused loop below lets the ring fill.)"""
-    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "2", "--overlap")
+    serve(job, "--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "2", "--overlap", "on")
     m = torch.nn.Module()
     m.mat = torch.nn.Parameter(torch.zeros(3, 4))
     m.vec = torch.nn.Parameter(torch.zeros(5))
@@ -299,12 +299,13 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
 
 @pytest.mark.parametrize("pull", ["copy", "view"])
 def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
-    """Without --overlap (the default) step() returns only once the server applied that step's gradient, and
-    with the weights that hold it: no flush, no wait here. Also when the loop is held past the native step's
-    own wait (200 ms; a pause here): the step then waits on in Python, and still returns with its update."""
+    """--overlap off (auto's choice in a job of one learner slot): step() returns only once the server applied
+    that step's gradient, and with the weights that hold it: no flush, no wait here. Also when the loop is held
+    past the native step's own wait (200 ms; a pause here): the step then waits on in Python, and still returns
+    with its update."""
     import time
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1")
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--overlap", "off")
     m = Flat()
     with learner.attach(m, job=job, pull=pull) as ps:
         assert ps._stepper is not None and not isinstance(ps._pull, ThreadPull)

@@ -138,10 +138,11 @@ ASP_CASES = [next(c for c in CASES if c[0] == opt and c[2] == ("constant",))
 @pytest.mark.parametrize("pull", ["copy", "view"])
 @pytest.mark.parametrize("opt, kw, sched, flags", ASP_CASES, ids=[c[0] for c in ASP_CASES])
 def test_one_learner_at_default_flags_matches_pytorch(job, serve, opt, kw, sched, flags, pull):
-    """asp, the default, without --overlap: a learner takes newer weights only once the server applied its
-    push, so one learner computes every gradient on the weights the previous update produced (staleness 0,
-    and so under --async-momentum auto the configured momentum and lr): torch.optim's weights, to 1e-6,
-    through the native step (copy) and with the shared weights as the parameters (view)."""
+    """asp, the default, in a job of one learner slot (--overlap auto: off there): a learner takes newer
+    weights only once the server applied its push, so one learner computes every gradient on the weights
+    the previous update produced (staleness 0, and so under --async-momentum auto the configured momentum
+    and lr): torch.optim's weights, to 1e-6, through the native step (copy) and with the shared weights as
+    the parameters (view)."""
     serve(job, "--no-watchdog", "--learners", "1", "--optimizer", opt, "--lr", str(kw["lr"]), *flags)
     ref = torch_reference(opt, kw, sched, STEPS)
     model, x, y = make_problem()
@@ -308,9 +309,9 @@ def test_every_training_flag_survives_the_trip_through_the_watchdog():
              "--momentum", "0.5", "--dampening", "0.1", "--betas", "0.8", "0.95", "--eps", "1e-6",
              "--weight-decay", "0.02", "--lr-decay", "0.001", "--schedule", "cosine", "--t-max", "100",
              "--eta-min", "0.0001", "--warmup", "10", "--step-size", "5", "--gamma", "0.3", "--staleness-lr",
-             "--max-staleness", "7", "--predict", "--lr", "0.003", "--grad-dtype", "bf16", "--overlap"]
+             "--max-staleness", "7", "--predict", "--lr", "0.003", "--grad-dtype", "bf16", "--overlap", "off"]
     first = _watchdog_config(get_args_parser().parse_args(flags)).serve
     again = _watchdog_config(get_args_parser().parse_args(["serve", *first.argv()])).serve
     assert again == first
     assert (again.sync, again.optimizer, again.betas, again.max_staleness, again.predict, again.grad_dtype,
-            again.overlap) == ("kasync:3", "adamw", (0.8, 0.95), 7, True, "bf16", True)
+            again.overlap) == ("kasync:3", "adamw", (0.8, 0.95), 7, True, "bf16", "off")

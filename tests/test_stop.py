@@ -24,9 +24,10 @@ def test_sigterm_with_a_backlog_that_cannot_drain_stops_and_reports_it(job, tmp_
     (the slowest loop there is), and another learner's tail is pushed far ahead (a stray write). SIGTERM to
     `psd serve` still ends it, cleanly, and the log and the event log say what each learner left unapplied."""
     events = tmp_path / "events.jsonl"
-    # --overlap: a step returns before the (paused) loop applied its push, so the backlog can build up
-    s = Served(job, "--learners", "2", "--ring-depth", str(K), "--optimizer", "adam", "--threads", "1", "--overlap",
-               "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "0", "--event-log", str(events))
+    # --overlap on: a step returns before the (paused) loop applied its push, so the backlog can build up
+    s = Served(job, "--learners", "2", "--ring-depth", str(K), "--optimizer", "adam", "--threads", "1",
+               "--overlap", "on", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "0",
+               "--event-log", str(events))
     big = torch.nn.Linear(1 << 10, 1 << 10, bias=False)
     honest = learner.attach(big, job=job, timeout=30)
     rogue_model = torch.nn.Linear(1 << 10, 1 << 10, bias=False)

@@ -144,7 +144,8 @@ def save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
 def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_timeout: float = 2.0) -> Checkpoint:
     """Copy the arena's weights consistently: pause the update loop, copy, resume.
 
-    Learners keep pushing meanwhile; the pause lasts one memory copy of the weights.
+    Learners keep computing meanwhile (each waits at its next push: for ring space, or, where --overlap says
+    so, for the update); the pause lasts one memory copy of the weights.
     """
     from psd.state import buffers_view, pieces_view, split, weights_view
 

@@ -48,9 +48,10 @@ class BenchConfig:
     # What psd's learners push (--grad-dtype): "float32" (always measured) and "bf16" (half the bytes of a
     # gradient: the "psd_bf16" figures, and "psd_view_bf16" with the view pull).
     grad_dtypes: tuple[str, ...] = ("float32", "bf16")
-    # Also measure psd's learners with --overlap (pulling right after a push, not once it was applied: GaDei's
-    # hand-off): the "psd_overlap" figures, copy pulls and float32 gradients.
-    with_overlap: bool = False
+    # More --overlap modes to measure psd's learners in, beside the default (auto): "on" (pulling right after a
+    # push: GaDei's hand-off) and "off" (once the server applied it): "psd_overlap_on", "psd_overlap_off",
+    # copy pulls and float32 gradients.
+    overlap_modes: tuple[str, ...] = ()
     # Sizes to measure the server's optimizer kernels at, against torch's fused CPU optimizers (and DeepSpeed's
     # CPU Adam where installed) at one thread and at every usable core (with the peers only).
     optimizer_sizes: tuple[int, ...] = (10_000_000,)
@@ -67,6 +68,9 @@ class BenchConfig:
         unknown = set(self.pull_modes) - set(PULL_MODES)
         if unknown:
             raise ValueError(f"pull_modes: {sorted(unknown)} are not pull modes (use {', '.join(PULL_MODES)})")
+        unknown = set(self.overlap_modes) - {"on", "off"}
+        if unknown:
+            raise ValueError(f"overlap_modes: {sorted(unknown)} are not --overlap modes to add (use on, off)")
         unknown = set(self.grad_dtypes) - set(GRAD_DTYPES)
         if unknown:
             raise ValueError(f"grad_dtypes: {sorted(unknown)} are not --grad-dtype values "
@@ -76,17 +80,17 @@ class BenchConfig:
         """Whether to measure pull="view" beside the default copy."""
         return "view" in self.pull_modes
 
-    def variants(self) -> dict[str, tuple[str, str, bool]]:
-        """psd's measured set-ups, name -> (pull mode, --grad-dtype, --overlap): "psd" (copy, float32, the
-        default's no overlap) always, then "psd_view", "psd_bf16" and "psd_view_bf16" as pull_modes and
-        grad_dtypes ask, and "psd_overlap" with with_overlap."""
+    def variants(self) -> dict[str, tuple[str, str, str]]:
+        """psd's measured set-ups, name -> (pull mode, --grad-dtype, --overlap): "psd" (copy, float32, auto)
+        always, then "psd_view", "psd_bf16" and "psd_view_bf16" as pull_modes and grad_dtypes ask, and
+        "psd_overlap_on" / "psd_overlap_off" as overlap_modes do."""
         out = {}
         for dtype in ("float32", *(["bf16"] if "bf16" in self.grad_dtypes else [])):
             for pull in ("copy", *(["view"] if self.view_pulls() else [])):
                 name = "psd" + ("_view" if pull == "view" else "") + ("_bf16" if dtype == "bf16" else "")
-                out[name] = (pull, dtype, False)
-        if self.with_overlap:
-            out["psd_overlap"] = ("copy", "float32", True)
+                out[name] = (pull, dtype, "auto")
+        for mode in self.overlap_modes:
+            out[f"psd_overlap_{mode}"] = ("copy", "float32", mode)
         return out
 
 

@@ -5,8 +5,8 @@ Model traffic counts the pulls the learners actually made (the slot's ``pulls`` 
 skips a pull when the clock has not moved and its pull thread merges requests, so "one pull per update"
 would overstate it. ``psd_view`` is the same learner attached with ``pull="view"``: its parameters are
 views of the shared weights and it copies nothing back; ``psd_bf16`` (and ``psd_view_bf16``) push
-bfloat16 gradients (``--grad-dtype bf16``); ``psd_overlap`` is the default learner in a job with ``--overlap``
-(it pulls right after its push, not once the server applied it).
+bfloat16 gradients (``--grad-dtype bf16``); ``psd_overlap_on`` / ``psd_overlap_off`` are the default learner in a
+job with ``--overlap on`` (it pulls right after its push) / ``off`` (once the server applied it).
 """
 
 from __future__ import annotations
@@ -140,10 +140,10 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
 
 
 def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", sched: str = "auto",
-                    grad_dtype: str = "float32", overlap: bool = False) -> dict:
+                    grad_dtype: str = "float32", overlap: str = "auto") -> dict:
     from psd.server import ServeConfig, Server
 
-    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}-{grad_dtype}{'-overlap' * overlap}"
+    job = f"bench-{os.getpid()}-{n}-{learners}-{pull}-{grad_dtype}-{overlap}"
     server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1, grad_dtype=grad_dtype,
                                 overlap=overlap))
     server.start()
@@ -168,7 +168,7 @@ VARIANT_OVER = ("hogwild", "hogwild_snapshot", "psd")
 
 def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
     """The round-trip table: one row per (size, learners) with psd's figures (``psd``, and ``psd_view``,
-    ``psd_bf16``, ``psd_view_bf16``, ``psd_overlap`` as ``cfg.variants()`` says) and, if asked, the peers'."""
+    ``psd_bf16``, ``psd_view_bf16``, ``psd_overlap_on|off`` as ``cfg.variants()`` says) and, if asked, the peers'."""
     variants = cfg.variants()
     rows = []
     for n in cfg.sizes:

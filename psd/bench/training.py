@@ -60,8 +60,8 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
 
     data = make_classification(0)
 
-    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str, grad_dtype: str, overlap: bool = False) -> dict:
-        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}-{grad_dtype}{'-overlap' * overlap}"
+    def psd_run(b: int, k: int, lr: float, epochs: int, pull: str, grad_dtype: str, overlap: str = "auto") -> dict:
+        job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}-{grad_dtype}-{overlap}"
         server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1, grad_dtype=grad_dtype, overlap=overlap))
         server.start()
         stop = _server_thread(server)

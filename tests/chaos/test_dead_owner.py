@@ -59,8 +59,8 @@ def test_learner_killed_holding_the_admission_mutex(job, serve):
 
 
 def test_learner_killed_waiting_on_a_condition_variable(job, serve):
-    # --overlap: the victim's steps return before the (paused) loop applied them, so its ring fills
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "4", "--overlap")
+    # --overlap on: the victim's steps return before the (paused) loop applied them, so its ring fills
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "4", "--overlap", "on")
     me = os.getpid()
     with learner.attach(flat(), job=job) as other:
         a = open_job(job)

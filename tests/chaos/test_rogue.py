@@ -236,13 +236,14 @@ def test_a_rogue_write_evicts_that_process_for_good_and_the_job_goes_on(job, ser
 
 @pytest.mark.parametrize("wait", ["space", "own"])
 def test_a_learner_evicted_while_it_waits_for_ring_space_hears_it_at_once(job, serve, wait):
-    """A learner waiting (the loop paused) for space in its full ring (with --overlap), or for the server to
-    apply its push (the default), whose block a stray write then breaks: once the loop goes on it evicts the
+    """A learner waiting (the loop paused) for space in its full ring (--overlap on), or for the server to
+    apply its push (--overlap off), whose block a stray write then breaks: once the loop goes on it evicts the
     slot, and the waiting step raises at once (within a wait slice), not after the learner's 30 s timeout."""
     import os
     import threading
 
-    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "2", *["--overlap"] * (wait == "space"))
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--ring-depth", "2",
+          "--overlap", "on" if wait == "space" else "off")
     model = torch.nn.Linear(8, 2, bias=False)
     ps = learner.attach(model, job=job, timeout=30)
     holder = open_job(job)
