@@ -877,7 +877,16 @@ int psd_wait_head(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t hea
     return wait_slot(m, slot, claim, timeout_ns, head_reached, head);
 }
 
+/* How long a wait for the slot's ring to drain polls before it sleeps: a learner waiting for its own gradient
+ * (--overlap) usually has it applied within microseconds, sooner than a futex wake-up would tell it. */
+#define PSD_DRAIN_SPIN_NS (UINT64_C(30) * 1000)
+
 int psd_wait_drained(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t timeout_ns) {
+    if (slot >= m->g.n_slots)
+        return EINVAL;
+    uint64_t until = psd_now_ns() + (timeout_ns < PSD_DRAIN_SPIN_NS ? timeout_ns : PSD_DRAIN_SPIN_NS);
+    while (!psd_ring_drained(m, slot) && psd_now_ns() < until)
+        psd_cpu_relax();
     return wait_slot(m, slot, claim, timeout_ns, is_drained, claim);
 }
 

@@ -703,7 +703,7 @@ static void *loop_main(void *arg) {
             continue;
         }
         if (now - spin_from < spin_budget(L, gap_ewma, busy)) {
-            __builtin_ia32_pause();
+            psd_cpu_relax();
             continue;
         }
         uint64_t nap = nap_length(L, gap_ewma, busy, now - last_work);
