@@ -73,7 +73,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 9
+#define PSD_LAYOUT_VERSION 10 /* 10: cfg_flags' overlap bits (0 now means --overlap auto) */
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096

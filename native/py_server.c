@@ -124,6 +124,10 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
         c = name_index("schedule", sched, schedule_names, N_SCHEDULES);
     if (o < 0 || y < 0 || c < 0)
         return NULL;
+    if (overlap > 2) {
+        PyErr_Format(PyExc_ValueError, "overlap must be 0 (auto), 1 (on) or 2 (off), not %u", overlap);
+        return NULL;
+    }
     struct psd_header *h = psd_hdr(&a->map);
     h->cfg.optimizer = (uint32_t)o;
     h->cfg.sync_mode = (uint32_t)y;

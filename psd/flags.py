@@ -169,8 +169,8 @@ def _build() -> tuple[Flag, ...]:
                "starts)", 8, type=int, metavar="N"),
         _serve("--lr", "base learning rate of the server's optimizer", 0.01, type=float, metavar="LR", **positive()),
         _serve("--ring-depth", "ring entries per learner, a power of two: gradients a learner may have in flight "
-               "(a CPU learner in asp / ssp under --overlap off has one; --slots, its old name, still works for now, "
-               "with a warning)", 4, type=int, metavar="K"),
+               "(a CPU learner in asp / ssp that waits for its own update, --overlap, has one; --slots, its old "
+               "name, still works for now, with a warning)", 4, type=int, metavar="K"),
         _serve("--threads", "update-loop threads; 0: a quarter of the cores, 1 to 8", 0, type=int, metavar="T",
                **at_least(0, "0 (automatic) or more")),
         _serve("--spin-us", "how long the update loop spins for more work before it sleeps, in microseconds",
@@ -217,8 +217,9 @@ def _build() -> tuple[Flag, ...]:
         _training("--overlap", "asp / ssp (others ignore it): on, a CPU learner takes newer weights right after its "
                   "push (GaDei's hand-off: its next gradient is computed beside the server's update, every gradient "
                   "one update staler; GPU learners always do); off, only once the server applied it (its next "
-                  "gradient holds its last one); auto: off in a job of one learner slot (one learner is then one "
-                  "process), on otherwise", "auto", choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
+                  "gradient holds its last one); auto: off in a job of one learner slot (--learners 1; psd run "
+                  "--stages K takes K slots a learner), where one learner is then one process, on otherwise", "auto",
+                  choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
                   "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "
                   "than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
