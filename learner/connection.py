@@ -178,9 +178,7 @@ class Connection:
         # once the server applied its push: its next gradient always holds its last one. kasync
         # applies a gradient only with K others (a learner waiting for its own could wait for itself),
         # bsp waits for the round already. A learner on a GPU keeps the hand-off (HAND_OFF).
-        flags = h["cfg_flags"]
-        self.waits_for_own = (self.sync in ("asp", "ssp") and not self.HAND_OFF and not flags & _native.CFG_OVERLAP
-                              and bool(flags & _native.CFG_NO_OVERLAP or h["n_slots"] == 1))
+        self.waits_for_own = h["learners_wait_for_their_own"] and not self.HAND_OFF  # psd_layout.h decides
         # Sharpness is measured (with a closure) only where the server uses it: momentum under
         # --async-momentum auto (psd/gain.py).
         self.measures_sharpness = (OPTIMIZERS[h["optimizer"]] in ("momentum", "nesterov") and h["momentum"] > 0

@@ -216,6 +216,9 @@ static inline float *psd_accumulator(const struct psd_map *m) {
 
 /* sync.c: clocks and process identity */
 uint64_t psd_now_ns(void);              /* CLOCK_MONOTONIC */
+uint64_t psd_proc_start_time(pid_t pid); /* 0 if no such process */
+bool psd_proc_stat(pid_t pid, uint64_t *start_time, bool *zombie); /* false: /proc cannot show it */
+bool psd_owner_alive(pid_t pid, uint64_t start_time);
 
 /* One step of a bounded spin: the CPU's hint that this is a busy-wait loop. */
 static inline void psd_cpu_relax(void) {
@@ -225,9 +228,6 @@ static inline void psd_cpu_relax(void) {
     __asm__ __volatile__("yield");
 #endif
 }
-uint64_t psd_proc_start_time(pid_t pid); /* 0 if no such process */
-bool psd_proc_stat(pid_t pid, uint64_t *start_time, bool *zombie); /* false: /proc cannot show it */
-bool psd_owner_alive(pid_t pid, uint64_t start_time);
 
 /* lease.c: liveness with or without /proc */
 enum psd_live {

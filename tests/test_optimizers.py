@@ -132,7 +132,7 @@ def test_optimizer_matches_pytorch_in_bsp(job, serve, opt, kw, sched, flags):
 
 
 ASP_CASES = [next(c for c in CASES if c[0] == opt and c[2] == ("constant",))
-             for opt in ("momentum", "nesterov", "adam")]
+             for opt in ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")]
 
 
 @pytest.mark.parametrize("pull", ["copy", "view"])

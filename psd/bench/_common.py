@@ -10,7 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from psd.choices import PULL_MODES
+from psd.choices import OVERLAP, PULL_MODES
 
 STREAM_BYTES = 12  # read g, read w, write w
 
@@ -68,9 +68,10 @@ class BenchConfig:
         unknown = set(self.pull_modes) - set(PULL_MODES)
         if unknown:
             raise ValueError(f"pull_modes: {sorted(unknown)} are not pull modes (use {', '.join(PULL_MODES)})")
-        unknown = set(self.overlap_modes) - {"on", "off"}
+        unknown = set(self.overlap_modes) - set(OVERLAP[1:])
         if unknown:
-            raise ValueError(f"overlap_modes: {sorted(unknown)} are not --overlap modes to add (use on, off)")
+            raise ValueError(f"overlap_modes: {sorted(unknown)} are not --overlap modes to add (use "
+                             f"{', '.join(OVERLAP[1:])})")
         unknown = set(self.grad_dtypes) - set(GRAD_DTYPES)
         if unknown:
             raise ValueError(f"grad_dtypes: {sorted(unknown)} are not --grad-dtype values "
