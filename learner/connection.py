@@ -174,10 +174,11 @@ class Connection:
         else:
             self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
-        # --overlap off (auto: in a job of one learner slot) an asp / ssp learner takes newer weights only
-        # once the server applied its push: its next gradient always holds its last one. kasync
-        # applies a gradient only with K others (a learner waiting for its own could wait for itself),
-        # bsp waits for the round already. A learner on a GPU keeps the hand-off (HAND_OFF).
+        # --overlap off (auto: except momentum / nesterov at several slots) an asp / ssp
+        # learner takes newer weights only once the server applied its push: its next gradient always
+        # holds its last one. kasync applies a gradient only with K others (a learner waiting for its
+        # own could wait for itself), bsp waits for the round already. A learner on a GPU keeps the
+        # hand-off (HAND_OFF).
         self.waits_for_own = h["learners_wait_for_their_own"] and not self.HAND_OFF  # psd_layout.h decides
         # Sharpness is measured (with a closure) only where the server uses it: momentum under
         # --async-momentum auto (psd/gain.py).

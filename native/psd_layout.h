@@ -73,7 +73,7 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 10 /* 10: cfg_flags' overlap bits (0 now means --overlap auto) */
+#define PSD_LAYOUT_VERSION 11 /* 11: --overlap auto waits but for momentum at 2+ slots; 10: cfg_flags' overlap bits */
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -646,10 +646,15 @@ enum psd_async_momentum {
 #define PSD_CFG_NO_OVERLAP 32u  /* --overlap off: it pulls once the loop applied its gradient (neither: auto) */
 
 /* Whether asp / ssp learners wait after each push until the loop applied it: --overlap off, or auto (neither
- * bit) in a job of one learner slot. kasync and bsp never do (their own waits). */
-static inline int psd_learners_wait_for_their_own(uint32_t sync_mode, uint32_t cfg_flags, uint32_t n_slots) {
-    return (sync_mode == PSD_SYNC_ASP || sync_mode == PSD_SYNC_SSP) && !(cfg_flags & PSD_CFG_OVERLAP) &&
-           ((cfg_flags & PSD_CFG_NO_OVERLAP) || n_slots == 1);
+ * bit) in a job of one learner slot or with an optimizer other than momentum / nesterov (sgd, adam, adamw,
+ * adagrad: waiting only takes staleness away there; momentum's rules under asynchrony were measured under
+ * the hand-off: docs/training.md, "When a learner takes newer weights"). kasync and bsp never do (their
+ * own waits). */
+static inline int psd_learners_wait_for_their_own(const struct psd_config *c, uint32_t n_slots) {
+    if ((c->sync_mode != PSD_SYNC_ASP && c->sync_mode != PSD_SYNC_SSP) || (c->cfg_flags & PSD_CFG_OVERLAP))
+        return 0;
+    int heavy_ball = c->optimizer == PSD_OPT_MOMENTUM || c->optimizer == PSD_OPT_NESTEROV;
+    return (c->cfg_flags & PSD_CFG_NO_OVERLAP) || n_slots == 1 || !heavy_ball;
 }
 #define PSD_LEASE_MS_DEFAULT 5000u
 

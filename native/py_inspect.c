@@ -71,7 +71,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     SET(d, "mapped_size", PyLong_FromSize_t(a->map.size));
     SET(d, "state_vectors", PyLong_FromUnsignedLong(psd_state_vectors(h->cfg.optimizer, h->cfg.sync_mode)));
     SET(d, "learners_wait_for_their_own",
-        PyBool_FromLong(psd_learners_wait_for_their_own(h->cfg.sync_mode, h->cfg.cfg_flags, a->map.g.n_slots)));
+        PyBool_FromLong(psd_learners_wait_for_their_own(&h->cfg, a->map.g.n_slots)));
     SET(d, "lr_now", PyFloat_FromDouble(current_lr(h)));
     double level = psd_gain_level(h);
     SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(&h->cfg, psd_staleness_avg(h), level)));

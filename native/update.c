@@ -648,7 +648,7 @@ static uint64_t spin_budget(const struct psd_loop *L, uint64_t gap_ewma, uint32_
  * for ring space; if learners do fill their rings, the gaps measured shrink
  * and so do the naps. Not under bsp, while learners wait for the slowest
  * (ssp), or where each learner waits for its own gradient after a push (asp and
- * ssp, --overlap off or auto with one slot): they hold no core then, and a
+ * ssp, where psd_learners_wait_for_their_own says so): they hold no core then, and a
  * nap would only add to their wait. After PSD_NAP_WINDOW_NS without a gradient
  * the loop sleeps on the doorbell, so an idle server still costs nothing.
  * (`busy` counts attached learners, busy or not: an idle one makes naps
@@ -665,7 +665,7 @@ static uint64_t nap_length(const struct psd_loop *L, uint64_t gap_ewma, uint32_t
     /* Learners blocked on a round or on the slowest peer use no core, and the gradient that
      * releases them must not wait out a nap: sleep on the doorbell instead. */
     if (L->cfg.sync_mode == PSD_SYNC_BSP ||
-        psd_learners_wait_for_their_own(L->cfg.sync_mode, L->cfg.cfg_flags, m->g.n_slots) ||
+        psd_learners_wait_for_their_own(&L->cfg, m->g.n_slots) ||
         PSD_LOAD_RLX(&h->sync_cond.waiters))
         return 0;
     uint64_t nap = m->g.ring_k * busy * gap_ewma / 2;

@@ -217,8 +217,9 @@ def _build() -> tuple[Flag, ...]:
         _training("--overlap", "asp / ssp (others ignore it): on, a CPU learner takes newer weights right after its "
                   "push (GaDei's hand-off: its next gradient is computed beside the server's update, every gradient "
                   "one update staler; GPU learners always do); off, only once the server applied it (its next "
-                  "gradient holds its last one); auto: off in a job of one learner slot (--learners 1; psd run "
-                  "--stages K takes K slots a learner), where one learner is then one process, on otherwise", "auto",
+                  "gradient holds its last one); auto: off, except on for momentum / nesterov (whose rules under "
+                  "asynchrony were measured under the hand-off) in a job of more than one learner slot (psd run "
+                  "--stages K takes K slots a learner)", "auto",
                   choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
                   "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "

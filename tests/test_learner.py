@@ -299,10 +299,10 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
 
 @pytest.mark.parametrize("pull", ["copy", "view"])
 def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
-    """--overlap off (auto's choice in a job of one learner slot): step() returns only once the server applied
-    that step's gradient, and with the weights that hold it: no flush, no wait here. Also when the loop is held
-    past the native step's own wait (200 ms; a pause here): the step then waits on in Python, and still returns
-    with its update."""
+    """--overlap off (auto's choice in a job of one learner slot, and without momentum): step() returns only
+    once the server applied that step's gradient, and with the weights that hold it: no flush, no wait here.
+    Also when the loop is held past the native step's own wait (200 ms; a pause here): the step then waits on
+    in Python, and still returns with its update."""
     import time
 
     serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--overlap", "off")
@@ -331,6 +331,45 @@ def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
         assert ps.clock == 6 and torch.equal(m.w.detach(), torch.full((64,), -6.0))
     st = job_status(job)
     assert st["pushed"] == st["applied"] == 6 and st["staleness_max"] == 0
+
+
+@pytest.mark.parametrize("flags, waits", [
+    ((), True),  # sgd: no momentum, so auto waits with any number of slots
+    (("--optimizer", "adam"), True),
+    (("--optimizer", "adagrad", "--sync", "ssp:1"), True),
+    (("--optimizer", "momentum"), False),  # momentum's rules under asynchrony: measured under the hand-off
+    (("--optimizer", "nesterov", "--async-momentum", "off"), False),
+    (("--optimizer", "nesterov", "--overlap", "off"), True),
+    (("--overlap", "on"), False),
+    (("--sync", "kasync:2"), False),  # kasync and bsp wait in their own way
+])
+def test_overlap_auto_with_several_learners_waits_unless_momentum(job, serve, flags, waits):
+    """--overlap auto in a job of two learner slots: a step waits for its own update wherever the optimizer is
+    not momentum / nesterov (docs/training.md, "When a learner takes newer weights"): with the loop paused, such
+    a step waits (the other slot idle), and returns once resumed with its own update in the weights."""
+    import time
+
+    serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *flags)
+    m = Flat()
+    with learner.attach(m, job=job) as ps:
+        holder = open_job(job)
+        assert holder.header()["learners_wait_for_their_own"] is waits
+        assert ps.waits_for_own is waits
+        if waits:
+            me = os.getpid()
+            holder.pause(me, _native.proc_start_time(me), 10.0)
+            t0 = time.monotonic()
+            m.w.grad = torch.ones(64)
+            stepped = threading.Thread(target=ps.step)
+            stepped.start()
+            wait_until(lambda: time.monotonic() - t0 > 0.3 and holder.slot_info(ps.slot)["waiters"] > 0,
+                       what="the step to wait for its own update")
+            assert stepped.is_alive() and ps.clock == 0
+            holder.resume()
+            stepped.join(timeout=30)
+            assert not stepped.is_alive()
+            assert ps.clock == 1 and torch.all(m.w.detach() < -0.5), "the step's own update is in the weights"
+        holder.close()
 
 
 def test_a_pull_thread_only_where_the_job_leaves_it_a_core():

@@ -48,9 +48,9 @@ class BenchConfig:
     # What psd's learners push (--grad-dtype): "float32" (always measured) and "bf16" (half the bytes of a
     # gradient: the "psd_bf16" figures, and "psd_view_bf16" with the view pull).
     grad_dtypes: tuple[str, ...] = ("float32", "bf16")
-    # More --overlap modes to measure psd's learners in, beside the default (auto): "on" (pulling right after a
-    # push: GaDei's hand-off) and "off" (once the server applied it): "psd_overlap_on", "psd_overlap_off",
-    # copy pulls and float32 gradients.
+    # More --overlap modes to measure psd's learners in, beside the default (auto: bench's job runs sgd, so
+    # "off" there at any learner count): "on" (pulling right after a push: GaDei's hand-off) and "off" (once
+    # the server applied it): "psd_overlap_on", "psd_overlap_off", copy pulls and float32 gradients.
     overlap_modes: tuple[str, ...] = ()
     # Sizes to measure the server's optimizer kernels at, against torch's fused CPU optimizers (and DeepSpeed's
     # CPU Adam where installed) at one thread and at every usable core (with the peers only).

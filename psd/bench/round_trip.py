@@ -6,7 +6,8 @@ skips a pull when the clock has not moved and its pull thread merges requests, s
 would overstate it. ``psd_view`` is the same learner attached with ``pull="view"``: its parameters are
 views of the shared weights and it copies nothing back; ``psd_bf16`` (and ``psd_view_bf16``) push
 bfloat16 gradients (``--grad-dtype bf16``); ``psd_overlap_on`` / ``psd_overlap_off`` are the default learner in a
-job with ``--overlap on`` (it pulls right after its push) / ``off`` (once the server applied it).
+job with ``--overlap on`` (it pulls right after its push) / ``off`` (once the server applied it); the job
+runs sgd, so its default (``auto``) is ``off`` (docs/training.md).
 """
 
 from __future__ import annotations
