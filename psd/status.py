@@ -91,6 +91,7 @@ class JobStatus(TypedDict, total=False):
     staleness_lr: bool
     predict: bool
     overlap: str  # --overlap: auto, on, off
+    waits_for_own: bool  # what --overlap comes to for this job's CPU learners: a step waits for its own update
     grad_dtype: str
     max_staleness: int | None
     opt_steps: int
@@ -171,6 +172,7 @@ def job_status(job: str, sample: float = 0.0) -> JobStatus:
             "predict": bool(h.cfg_flags & _native.CFG_PREDICT),
             "overlap": "on" if h.cfg_flags & _native.CFG_OVERLAP else "off" if h.cfg_flags & _native.CFG_NO_OVERLAP
             else "auto",
+            "waits_for_own": h.learners_wait_for_their_own,
             "grad_dtype": "bf16" if h.cfg_flags & _native.CFG_GRAD_BF16 else "float32",
             "max_staleness": None if h.max_staleness >= (1 << 63) else h.max_staleness,
             "opt_steps": h.opt_steps,
@@ -271,7 +273,8 @@ def format_job(j: JobStatus) -> str:
         extras = [f"push-every {j['push_every']}"] * (j["push_every"] > 1) + ["staleness-lr"] * j["staleness_lr"] \
             + [f"max-staleness {j['max_staleness']}"] * (j["max_staleness"] is not None) + ["predict"] * j["predict"] \
             + ["grad-dtype bf16"] * (j["grad_dtype"] == "bf16") \
-            + [f"overlap {j['overlap']}"] * (j["overlap"] != "auto" and j["sync"] in ("asp", "ssp"))
+            + [f"overlap {'off' if j['waits_for_own'] else 'on'}{' (auto)' * (j['overlap'] == 'auto')}"] \
+            * (j["sync"] in ("asp", "ssp"))
         lines.append(f"  {j['optimizer']} ({j['schedule']} schedule, lr now {j['lr_now']:g}, {j['opt_steps']} "
                      f"updates)  sync {sync}" + "".join(f"  {e}" for e in extras))
     lines.append(f"  pushed {j['pushed']}  applied {j['applied']}  rejected {j['rejected']} (non-finite)  dropped "
