@@ -297,13 +297,31 @@ def test_the_native_step_takes_plain_gradients_and_hands_the_others_to_the_gener
     assert st["pushed"] == st["applied"] == 42
 
 
+def _step_with_the_loop_paused(ps, m: Flat, holder: _native.Arena, past_s: float) -> None:
+    """One step of ``ps`` (gradient all ones) while ``holder`` pauses the update loop: the step must still be
+    waiting for its own update ``past_s`` seconds on (the clock unchanged); resumed from here, it returns."""
+    import time
+
+    me, before = os.getpid(), ps.clock
+    holder.pause(me, _native.proc_start_time(me), 10.0)
+    t0 = time.monotonic()
+    m.w.grad = torch.ones(64)
+    stepped = threading.Thread(target=ps.step)
+    stepped.start()
+    wait_until(lambda: time.monotonic() - t0 > past_s and holder.slot_info(ps.slot)["waiters"] > 0,
+               what="the step to wait for its own update")
+    assert stepped.is_alive() and ps.clock == before
+    holder.resume()
+    stepped.join(timeout=30)
+    assert not stepped.is_alive()
+
+
 @pytest.mark.parametrize("pull", ["copy", "view"])
 def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
     """--overlap off (auto's choice in a job of one learner slot, and without momentum): step() returns only
     once the server applied that step's gradient, and with the weights that hold it: no flush, no wait here.
     Also when the loop is held past the native step's own wait (200 ms; a pause here): the step then waits on
     in Python, and still returns with its update."""
-    import time
 
     serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--overlap", "off")
     m = Flat()
@@ -314,20 +332,9 @@ def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
             ps.step()
             assert ps.clock == i and torch.equal(m.w.detach(), torch.full((64,), -float(i)))
         holder = open_job(job)
-        me = os.getpid()
-        holder.pause(me, _native.proc_start_time(me), 10.0)
-        t0 = time.monotonic()
-        m.w.grad = torch.ones(64)
-        stepped = threading.Thread(target=ps.step)
-        stepped.start()
         # past the native step's 200 ms: the step waits in Python now (resumed from here, not by a timer)
-        wait_until(lambda: time.monotonic() - t0 > 0.5 and holder.slot_info(ps.slot)["waiters"] > 0,
-                   what="the step to wait for its own update")
-        assert stepped.is_alive() and ps.clock == 5
-        holder.resume()
-        stepped.join(timeout=30)
+        _step_with_the_loop_paused(ps, m, holder, 0.5)
         holder.close()
-        assert not stepped.is_alive()
         assert ps.clock == 6 and torch.equal(m.w.detach(), torch.full((64,), -6.0))
     st = job_status(job)
     assert st["pushed"] == st["applied"] == 6 and st["staleness_max"] == 0
@@ -347,7 +354,6 @@ def test_overlap_auto_with_several_learners_waits_unless_momentum(job, serve, fl
     """--overlap auto in a job of two learner slots: a step waits for its own update wherever the optimizer is
     not momentum / nesterov (docs/training.md, "When a learner takes newer weights"): with the loop paused, such
     a step waits (the other slot idle), and returns once resumed with its own update in the weights."""
-    import time
 
     serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *flags)
     m = Flat()
@@ -356,18 +362,7 @@ def test_overlap_auto_with_several_learners_waits_unless_momentum(job, serve, fl
         assert holder.header()["learners_wait_for_their_own"] is waits
         assert ps.waits_for_own is waits
         if waits:
-            me = os.getpid()
-            holder.pause(me, _native.proc_start_time(me), 10.0)
-            t0 = time.monotonic()
-            m.w.grad = torch.ones(64)
-            stepped = threading.Thread(target=ps.step)
-            stepped.start()
-            wait_until(lambda: time.monotonic() - t0 > 0.3 and holder.slot_info(ps.slot)["waiters"] > 0,
-                       what="the step to wait for its own update")
-            assert stepped.is_alive() and ps.clock == 0
-            holder.resume()
-            stepped.join(timeout=30)
-            assert not stepped.is_alive()
+            _step_with_the_loop_paused(ps, m, holder, 0.3)
             assert ps.clock == 1 and torch.all(m.w.detach() < -0.5), "the step's own update is in the weights"
         holder.close()
 
