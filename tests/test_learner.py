@@ -349,6 +349,7 @@ def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
     (("--optimizer", "nesterov", "--overlap", "off"), True),
     (("--overlap", "on"), False),
     (("--sync", "kasync:2"), False),  # kasync and bsp wait in their own way
+    (("--sync", "bsp"), False),
 ])
 def test_overlap_auto_with_several_learners_waits_unless_momentum(job, serve, flags, waits):
     """--overlap auto in a job of two learner slots: a step waits for its own update wherever the optimizer is
