@@ -16,7 +16,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from psd.arena import HeaderView, learner_writable, list_jobs, open_job, shm_nam
 from psd.errors import Error, Timeout
 from psd.flags import add_flags, check_args, serve_fields
 from psd.server import ServeConfig, Server
+from psd.signals import SignalFlag
 from psd.status import all_jobs, format_job, job_status
 
 __all__ = ["get_args_parser", "main"]
@@ -161,8 +161,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def serve_bare(cfg: ServeConfig) -> int:
     """The server alone (what the watchdog runs): until SIGINT/SIGTERM, or SIGUSR2 to hand over."""
-    stop = threading.Event()
-    handover = threading.Event()
+    stop = SignalFlag()  # set by the handler: a threading.Event could deadlock there
+    handover = SignalFlag()
 
     def on_signal(signum, frame):
         if signum == signal.SIGUSR2:

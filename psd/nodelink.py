@@ -42,7 +42,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from psd.arena import ArenaWatch, HeaderView
 from psd.choices import OUTER_OPTIMIZERS  # its index travels in the join handshake
 from psd.errors import Error, JobNotFound, Timeout
 from psd.server import validate_nodes
+from psd.signals import SignalFlag
 from psd.watchdog.restarts import Backoff
 
 __all__ = ["LinkState", "NodeLink", "agreed_path", "main", "read_state", "state_path"]
@@ -148,7 +148,7 @@ class NodeLink:
         self.agreed: _Agreed | None = None
         self.base = 0  # the local clock that exchange point 0 stands for
         self.adopted = 0  # local exchanges adopted since `base`
-        self.stop = threading.Event()
+        self.stop = SignalFlag()  # SIGINT/SIGTERM's handler sets it
         self._old_groups: list = []
         self._bound = -1  # the clock the update loop is held at (-1: none)
         self._saved_at = time.monotonic()

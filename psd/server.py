@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, OVERLAP, SCHEDU
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
 from psd.flags import NODES, declared, serve_argv, serve_fields
+from psd.signals import Stop
 
 __all__ = ["ASYNC_MOMENTUM", "DRAIN_TIMEOUT", "GRAD_DTYPES", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server",
            "auto_threads", "validate_nodes"]
@@ -557,7 +557,7 @@ class Server:
             self.arena.set_gain_level(lvl)
             self._gain_level = lvl
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: Stop) -> None:
         """Supervise until ``stop`` is set."""
         while not stop.is_set():
             self.poll()

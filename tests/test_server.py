@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import Served, arena_header, child_env, wait_until
+from conftest import HELPERS, Served, arena_header, child_env, wait_until
 from psd import learner
 from psd.arena import shm_path
 
@@ -216,6 +216,23 @@ def test_the_header_views_heartbeat_age_is_the_header_dicts(job, serve):
     finally:
         a.close()
     s.stop()
+
+
+def test_a_stop_flag_set_by_a_signal_handler_at_any_line_never_blocks():
+    """`psd serve`'s SIGTERM handler once set a threading.Event: a signal that came while the main thread was
+    inside the Event's lock blocked the handler on that lock for ever, and the server never stopped (seen in CI).
+    A signal raised at every line of the stop flag's methods runs a handler that sets it; SignalFlag comes
+    through, and the same harness with a threading.Event hangs in the lock's __enter__ (the harness can fail)."""
+    def run(kind: str, seconds: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(HELPERS / "signal_at_every_line.py"), kind, seconds],
+                              capture_output=True, text=True, timeout=120, env=child_env())
+
+    ok = run("flag", "60")
+    assert ok.returncode == 0, ok.stderr
+    assert int(ok.stdout.split()[-1]) > 100  # handlers really ran inside its methods
+    hung = run("event", "3")
+    assert hung.returncode == 1 and "Timeout" in hung.stderr, hung.stderr
+    assert "in __enter__" in hung.stderr and "in handler" in hung.stderr, hung.stderr
 
 
 def test_an_arena_watch_adopts_a_mapping_and_tells_its_arena_from_none_and_a_new_one(job, serve):

@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from psd.arena import ARENA_LOST_EXIT, ArenaWatch, Header, HeaderView, SlotInfo,
 from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error
 from psd.events import EventLog
+from psd.signals import SignalFlag
 from psd.watchdog.forkserver import ForkServer, forkable
 from psd.watchdog.restarts import Backoff, RestartPolicy
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
@@ -159,7 +159,7 @@ class Launcher:
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
         self._gave_up = False  # the watchdog exited GIVE_UP_EXIT: keep the arena at the end
-        self._stop = threading.Event()
+        self._stop = SignalFlag()  # SIGINT/SIGTERM's handler sets it
         self._tty = sys.stderr.isatty()
         self._progress_every = progress_every if progress_every is not None else (1.0 if self._tty else 10.0)
         self._next_progress = 0.0

@@ -8,10 +8,11 @@ an epoch). A wait for something nothing announces polls through ``Backoff.tries`
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from psd.signals import Stop
 
 __all__ = ["Backoff", "RestartPolicy"]
 
@@ -32,7 +33,7 @@ class Backoff:
         """A back-off that does not grow: ``interval`` seconds between tries (a poll; 0: the next try at once)."""
         return cls(interval, interval)
 
-    def tries(self, deadline: float | None = None, stop: threading.Event | None = None) -> Iterator[int]:
+    def tries(self, deadline: float | None = None, stop: Stop | None = None) -> Iterator[int]:
         """Tries 0, 1, 2, ...: the first at once, try ``n`` after ``delay(n)`` seconds of sleep. After each try,
         none follows once ``stop`` is set or the ``time.monotonic()`` ``deadline`` has passed; a caller that
         found what it waited for leaves the loop (``break``, ``return``), and a ``for`` loop's ``else`` is the

@@ -38,6 +38,7 @@ from psd.arena import ARENA_LOST_EXIT, ArenaWatch, HeaderView, open_job, shm_nam
 from psd.errors import Error
 from psd.events import EventLog
 from psd.server import ServeConfig
+from psd.signals import SignalFlag, Stop
 from psd.watchdog import checkpoint
 from psd.watchdog.restarts import Backoff, RestartPolicy
 
@@ -162,7 +163,7 @@ class Watchdog:
         self._watch = ArenaWatch(config.serve.job)
         self._next_checkpoint = 0.0
         self._last_ckpt_clock = -1
-        self.checkpoint_requested = threading.Event()
+        self.checkpoint_requested = SignalFlag()  # SIGUSR1's handler sets it
         self._importing = False  # the import of what checkpoints need has been started
         self._resume_first = bool(config.serve.resume)
         self._had_model = False  # the job reached READY under this watchdog (its arena held weights)
@@ -451,7 +452,7 @@ class Watchdog:
 
     # -- life cycle ---------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: Stop) -> None:
         """Supervise until ``stop`` is set (or the server fails for good)."""
         while not stop.is_set() and self.state != ServerState.FAILED:
             self.poll()
@@ -507,7 +508,7 @@ def _import_checkpoint_deps() -> None:
 
 def serve_forever(config: WatchdogConfig) -> int:
     """``psd serve``: supervise until SIGINT/SIGTERM; SIGUSR1 asks for a checkpoint."""
-    stop = threading.Event()
+    stop = SignalFlag()  # set by the handlers: a threading.Event could deadlock there
     wd = Watchdog(config)
 
     def on_stop(signum, frame):
