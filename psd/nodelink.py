@@ -125,7 +125,7 @@ class _Agreed:
 
 
 class NodeLink:
-    """One node's link: ``NodeLink(serve_config).run(stop_event)``."""
+    """One node's link: ``NodeLink(serve_config).run()``, until its ``stop`` flag is set (SIGINT/SIGTERM)."""
 
     def __init__(self, cfg: Any) -> None:
         validate_nodes(cfg)

@@ -4,14 +4,16 @@ Python runs a signal handler in the main thread between two bytecodes, wherever 
 ``threading.Event.wait()`` or ``set()`` while it holds the event's lock. A handler that calls ``Event.set()`` there
 takes that lock again and blocks for ever (or, with more signals coming, nests until ``RecursionError``): a
 ``psd serve`` told to stop then never stops. ``SignalFlag.set()`` takes no lock: it stores a flag and writes a byte
-down a pipe, and ``wait()`` sleeps in ``select()`` on that pipe, which a signal interrupts and Python resumes.
+down a pipe, and ``wait()`` sleeps in ``poll()`` on that pipe, which a signal interrupts and Python resumes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import time
+import weakref
 from typing import Protocol
 
 
@@ -23,19 +25,32 @@ class Stop(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+def _close(fds: list[int]) -> None:
+    for i, fd in enumerate(fds):
+        if fd >= 0:
+            fds[i] = -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class SignalFlag:
     """``threading.Event``'s ``set`` / ``is_set`` / ``wait`` / ``clear``, safe to ``set()`` from a signal handler
-    and from any thread. ``wait()`` is for the main thread's poll loops; ``clear()`` is for the one consumer of a
-    request (a checkpoint asked for with SIGUSR1)."""
+    and from any thread. ``wait()`` is for poll loops; ``clear()`` is for the one consumer of a request (a
+    checkpoint asked for with SIGUSR1). The pipe is closed by ``close()`` or when the flag is collected; a
+    closed flag still sets and reads its flag, and its ``wait()`` sleeps out its timeout unless the flag is set."""
 
     def __init__(self) -> None:
         self._flag = False
-        self._r, self._w = os.pipe()  # non-inheritable: no child keeps it open
-        os.set_blocking(self._r, False)
-        os.set_blocking(self._w, False)
+        r, w = os.pipe()  # non-inheritable: no exec'd child keeps it open
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        self._fds = [r, w]
+        self._finalize = weakref.finalize(self, _close, self._fds)
 
     def set(self) -> None:
-        """Set the flag and wake every ``wait()``. Takes no lock and never blocks."""
+        """Set the flag and wake every ``wait()``. Takes no lock, never blocks, never raises."""
         self._flag = True
         self._wake()
 
@@ -59,27 +74,38 @@ class SignalFlag:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            ready, _, _ = select.select([self._r], [], [], left)  # a handler runs inside; PEP 475 resumes it
+            r = self._fds[0]
+            if r < 0:  # closed: nothing can wake it but the deadline
+                time.sleep(left if left is not None else 0.1)
+                continue
+            p = select.poll()  # not select(): it takes any descriptor number
+            p.register(r, select.POLLIN)
+            # a handler runs inside; PEP 475 resumes the poll with what is left of its timeout
+            ready = p.poll(None if left is None else max(1, math.ceil(left * 1000)))
             if ready and not self._flag:
                 self._drain()  # a wake-up left from before a clear(): not this wait's
+                if self._flag:  # a set() between the check and the drain: its wake-up, for any other wait()
+                    self._wake()
         return self._flag
 
+    def close(self) -> None:
+        """Close the pipe now (else it closes when the flag is collected)."""
+        self._finalize()
+
     def _wake(self) -> None:
+        w = self._fds[1]
+        if w < 0:
+            return
         try:
-            os.write(self._w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already: every wait() is awake
+            os.write(w, b"\0")
+        except OSError:  # full of wake-ups already (every wait() is awake), or closed meanwhile
             pass
 
     def _drain(self) -> None:
+        r = self._fds[0]
+        if r < 0:
+            return
         try:
-            os.read(self._r, 1 << 16)  # one read, never a loop: a storm of signals must not keep it here
-        except BlockingIOError:
+            os.read(r, 1 << 16)  # one read, never a loop: a storm of signals must not keep it here
+        except OSError:
             pass
-
-    def close(self) -> None:
-        """Close the pipe (the flag keeps its value)."""
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass

@@ -235,6 +235,33 @@ def test_a_stop_flag_set_by_a_signal_handler_at_any_line_never_blocks():
     assert "in __enter__" in hung.stderr and "in handler" in hung.stderr, hung.stderr
 
 
+@pytest.mark.parametrize("watchdog", [False, True], ids=["bare", "watchdog"])
+def test_psd_serve_stops_on_sigterms_raised_inside_its_stop_flags_wait(job, watchdog, tmp_path):
+    """The wiring, not the flag alone: `psd serve` (the server bare, or its watchdog) gets a SIGTERM at every
+    line its main thread runs inside its stop flag's wait, and exits cleanly with its arena removed. The control
+    puts threading.Event back as the stop flag (the code before SignalFlag): it hangs in the Event's lock."""
+    args = ["serve", "--job", job, "--learners", "1"] + ([] if watchdog else ["--no-watchdog"])
+
+    def run(*pre: str) -> tuple[int, str]:
+        # its output to a file, not a pipe: a server the hung watchdog leaves behind would hold a pipe open
+        log = tmp_path / f"serve{len(pre)}.log"
+        with log.open("w") as out:
+            rc = subprocess.run([sys.executable, str(HELPERS / "serve_signalled_in_wait.py"), *pre, *args],
+                                stdout=out, stderr=subprocess.STDOUT, timeout=120, env=child_env()).returncode
+        return rc, log.read_text()
+
+    rc, out = run("60")
+    assert rc == 0, out
+    assert watchdog or "arena removed" in out  # the watchdog's server logs elsewhere
+    assert not os.path.exists(shm_path(job))
+    rc, out = run("--event", "3")
+    # what the hang left (the arena; under the watchdog its server too) goes the way a user would clear it
+    subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job], capture_output=True, timeout=60,
+                   env=child_env())
+    assert rc == 1 and "Timeout" in out, out
+    assert "in __enter__" in out and "in on_s" in out, out
+
+
 def test_an_arena_watch_adopts_a_mapping_and_tells_its_arena_from_none_and_a_new_one(job, serve):
     """The learner's use of the watch: it opens its mapping itself, and looks whether the job's file still
     holds that arena ("same"), holds none ("gone": keep the mapping) or holds another ("new": attach again)."""
