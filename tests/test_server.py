@@ -15,7 +15,7 @@ import torch
 
 from conftest import HELPERS, Served, arena_header, child_env, wait_until
 from psd import learner
-from psd.arena import shm_path
+from psd.arena import shm_path, wait_for_job
 
 
 class Flat(torch.nn.Module):
@@ -255,7 +255,10 @@ def test_psd_serve_stops_on_sigterms_raised_inside_its_stop_flags_wait(job, watc
     assert watchdog or "arena removed" in out  # the watchdog's server logs elsewhere
     assert not os.path.exists(shm_path(job))
     rc, out = run("--event", "3")
-    # what the hang left (the arena; under the watchdog its server too) goes the way a user would clear it
+    # what the hang left goes the way a user would clear it: the arena of the dead server (bare: it made it
+    # before its wait); under the watchdog its live server, which may still be starting on a loaded machine
+    if watchdog:
+        wait_for_job(job, timeout=60)
     subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job], capture_output=True, timeout=60,
                    env=child_env())
     assert rc == 1 and "Timeout" in out, out
