@@ -322,7 +322,6 @@ def test_a_step_returns_with_its_own_update_in_the_weights(job, serve, pull):
     once the server applied that step's gradient, and with the weights that hold it: no flush, no wait here.
     Also when the loop is held past the native step's own wait (200 ms; a pause here): the step then waits on
     in Python, and still returns with its update."""
-
     serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", "--overlap", "off")
     m = Flat()
     with learner.attach(m, job=job, pull=pull) as ps:
@@ -355,7 +354,6 @@ def test_overlap_auto_with_several_learners_waits_unless_momentum(job, serve, fl
     """--overlap auto in a job of two learner slots: a step waits for its own update wherever the optimizer is
     not momentum / nesterov (docs/training.md, "When a learner takes newer weights"): with the loop paused, such
     a step waits (the other slot idle), and returns once resumed with its own update in the weights."""
-
     serve(job, "--no-watchdog", "--learners", "2", "--lr", "1", *flags)
     m = Flat()
     with learner.attach(m, job=job) as ps:
