@@ -4,7 +4,8 @@
 
 Runs the cell as benchmarks/matrix.py does (its server flags, its learners, which pass torch.optim's closure
 so they measure the loss's sharpness) and prints, each time it changes, the update count, the gain level,
-the momentum the update loop applies (`momentum_now`), the running mean staleness and each learner slot's
+the momentum the update loop applies (`momentum_now`), the running mean staleness, the damping of
+staler-than-mean gradients (`damping`) and each learner slot's
 lr x sharpness (psd/gain.py), read from the arena's header as `psd inspect` reads it. Ends with the staleness
 histogram (as `psd status` buckets it) and the learners' final metric. Nothing is written to benchmarks/results.
 """
@@ -57,10 +58,11 @@ def main() -> int:
                     arena.remap()
                     hist = h["staleness_hist"]
                     sharp = [arena.slot_info(i).get("sharpness", float("nan")) for i in range(h["n_slots"])]
-                    row = (round(h["gain_level"], 2), round(h["momentum_now"], 3), round(h["staleness_avg"], 1))
+                    row = (round(h["gain_level"], 2), round(h["momentum_now"], 3), round(h["staleness_avg"], 1),
+                           h["damping"])
                     if row != last:
                         print(json.dumps({"clock": h["clock"], "gain_level": row[0], "momentum_now": row[1],
-                                          "staleness_avg": row[2],
+                                          "staleness_avg": row[2], "damping": row[3],
                                           "lr_sharpness": [round(lr * x, 4) for x in sharp]}), flush=True)
                         last = row
                 time.sleep(args.every)

@@ -5,8 +5,8 @@ mini-batch's gradients (``p.grad``, in the model's dtype; sparse embedding
 gradients as their rows) into the next free entry of the slot's ring in one C
 pass that converts and checks them, with how far the model's buffers (BatchNorm
 statistics) moved since they were last pulled, then store-releases the ring's
-tail. Then (asp and ssp under the job's ``--overlap off``, or ``auto`` but for
-momentum / nesterov at several learner slots) it waits until the server has
+tail. Then (asp and ssp under the job's ``--overlap off`` or ``auto``, any
+optimizer; not on a GPU) it waits until the server has
 applied that gradient and copies the shared weights into the model's private
 buffer, so the next gradient is computed on weights that hold this one.
 Otherwise (GaDei's hand-off) it takes newer weights right after the

@@ -174,7 +174,7 @@ class Connection:
         else:
             self._resume_step = 0
         self.predict = bool(h["cfg_flags"] & _native.CFG_PREDICT)
-        # --overlap off (auto: except momentum / nesterov at several slots) an asp / ssp
+        # --overlap off (and auto, any optimizer) an asp / ssp
         # learner takes newer weights only once the server applied its push: its next gradient always
         # holds its last one. kasync applies a gradient only with K others (a learner waiting for its
         # own could wait for itself), bsp waits for the round already. A learner on a GPU keeps the

@@ -258,6 +258,10 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     memset(h, 0, sizeof *h);
     h->layout_version = PSD_LAYOUT_VERSION;
     h->fingerprint = psd_fingerprint();
+    double full = 1.0; /* the damping applies until the server has measured the job (psd/gain.py damping) */
+    uint64_t full_bits;
+    memcpy(&full_bits, &full, sizeof full_bits);
+    atomic_init(&h->damping_bits, full_bits);
     strncpy(h->psd_version, version, PSD_VERSION_LEN - 1);
     h->n_slots = n_slots;
     h->ring_k = ring_k;

@@ -64,10 +64,19 @@ double psd_staleness_avg(const struct psd_header *h) {
 
 /* The gain level in the header (gain_level_bits, psd/gain.py): 0 outside [0, 1]. */
 double psd_gain_level(const struct psd_header *h) {
-    uint64_t bits = PSD_LOAD_RLX(&h->gain_level_bits); /* only the server's supervision thread writes it */
+    uint64_t bits = PSD_LOAD_RLX(&h->gain_level_bits); /* the server writes it (psd_layout.h); checked below */
     double level;
     memcpy(&level, &bits, sizeof level);
     return level >= 0.0 && level <= 1.0 ? level : 0.0;
+}
+
+/* The share of the damping of staler-than-mean gradients in the header (damping_bits, psd/gain.py): 1 (all
+ * of it) outside [0, 1]. */
+double psd_damping(const struct psd_header *h) {
+    uint64_t bits = PSD_LOAD_RLX(&h->damping_bits); /* the server writes it (psd_layout.h); checked below */
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return d >= 0.0 && d <= 1.0 ? d : 1.0;
 }
 
 /* With --async-momentum auto, the momentum factor (*mu) and learning-rate factor (*lr_factor) of the next
@@ -113,7 +122,8 @@ double psd_async_momentum(const struct psd_config *c, double tau, double level) 
  * implicit momentum off (above) matches asynchrony's mean effect; a learner descheduled for a while
  * (an oversubscribed or noisy machine) comes back with gradients far staler than that mean, and at
  * one process's learning rate those alone could throw a momentum job off (measured: README). Only
- * momentum and nesterov, as for the momentum itself. */
+ * momentum and nesterov, as for the momentum itself. The update loop applies as much of it as the header's
+ * damping says (psd_damping: 1 - d + d x this), which the server sets from the measured sharpness. */
 double psd_async_lr_factor(const struct psd_config *c, double tau, double staleness) {
     if (c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO ||
         (c->optimizer != PSD_OPT_MOMENTUM && c->optimizer != PSD_OPT_NESTEROV))

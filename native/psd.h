@@ -502,6 +502,9 @@ double psd_scheduled_lr(const struct psd_config *c, uint64_t t);
 /* The explicit momentum of the next update under --async-momentum, tau the running mean staleness
  * (see optim.c). */
 double psd_gain_level(const struct psd_header *h);
+/* The share, 0 to 1, of the damping of staler-than-mean gradients (psd_async_lr_factor) the update loop
+ * applies (damping_bits: 1 outside [0, 1]). */
+double psd_damping(const struct psd_header *h);
 void psd_async_rule(const struct psd_config *c, double tau, double level, double *mu, double *lr_factor);
 double psd_async_momentum(const struct psd_config *c, double tau, double level);
 /* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */

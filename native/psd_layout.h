@@ -73,7 +73,9 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-#define PSD_LAYOUT_VERSION 11 /* 11: --overlap auto waits but for momentum at 2+ slots; 10: cfg_flags' overlap bits */
+/* 12: damping_bits, --overlap auto waits for momentum too; 11: auto waits but for momentum at 2+ slots;
+ * 10: cfg_flags' overlap bits */
+#define PSD_LAYOUT_VERSION 12
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -233,10 +235,17 @@ struct psd_header {
     _Atomic uint64_t acc_staleness; /* staleness summed over acc_count */
     _Atomic uint64_t staleness_avg_bits; /* double: running mean of the staleness of the last
                                           * ~PSD_STALENESS_WINDOW updates (--async-momentum reads it) */
-    _Atomic uint64_t gain_level_bits;    /* double in [0, 1]: how much of one process's momentum gain
-                                          * --async-momentum auto keeps (0: the staleness rule alone);
-                                          * written by the server's supervision thread from the learners'
-                                          * measured sharpness (psd/gain.py), read by the update loop */
+
+    /* -- --async-momentum auto's steering (psd/gain.py), written by the server:
+     *    level 0 and all of the damping at the arena's creation and when a
+     *    server starts, then by its supervision thread from the learners'
+     *    measured sharpness (Server._steer_gain); read relaxed by the update
+     *    loop at each update. Not in checkpoints. */
+    alignas(PSD_CACHELINE) _Atomic uint64_t gain_level_bits; /* double in [0, 1]: how much of one process's
+                                                             * momentum gain it keeps (0: the staleness
+                                                             * rule alone); psd_gain_level */
+    _Atomic uint64_t damping_bits; /* double in [0, 1]: how much of the damping of staler-than-mean
+                                    * gradients (psd_async_lr_factor) it applies; psd_damping */
 
     /* -- life cycle: `state` is store-released by whoever makes a transition
      *    (see enum psd_arena_state), load-acquired by everyone. */
@@ -645,16 +654,13 @@ enum psd_async_momentum {
 #define PSD_CFG_OVERLAP 16u     /* --overlap on: an asp/ssp learner pulls without waiting for its own gradient */
 #define PSD_CFG_NO_OVERLAP 32u  /* --overlap off: it pulls once the loop applied its gradient (neither: auto) */
 
-/* Whether asp / ssp learners wait after each push until the loop applied it: --overlap off, or auto (neither
- * bit) in a job of one learner slot or with an optimizer other than momentum / nesterov (sgd, adam, adamw,
- * adagrad: waiting only takes staleness away there; momentum's rules under asynchrony were measured under
- * the hand-off: docs/training.md, "When a learner takes newer weights"). kasync and bsp never do (their
- * own waits). */
-static inline int psd_learners_wait_for_their_own(const struct psd_config *c, uint32_t n_slots) {
-    if ((c->sync_mode != PSD_SYNC_ASP && c->sync_mode != PSD_SYNC_SSP) || (c->cfg_flags & PSD_CFG_OVERLAP))
-        return 0;
-    int heavy_ball = c->optimizer == PSD_OPT_MOMENTUM || c->optimizer == PSD_OPT_NESTEROV;
-    return (c->cfg_flags & PSD_CFG_NO_OVERLAP) || n_slots == 1 || !heavy_ball;
+/* Whether asp / ssp learners wait after each push until the loop applied it: --overlap off, and auto (neither
+ * bit), for every optimizer at any learner count (docs/training.md, "When a learner takes newer weights":
+ * waiting takes a step of staleness away; layouts 10 and 11 kept the hand-off for momentum / nesterov at two
+ * or more slots, until --async-momentum auto was measured with the wait). --overlap on takes the hand-off.
+ * kasync and bsp never do (their own waits). */
+static inline int psd_learners_wait_for_their_own(const struct psd_config *c) {
+    return (c->sync_mode == PSD_SYNC_ASP || c->sync_mode == PSD_SYNC_SSP) && !(c->cfg_flags & PSD_CFG_OVERLAP);
 }
 #define PSD_LEASE_MS_DEFAULT 5000u
 

@@ -364,19 +364,23 @@ static PyObject *arena_note_checkpoint(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_gain_level(level): how much of one process's momentum gain --async-momentum auto keeps
- * (psd/gain.py); the update loop reads it at its next update. */
+/* set_gain_level(level, damping): how much of one process's momentum gain --async-momentum auto keeps, and
+ * how much of the damping of staler-than-mean gradients it applies (psd/gain.py); the update loop reads
+ * them at its next update. */
 static PyObject *arena_set_gain_level(Arena *a, PyObject *args) {
-    double level;
-    if (!PyArg_ParseTuple(args, "d", &level) || check_open(a))
+    double level, damping;
+    if (!PyArg_ParseTuple(args, "dd", &level, &damping) || check_open(a))
         return NULL;
-    if (!(level >= 0.0 && level <= 1.0)) {
-        PyErr_Format(PyExc_ValueError, "the gain level is a number from 0 to 1, not %g", level);
+    if (!(level >= 0.0 && level <= 1.0) || !(damping >= 0.0 && damping <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "the gain level and the damping are numbers from 0 to 1, not %g and %g",
+                     level, damping);
         return NULL;
     }
     uint64_t bits;
     memcpy(&bits, &level, sizeof bits);
     PSD_STORE_RLX(&psd_hdr(&a->map)->gain_level_bits, bits);
+    memcpy(&bits, &damping, sizeof bits);
+    PSD_STORE_RLX(&psd_hdr(&a->map)->damping_bits, bits);
     Py_RETURN_NONE;
 }
 
@@ -408,7 +412,7 @@ PyMethodDef py_server_methods[] = {
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
     {"set_gain_level", (PyCFunction)arena_set_gain_level, METH_VARARGS,
-     "set_gain_level(level): --async-momentum auto's gain level, 0 to 1 (psd/gain.py)"},
+     "set_gain_level(level, damping): --async-momentum auto's gain level and damping, 0 to 1 (psd/gain.py)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -199,7 +199,8 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
         double gain_lr;
         psd_async_rule(&L->cfg, L->staleness_avg, psd_gain_level(h), &mom, &gain_lr);
-        lr *= gain_lr * psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness);
+        double d = psd_damping(h);
+        lr *= gain_lr * ((1.0 - d) + d * psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness));
         note_staleness(L, staleness);
     }
     apply_pieces(L, g, map, gscale, lr, mom);
@@ -665,7 +666,7 @@ static uint64_t nap_length(const struct psd_loop *L, uint64_t gap_ewma, uint32_t
     /* Learners blocked on a round or on the slowest peer use no core, and the gradient that
      * releases them must not wait out a nap: sleep on the doorbell instead. */
     if (L->cfg.sync_mode == PSD_SYNC_BSP ||
-        psd_learners_wait_for_their_own(&L->cfg, m->g.n_slots) ||
+        psd_learners_wait_for_their_own(&L->cfg) ||
         PSD_LOAD_RLX(&h->sync_cond.waiters))
         return 0;
     uint64_t nap = m->g.ring_k * busy * gap_ewma / 2;

@@ -17,8 +17,8 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
 # --async-momentum, in the order of enum psd_async_momentum (psd_layout.h).
 ASYNC_MOMENTUM = ("off", "auto")
 # --overlap: whether an asp / ssp CPU learner pulls right after its push (on) or once the server applied it
-# (off); auto: off, except on for momentum / nesterov in a job of more than one learner slot
-# (psd_learners_wait_for_their_own in psd_layout.h decides; docs/training.md).
+# (off); auto: off, for every optimizer (psd_learners_wait_for_their_own in psd_layout.h decides;
+# docs/training.md). GPU learners always take the hand-off.
 OVERLAP = ("auto", "on", "off")
 # --grad-dtype: what a CPU learner pushes of a dense gradient (float32, or bfloat16: half the bytes).
 GRAD_DTYPES = ("float32", "bf16")

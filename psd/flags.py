@@ -217,13 +217,13 @@ def _build() -> tuple[Flag, ...]:
         _training("--overlap", "asp / ssp (others ignore it): on, a CPU learner takes newer weights right after its "
                   "push (GaDei's hand-off: its next gradient is computed beside the server's update, every gradient "
                   "one update staler; GPU learners always do); off, only once the server applied it (its next "
-                  "gradient holds its last one); auto: off, except on for momentum / nesterov (whose rules under "
-                  "asynchrony were measured under the hand-off) in a job of more than one learner slot (psd run "
-                  "--stages K takes K slots a learner)", "auto",
+                  "gradient holds its last one); auto: off, for every optimizer at any learner count (the "
+                  "convergence matrix: docs/training.md)", "auto",
                   choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
-                  "(estimated from the measured staleness) off --momentum and damps the lr of a gradient staler "
-                  "than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
+                  "(estimated from the measured staleness) off --momentum, keeps as much of one process's gain as "
+                  "the measured sharpness allows, and near an edge (or unmeasured) damps the lr of a gradient "
+                  "staler than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
                   choices=async_momentum, metavar="MODE", readme_default="`auto`"),
         _training("--grad-dtype", "what CPU learners push of a dense gradient: float32, or bf16 (rounded to "
                   "bfloat16: half the bytes into and out of the ring; the server widens it and keeps float32 "

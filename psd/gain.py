@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 
-__all__ = ["HALF_LIFE", "LEVELS", "MARGIN", "RISE", "edge", "edges", "level", "rule", "stable"]
+__all__ = ["DAMPING_GATE", "HALF_LIFE", "LEVELS", "MARGIN", "RISE", "SharpnessHold", "damping", "edge", "edges",
+           "level", "rule", "stable"]
 
 LEVELS = 21  # the levels tried: 0, 0.05, ..., 1
 MARGIN = 1.0  # the chosen level's edge is at least this times lr x sharpness
-HALF_LIFE = 50  # updates: the server holds the largest measurement, halving it over this many
+HALF_LIFE = 8  # readings: the server holds the largest reading, halving it over this many new ones (any learner's)
+DAMPING_GATE = 2.0  # the damping of staler gradients applies while lr x sharpness is past this x level 1's edge
 RISE = 0.01  # after the first measurement set it, the level rises by at most this an update; it falls at once
 MAX_TAU = 64  # above this staleness, level 0 (keeping any gain there needs lr x sharpness below 0.0025)
 
@@ -97,3 +100,53 @@ def level(lr_sharpness: float, mu: float, tau: float, margin: float = MARGIN) ->
     table = _edges_for(lr_sharpness, mu, tau)
     ok = [i for i, e in enumerate(table or ()) if e >= margin * lr_sharpness]
     return max(ok) / (LEVELS - 1) if ok else 0.0
+
+
+def damping(lr_sharpness: float, mu: float, tau: float) -> float:
+    """How much of the damping of staler-than-mean gradients (native/optim.c ``psd_async_lr_factor``: a
+    gradient ``s`` updates old at mean staleness ``tau`` scaled by ``(1 + tau) / (1 + s)``) the update loop
+    applies: all of it (1) while the held lr x sharpness passes ``DAMPING_GATE`` times level 1's edge at
+    the mean staleness, where a job runs near the edge of what its level can take and a late gradient can
+    throw it off, or where nothing says otherwise (no measurement, more than ``MAX_TAU`` staleness); none
+    (0) below, where the job is far from any edge and the damping only slows it (measured:
+    benchmarks/results/matrix/README.md, the trials of the damping). Without staleness yet, none: nothing
+    is staler than a mean of 0 but the first gradients, which the damping would halve for no reason."""
+    if not (math.isfinite(lr_sharpness) and lr_sharpness > 0) or not 0 < mu < 1 or not tau <= MAX_TAU:
+        return 1.0
+    if not tau > 0:
+        return 0.0
+    return 1.0 if lr_sharpness > DAMPING_GATE * edges(round(mu, 6), math.ceil(tau))[-1] else 0.0
+
+
+class SharpnessHold:
+    """The sharpness the server steers the gain by: the median of the live learners' last readings, held as
+    a maximum that halves over ``half_life`` new readings.
+
+    One mini-batch's reading can dip far below the loss's sharpness (a BatchNorm network at its edge swings
+    over two orders of magnitude from one reading to the next), and the level must not follow a dip up. The
+    hold is counted in readings: each learner measures every 50th of its steps (densely at first), so once
+    the job runs 8 readings come about every 400 updates at any learner count (the hold of layout 11, 50
+    updates, was about one reading, and let the CNN at its edge forget a sharp reading before the next);
+    at the start, where learners measure at steps 1, 2, 4, ..., 32, it forgets faster. Measured: the matrix
+    README, "The gain rule with the wait".
+
+    A reading is new when a slot's value differs from the one last seen there; a value that is not a
+    positive finite number (none measured yet, or a stray write: the slot is learner-writable) counts for
+    nothing.
+    """
+
+    def __init__(self, half_life: float = HALF_LIFE) -> None:
+        self.half_life = half_life
+        self.value = 0.0  # the held reading (lr not applied)
+        self._last: dict[int, float] = {}  # slot -> the reading last seen there
+
+    def update(self, readings: dict[int, float]) -> float | None:
+        """Take each live slot's last reading (slot -> value); return the held value, or None when no live
+        learner has a usable reading now."""
+        seen = {i: x for i, x in readings.items() if math.isfinite(x) and 0 < x < 1e30}
+        new = sum(1 for i, x in seen.items() if self._last.get(i) != x)
+        self._last = dict(seen)
+        if not seen:
+            return None
+        self.value = max(statistics.median(seen.values()), self.value * 0.5 ** (new / self.half_life))
+        return self.value

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,7 +219,8 @@ class Server:
         self._evictions_seen: set[tuple[int, int]] = set()  # (slot, evicted_unix_ns) of evictions logged
         self._gain_level = math.nan  # the gain level last set (psd/gain.py); a new server sets its own
         self._gain_clock = 0  # the clock it was set at
-        self._sharpness = 0.0  # the learners' measurements' decaying maximum (gain.HALF_LIFE)
+        self._held = gain.SharpnessHold()  # the learners' readings' decaying maximum
+        self._damping = math.nan  # the damping of staler-than-mean gradients last set (psd/gain.py damping)
         self._measured = False  # whether a learner's measurement has set the level yet
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
@@ -268,6 +268,10 @@ class Server:
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
         self.arena.configure(**cfg.training())
+        # --async-momentum auto's level and damping as a fresh arena has them (level 0, all of the damping): a
+        # server taking over sets its own from its learners' readings (_steer_gain), or never, where its flags
+        # leave nothing to steer, and must not run on with what the dead one left
+        self.arena.set_gain_level(0.0, 1.0)
         if cfg.nnodes > 1 and not took_over:
             # One node of several: the update loop applies nothing until the node link takes this hold
             # over and lets it go with the nodes' agreed weights.
@@ -482,11 +486,11 @@ class Server:
         """Log admissions, evictions and rejected gradients, which the native side only counts."""
         a = self.arena
         h = a.header()
-        sharpness = []
+        sharpness: dict[int, float] = {}
         for i in range(h["n_slots"]):
             info = a.slot_info(i)
             if info["state"] == _native.SLOT_ACTIVE:
-                sharpness.append(info["sharpness"])
+                sharpness[i] = info["sharpness"]
             if info["state"] == _native.SLOT_EVICTED and (i, info["evicted_unix_ns"]) not in self._evictions_seen:
                 self._evictions_seen.add((i, info["evicted_unix_ns"]))
                 rule = EVICTION_RULES.get(info["evicted_rule"], f"rule {info['evicted_rule']}")
@@ -525,23 +529,21 @@ class Server:
                 self._ignored[i] = info["ignored"]
         self._steer_gain(h, sharpness)
 
-    def _steer_gain(self, h: dict, sharpness: list[float]) -> None:
-        """--async-momentum auto: the gain level (psd/gain.py) from the sharpness the live learners measured
-        (learner/sharpness.py: each its last reading, the curvature along its mini-batch's gradient). A value
-        that is not a positive finite number (none measured, or a learner's stray write: the slot is
-        learner-writable) counts for nothing; the median of the rest (one mini-batch's reading is noisy:
-        the largest of 8 learners' would read the job sharper the more learners it has, and no one learner
-        moves a median far) is held as a maximum that halves over gain.HALF_LIFE updates."""
+    def _steer_gain(self, h: dict, sharpness: dict[int, float]) -> None:
+        """--async-momentum auto: the gain level and the damping (psd/gain.py) from the sharpness the live
+        learners measured (slot -> its last reading, learner/sharpness.py: the curvature along its
+        mini-batch's gradient). The median of the usable readings (one mini-batch's reading is noisy: the
+        largest of 8 learners' would read the job sharper the more learners it has, and no one learner
+        moves a median far) is held as a maximum that halves over gain.HALF_LIFE new readings
+        (gain.SharpnessHold)."""
         mu = h["momentum"]  # the header's configuration: the flags' defaults filled in
         if (ASYNC_MOMENTUM[h["async_momentum"]] != "auto" or OPTIMIZERS[h["optimizer"]] not in ("momentum", "nesterov")
                 or not 0 < mu < 1):
             return
-        seen = [x for x in sharpness if math.isfinite(x) and 0 < x < 1e30]
-        # a decaying maximum of the measurements: one mini-batch's reading can dip far below the loss's
-        # sharpness, and the level must not follow it up
-        hold = 0.5 ** (max(0, h["clock"] - self._gain_clock) / gain.HALF_LIFE)
-        self._sharpness = max(statistics.median(seen) if seen else 0.0, self._sharpness * hold)
-        lvl = gain.level(h["lr_now"] * self._sharpness, mu, h["staleness_avg"]) if seen else 0.0
+        held = self._held.update(sharpness)
+        seen = held is not None
+        lr_sharpness = h["lr_now"] * held if seen else math.nan
+        lvl = gain.level(lr_sharpness, mu, h["staleness_avg"]) if seen else 0.0
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
@@ -551,11 +553,13 @@ class Server:
         # gain.level says 0: the first level is set by the first measurement that meets some staleness.
         self._measured = self._measured or (bool(seen) and h["staleness_avg"] > 0)
         self._gain_clock = h["clock"]
-        if lvl != self._gain_level:
-            log.debug("job %r: gain level %.2f (lr x sharpness %s, mean staleness %.2f)", self.config.job, lvl,
-                      f"{h['lr_now'] * self._sharpness:.4g}" if seen else "unmeasured", h["staleness_avg"])
-            self.arena.set_gain_level(lvl)
+        damping = gain.damping(lr_sharpness, mu, h["staleness_avg"])
+        if lvl != self._gain_level or damping != self._damping:
+            log.debug("job %r: gain level %.2f, damping %g (lr x sharpness %s, mean staleness %.2f)", self.config.job,
+                      lvl, damping, f"{lr_sharpness:.4g}" if seen else "unmeasured", h["staleness_avg"])
+            self.arena.set_gain_level(lvl, damping)
             self._gain_level = lvl
+            self._damping = damping
 
     def run(self, stop: Stop) -> None:
         """Supervise until ``stop`` is set."""

@@ -105,6 +105,42 @@ def test_the_probe_measures_the_curvature_along_the_gradient_and_leaves_training
     assert not SharpnessProbe(list(model.parameters()), every=0).due()
 
 
+def test_the_damping_of_staler_gradients_applies_only_near_an_edge():
+    edge1 = gain.edges(0.9, 4)[-1]  # level 1's edge at staleness 4
+    # unmeasured, no momentum, or staleness past MAX_TAU: all of the damping
+    for bad in (math.nan, math.inf, -1.0, 0.0):
+        assert gain.damping(bad, 0.9, 4.0) == 1.0
+    assert gain.damping(0.01 * edge1, 0.0, 4.0) == 1.0
+    assert gain.damping(0.01 * edge1, 0.9, gain.MAX_TAU + 1) == 1.0
+    # no staleness yet: nothing to damp
+    assert gain.damping(10.0, 0.9, 0.0) == 0.0
+    # below DAMPING_GATE x level 1's edge none, past it all (the edge at the staleness rounded up)
+    assert gain.damping(0.9 * gain.DAMPING_GATE * edge1, 0.9, 4.0) == 0.0
+    assert gain.damping(1.1 * gain.DAMPING_GATE * edge1, 0.9, 4.0) == 1.0
+    assert gain.damping(1.1 * gain.DAMPING_GATE * edge1, 0.9, 3.2) == 1.0
+
+
+def test_the_held_sharpness_halves_over_new_readings_not_over_time():
+    hold = gain.SharpnessHold()
+    assert hold.update({}) is None and hold.update({0: math.nan, 1: -1.0, 2: 1e300}) is None
+    assert hold.update({0: 1.0, 1: 3.0}) == 2.0  # the median of the live learners' readings
+    # the same readings again (no learner measured since): held as they are, however often the server looks
+    for _ in range(100):
+        assert hold.update({0: 1.0, 1: 3.0}) == 2.0
+    # a sharp reading is held, halving over HALF_LIFE new readings (any learner's), never below the median
+    assert hold.update({0: 100.0, 1: 100.0}) == 100.0
+    last = {}
+    for k in range(1, gain.HALF_LIFE // 2 + 1):
+        last = {0: 0.1 + k, 1: 0.2 + k}
+        assert hold.update(last) == pytest.approx(100.0 * 0.5 ** (2 * k / gain.HALF_LIFE))
+    assert hold.value == pytest.approx(50.0)
+    # junk in one slot counts for nothing: neither a reading nor a new one
+    assert hold.update({**last, 2: math.inf}) == pytest.approx(50.0)
+    for i in range(40):
+        hold.update({0: 1.0 + i % 2, 1: 3.0 + i % 2})
+    assert hold.value == pytest.approx(3.0)  # held down to the readings' median, no lower
+
+
 def steer(ps, closure, until, timeout: float = 60.0, report=None) -> dict:
     """Train (a closure step each time) until the header satisfies ``until``; ``report``: a sharpness
     value to write over the learner's own each step (what a stray write could leave)."""
@@ -135,14 +171,17 @@ def test_a_server_keeps_the_gain_a_learners_measured_sharpness_allows_and_shrugs
 
     with learner.attach(model, job=job) as ps:
         ps.sharpness.every = 5
-        h = steer(ps, closure, lambda h: h["gain_level"] > 0 and h["staleness_avg"] > 0)
+        assert arena_header(job)["damping"] == 1.0  # all of it until the job is measured
+        # lr 0.001 on this least-squares loss: far below any edge, so no damping of staler gradients either
+        h = steer(ps, closure, lambda h: h["gain_level"] > 0 and h["staleness_avg"] > 0 and h["damping"] == 0.0)
         generation = h["generation"]
         # what the update loop applies is the rule at that level (native/optim.c against psd/gain.py)
         assert h["momentum_now"] == pytest.approx(gain.rule(0.9, h["staleness_avg"], h["gain_level"])[0], abs=0.05)
         # a learner's slot is its own to scribble on: no number it leaves there is trusted
         for junk in (math.nan, math.inf, -math.inf, -1.0, 0.0, 1e300):
-            steer(ps, closure, lambda h: h["gain_level"] == 0.0, report=junk)
-        steer(ps, closure, lambda h: h["gain_level"] > 0)  # measured again: the gain comes back
-        steer(ps, closure, lambda h: h["gain_level"] == 0.0, report=1e6)  # a real number, too sharp for any
+            steer(ps, closure, lambda h: h["gain_level"] == 0.0 and h["damping"] == 1.0, report=junk)
+        steer(ps, closure, lambda h: h["gain_level"] > 0 and h["damping"] == 0.0)  # measured again: the gain comes back
+        # a real number, too sharp for any level: level 0, and the damping
+        steer(ps, closure, lambda h: h["gain_level"] == 0.0 and h["damping"] == 1.0, report=1e6)
         assert arena_header(job)["generation"] == generation  # the server never went down
     served.stop()

@@ -270,16 +270,25 @@ def test_staleness_lr_divides_the_step_by_the_staleness(job, serve):
     served.stop()
 
 
-@pytest.mark.parametrize("mode", ["auto", "off"])
+@pytest.mark.parametrize("mode", ["auto", "auto-undamped", "off"])
 def test_async_momentum_auto_damps_a_gradient_staler_than_the_mean(job, serve, mode):
     """B's three gradients arrive nearly fresh (staleness 0 to 2: the running mean tau stays near 0);
-    A's, computed on clock 0, meets clock 3: under auto its lr is scaled by (1 + tau) / (1 + 3).
+    A's, computed on clock 0, meets clock 3: under auto its lr is scaled by (1 + tau) / (1 + 3), by as much
+    of that as the header's damping says (all of it from the arena's creation: psd/gain.py damping). A
+    server steers the damping only with a momentum in (0, 1); here the test writes 0 in its place.
     Momentum 0 keeps the arithmetic that of plain SGD, so the step is exactly lr x factor x gradient."""
     served = serve(job, "--no-watchdog", "--learners", "2", "--optimizer", "momentum", "--momentum", "0", "--lr", "0.5",
-                   "--async-momentum", mode)
+                   "--async-momentum", mode.split("-")[0])
     a, b, ma, x = stale_setup(job)
-    tau = header(job)["staleness_avg"]
+    h = header(job)
+    tau = h["staleness_avg"]
     assert 0.0 <= tau < 0.1
+    assert h["damping"] == 1.0  # the arena's own value: the server never set it (momentum 0)
+    if mode == "auto-undamped":
+        server_side = open_job(job)
+        server_side.set_gain_level(0.0, 0.0)
+        assert header(job)["damping"] == 0.0
+        server_side.close()
     factor = (1 + tau) / (1 + 3) if mode == "auto" else 1.0
     before = learner.pull_state_dict(job)
     ma(x).sum().backward()
