@@ -10,7 +10,7 @@ import sys
 import pytest
 from chaos_helpers import leftovers
 
-from conftest import child_env, wait_until
+from conftest import HELPERS, child_env, wait_until
 from psd.arena import open_job, shm_path
 
 
@@ -49,6 +49,34 @@ def test_ctrl_c_stops_everything_and_leaves_nothing(job, tmp_path):
     assert not os.path.exists(shm_path(job))
     assert not leftovers(job)
     assert list((tmp_path / "ck").glob("ckpt-*.safetensors")), "a last checkpoint at the stop"
+
+
+def test_psd_run_stops_on_sigterms_raised_inside_its_stop_flags_wait(job, tmp_path):
+    """`psd run` with SIGTERM raised at every line its main thread runs inside its stop flag's wait (the
+    supervision loop's, between checks of the learners): the handler runs wherever the wait may hold a lock,
+    and `psd run` still stops everything it started (exit 130, the arena removed, no process left). The
+    control puts ``threading.Event`` back as the flag: its ``set()`` in the handler blocks on the lock the
+    interrupted wait holds (the hang in ``__enter__``, under the handler, from faulthandler's stack)."""
+
+    def run(*pre: str) -> tuple[int, str]:
+        log = tmp_path / f"run{len(pre)}.log"  # a file, not a pipe: what a hung launcher leaves would hold it
+        with log.open("w") as out:
+            rc = subprocess.run([sys.executable, str(HELPERS / "serve_signalled_in_wait.py"), *pre, "run", "--job",
+                                 job, "--learners", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--",
+                                 sys.executable, "-c", "pass"],
+                                stdout=out, stderr=subprocess.STDOUT, timeout=180, env=child_env()).returncode
+        return rc, log.read_text()
+
+    rc, out = run("90")
+    assert rc == 130, out
+    assert not os.path.exists(shm_path(job))
+    assert not leftovers(job)
+    rc, out = run("--event", "5")
+    # the hung launcher's watchdog and server live on: clear them as a user would
+    subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job], capture_output=True, timeout=90,
+                   env=child_env())
+    assert rc == 1 and "Timeout" in out, out
+    assert "in __enter__" in out and "launcher.py" in out and "in <lambda>" in out, out
 
 
 def test_learner_that_keeps_failing_fails_the_job(job, tmp_path):

@@ -1,14 +1,14 @@
-"""`psd serve ARGS...` in this process, with SIGTERM raised at every line its main thread runs inside the wait of
-its stop flag (a ``threading.Event``'s or a ``SignalFlag``'s): the handler then runs while that wait is under
-way, wherever a lock of the flag's may be held. A server whose handler could block there never exits (the
-caller's timeout); one whose stop is safe exits as from any SIGTERM.
+"""`psd ARGS...` (`psd serve`, `psd run`) in this process, with SIGTERM raised at every line its main thread runs
+inside the wait of its stop flag (a ``threading.Event``'s or a ``SignalFlag``'s): the handler then runs while
+that wait is under way, wherever a lock of the flag's may be held. A command whose handler could block there
+never exits (the caller's timeout); one whose stop is safe exits as from any SIGTERM.
 
     python serve_signalled_in_wait.py [--event] SECONDS ARGS...
 
 After SECONDS faulthandler prints every thread's stack and exits 1: where a hang is.
 
-``--event`` puts ``threading.Event`` back where the server and the watchdog make their stop flags (what they
-did before ``SignalFlag``): the control that shows this harness catches the hang.
+``--event`` puts ``threading.Event`` back where the server, the watchdog and `psd run`'s launcher make their stop
+flags (what they did before ``SignalFlag``): the control that shows this harness catches the hang.
 """
 
 import faulthandler
@@ -18,6 +18,7 @@ import sys
 import threading
 
 import psd.cli
+import psd.watchdog.launcher
 import psd.watchdog.supervisor
 from psd.signals import SignalFlag
 
@@ -26,6 +27,7 @@ if argv[:1] == ["--event"]:
     argv = argv[1:]
     psd.cli.SignalFlag = threading.Event
     psd.watchdog.supervisor.SignalFlag = threading.Event
+    psd.watchdog.launcher.SignalFlag = threading.Event
 faulthandler.dump_traceback_later(float(argv[0]), exit=True)
 argv = argv[1:]
 WAITS = {threading.Event.wait.__code__, SignalFlag.wait.__code__}
