@@ -62,21 +62,24 @@ double psd_staleness_avg(const struct psd_header *h) {
     return tau >= 0.0 && tau < 1e18 ? tau : 0.0;
 }
 
+/* A double in [0, 1] the server steers (psd_layout.h: gain_level_bits, damping_bits), loaded relaxed; `outside`
+ * where it is not in [0, 1] (NaN included). */
+static double steered(const _Atomic uint64_t *field, double outside) {
+    uint64_t bits = PSD_LOAD_RLX(field);
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v >= 0.0 && v <= 1.0 ? v : outside;
+}
+
 /* The gain level in the header (gain_level_bits, psd/gain.py): 0 outside [0, 1]. */
 double psd_gain_level(const struct psd_header *h) {
-    uint64_t bits = PSD_LOAD_RLX(&h->gain_level_bits); /* the server writes it (psd_layout.h); checked below */
-    double level;
-    memcpy(&level, &bits, sizeof level);
-    return level >= 0.0 && level <= 1.0 ? level : 0.0;
+    return steered(&h->gain_level_bits, 0.0);
 }
 
 /* The share of the damping of staler-than-mean gradients in the header (damping_bits, psd/gain.py): 1 (all
  * of it) outside [0, 1]. */
 double psd_damping(const struct psd_header *h) {
-    uint64_t bits = PSD_LOAD_RLX(&h->damping_bits); /* the server writes it (psd_layout.h); checked below */
-    double d;
-    memcpy(&d, &bits, sizeof d);
-    return d >= 0.0 && d <= 1.0 ? d : 1.0;
+    return steered(&h->damping_bits, 1.0);
 }
 
 /* With --async-momentum auto, the momentum factor (*mu) and learning-rate factor (*lr_factor) of the next

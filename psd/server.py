@@ -542,8 +542,8 @@ class Server:
             return
         held = self._held.update(sharpness)
         seen = held is not None
-        lr_sharpness = h["lr_now"] * held if seen else math.nan
-        lvl = gain.level(lr_sharpness, mu, h["staleness_avg"]) if seen else 0.0
+        lr_sharpness = h["lr_now"] * held if seen else math.nan  # gain.level and gain.damping: unmeasured
+        lvl = gain.level(lr_sharpness, mu, h["staleness_avg"])
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
@@ -551,7 +551,7 @@ class Server:
             lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
         # Without staleness yet (the first updates) the rule applies the configured momentum at any level, and
         # gain.level says 0: the first level is set by the first measurement that meets some staleness.
-        self._measured = self._measured or (bool(seen) and h["staleness_avg"] > 0)
+        self._measured = self._measured or (seen and h["staleness_avg"] > 0)
         self._gain_clock = h["clock"]
         damping = gain.damping(lr_sharpness, mu, h["staleness_avg"])
         if lvl != self._gain_level or damping != self._damping:

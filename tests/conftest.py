@@ -49,6 +49,16 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def signalled_in_wait(log: Path, *argv: str, timeout: float) -> tuple[int, str]:
+    """Run `psd ARGV` under helpers/serve_signalled_in_wait.py (SIGTERM at every line its main thread runs in
+    its stop flag's wait; its arguments first: ``[--event] SECONDS``); its exit status and output. The output
+    goes to the file ``log``, not a pipe: what a hung command leaves running would hold a pipe open."""
+    with log.open("w") as out:
+        rc = subprocess.run([sys.executable, str(HELPERS / "serve_signalled_in_wait.py"), *argv], stdout=out,
+                            stderr=subprocess.STDOUT, timeout=timeout, env=child_env()).returncode
+    return rc, log.read_text()
+
+
 class Served:
     """A `psd serve` process for one job."""
 

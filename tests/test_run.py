@@ -10,7 +10,7 @@ import sys
 import pytest
 from chaos_helpers import leftovers
 
-from conftest import HELPERS, child_env, wait_until
+from conftest import child_env, signalled_in_wait, wait_until
 from psd.arena import open_job, shm_path
 
 
@@ -58,20 +58,13 @@ def test_psd_run_stops_on_sigterms_raised_inside_its_stop_flags_wait(job, tmp_pa
     control puts ``threading.Event`` back as the flag: its ``set()`` in the handler blocks on the lock the
     interrupted wait holds (the hang in ``__enter__``, under the handler, from faulthandler's stack)."""
 
-    def run(*pre: str) -> tuple[int, str]:
-        log = tmp_path / f"run{len(pre)}.log"  # a file, not a pipe: what a hung launcher leaves would hold it
-        with log.open("w") as out:
-            rc = subprocess.run([sys.executable, str(HELPERS / "serve_signalled_in_wait.py"), *pre, "run", "--job",
-                                 job, "--learners", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--",
-                                 sys.executable, "-c", "pass"],
-                                stdout=out, stderr=subprocess.STDOUT, timeout=180, env=child_env()).returncode
-        return rc, log.read_text()
-
-    rc, out = run("90")
+    args = ["run", "--job", job, "--learners", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable,
+            "-c", "pass"]
+    rc, out = signalled_in_wait(tmp_path / "run.log", "90", *args, timeout=180)
     assert rc == 130, out
     assert not os.path.exists(shm_path(job))
     assert not leftovers(job)
-    rc, out = run("--event", "5")
+    rc, out = signalled_in_wait(tmp_path / "run-event.log", "--event", "5", *args, timeout=180)
     # the hung launcher's watchdog and server live on: clear them as a user would
     subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job], capture_output=True, timeout=90,
                    env=child_env())

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import HELPERS, Served, arena_header, child_env, wait_until
+from conftest import HELPERS, Served, arena_header, child_env, signalled_in_wait, wait_until
 from psd import learner
 from psd.arena import shm_path, wait_for_job
 
@@ -241,20 +241,11 @@ def test_psd_serve_stops_on_sigterms_raised_inside_its_stop_flags_wait(job, watc
     line its main thread runs inside its stop flag's wait, and exits cleanly with its arena removed. The control
     puts threading.Event back as the stop flag (the code before SignalFlag): it hangs in the Event's lock."""
     args = ["serve", "--job", job, "--learners", "1"] + ([] if watchdog else ["--no-watchdog"])
-
-    def run(*pre: str) -> tuple[int, str]:
-        # its output to a file, not a pipe: a server the hung watchdog leaves behind would hold a pipe open
-        log = tmp_path / f"serve{len(pre)}.log"
-        with log.open("w") as out:
-            rc = subprocess.run([sys.executable, str(HELPERS / "serve_signalled_in_wait.py"), *pre, *args],
-                                stdout=out, stderr=subprocess.STDOUT, timeout=120, env=child_env()).returncode
-        return rc, log.read_text()
-
-    rc, out = run("60")
+    rc, out = signalled_in_wait(tmp_path / "serve.log", "60", *args, timeout=120)
     assert rc == 0, out
     assert watchdog or "arena removed" in out  # the watchdog's server logs elsewhere
     assert not os.path.exists(shm_path(job))
-    rc, out = run("--event", "3")
+    rc, out = signalled_in_wait(tmp_path / "serve-event.log", "--event", "3", *args, timeout=120)
     # what the hang left goes the way a user would clear it: the arena of the dead server (bare: it made it
     # before its wait); under the watchdog its live server, which may still be starting on a loaded machine
     if watchdog:
