@@ -106,9 +106,11 @@ def test_stages_on_gpus_get_a_gpu_each_and_a_virtual_worker_never_shares_one(job
     environment and exits without attaching). A LIST that would put two stages of one virtual worker on one
     GPU (NCCL takes one GPU per rank) is refused before anything starts."""
     script = tmp_path / "show_env.py"
+    # one write a line (a pipe takes it whole): the stages share psd run's stdout, and print() may write a
+    # line in two pieces that another stage's line lands between
     script.write_text("import os\n"
-                      "print('stage', *(os.environ[k] for k in ('PSD_RANK', 'PSD_VW', 'PSD_STAGE', 'RANK', "
-                      "'WORLD_SIZE', 'PSD_DEVICE')), flush=True)\n")
+                      "os.write(1, ' '.join(['stage', *(os.environ[k] for k in ('PSD_RANK', 'PSD_VW', 'PSD_STAGE', "
+                      "'RANK', 'WORLD_SIZE', 'PSD_DEVICE'))]).encode() + b'\\n')\n")
     r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "2", "--stages", "2",
                         "--gpus", "0,1", "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script)],
                        capture_output=True, text=True, env=child_env(), timeout=120)
