@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         ps.flush()
         ps.pull()
         value = score(args.workload, model, data)
-    print(json.dumps({"rank": args.rank, "node": node, "accuracy": value, "metric": value}), flush=True)
+    # One write per line: a node's learners share psd run's stdout, and print() may write the text and its
+    # newline separately, so two learners' lines could run together (benchmarks/matrix.py reads them).
+    sys.stdout.flush()
+    os.write(1, (json.dumps({"rank": args.rank, "node": node, "accuracy": value, "metric": value}) + "\n").encode())
     return 0
 
 

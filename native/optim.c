@@ -82,6 +82,17 @@ double psd_damping(const struct psd_header *h) {
     return steered(&h->damping_bits, 1.0);
 }
 
+/* The staleness of a job of cfg nodes > 1 nodes that exchange every few updates, from this node's `tau`: the
+ * other nodes apply as many updates as this one meanwhile (nodes x tau), and the exchange's lag adds
+ * node_lag more (psd/gain.py node_staleness; the server sets both, node_terms). One node, or nodes that
+ * train apart between rare exchanges (nodes 0 or 1): tau. */
+double psd_node_staleness(const struct psd_config *c, double tau) {
+    if (c->nodes <= 1)
+        return tau;
+    double lag = c->node_lag >= 0.0 && c->node_lag < 1e18 ? c->node_lag : 0.0;
+    return (double)c->nodes * (tau > 0.0 ? tau : 0.0) + lag;
+}
+
 /* With --async-momentum auto, the momentum factor (*mu) and learning-rate factor (*lr_factor) of the next
  * update, `level` (in [0, 1]: psd_gain_level's, checked there) of the way from the staleness rule (0) to
  * the gain-keeping rule (1):
@@ -96,11 +107,14 @@ double psd_damping(const struct psd_header *h) {
  *
  * The server picks the level from the sharpness the learners measure (psd/gain.py); without one it is 0.
  * tau is the running mean of the staleness the update loop measured (staleness_avg_bits); it is 0 without
- * staleness (one learner, bsp), and then this is the configured momentum and lr exactly. */
+ * staleness (one learner, bsp), and then this is the configured momentum and lr exactly. Where several
+ * nodes train as one job (cfg nodes > 1: they exchange every few updates), the staleness is the job's:
+ * psd_node_staleness. */
 void psd_async_rule(const struct psd_config *c, double tau, double level, double *mu, double *lr_factor) {
     double m = c->momentum;
     *mu = m;
     *lr_factor = 1.0;
+    tau = psd_node_staleness(c, tau);
     if (c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO || !(tau > 0.0))
         return;
     double cut = m - tau / (1.0 + tau);

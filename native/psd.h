@@ -179,7 +179,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(cfg_flags, CFG) X(step_size, CFG) X(t_max, CFG) X(warmup, CFG) X(max_staleness, CFG)                       \
     X(async_momentum, CFG) X(lease_ms, CFG) X(lr, CFG_REAL) X(momentum, CFG_REAL) X(dampening, CFG_REAL)         \
     X(beta1, CFG_REAL) X(beta2, CFG_REAL) X(eps, CFG_REAL) X(weight_decay, CFG_REAL) X(lr_decay, CFG_REAL)       \
-    X(gamma, CFG_REAL) X(eta_min, CFG_REAL)                                                                      \
+    X(gamma, CFG_REAL) X(eta_min, CFG_REAL) X(nodes, CFG) X(node_lag, CFG_REAL)                                  \
     X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
     X(acc_staleness, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
     X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(heartbeat_ns, ATOMIC)      \
@@ -506,6 +506,7 @@ double psd_gain_level(const struct psd_header *h);
  * applies (damping_bits: 1 outside [0, 1]). */
 double psd_damping(const struct psd_header *h);
 void psd_async_rule(const struct psd_config *c, double tau, double level, double *mu, double *lr_factor);
+double psd_node_staleness(const struct psd_config *c, double tau);
 double psd_async_momentum(const struct psd_config *c, double tau, double level);
 /* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
 double psd_async_lr_factor(const struct psd_config *c, double tau, double staleness);

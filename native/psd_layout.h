@@ -73,9 +73,10 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-/* 12: damping_bits, --overlap auto waits for momentum too; 11: auto waits but for momentum at 2+ slots;
+/* 13: cfg nodes and node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap
+ * auto waits for momentum too; 11: auto waits but for momentum at 2+ slots;
  * 10: cfg_flags' overlap bits */
-#define PSD_LAYOUT_VERSION 12
+#define PSD_LAYOUT_VERSION 13
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -175,6 +176,11 @@ struct psd_config {
     uint32_t async_momentum;            /* enum psd_async_momentum */
     uint32_t lease_ms;                  /* a learner whose liveness /proc cannot tell is dead once
                                          * its slot's lease_beat stood still this long (0: default) */
+    uint32_t nodes;                     /* nodes exchanging often enough to train as one job (psd/gain.py
+                                         * node_terms): --async-momentum auto's staleness counts theirs too;
+                                         * 0 or 1: this node's alone (one node, or local SGD between rare
+                                         * exchanges) */
+    double node_lag;                    /* the updates an exchange's lag adds to that staleness, >= 0 */
 };
 
 /* Header. Each line written by a different party sits on its own cache line. */

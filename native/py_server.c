@@ -105,25 +105,32 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"optimizer", "sync", "sync_param", "push_every", "schedule", "staleness_lr",
                              "predict", "momentum", "dampening", "beta1", "beta2", "eps", "weight_decay",
                              "lr_decay", "gamma", "eta_min", "step_size", "t_max", "warmup", "max_staleness",
-                             "async_momentum", "lease_ms", "lease_only", "grad_bf16", "overlap", NULL};
+                             "async_momentum", "lease_ms", "lease_only", "grad_bf16", "overlap", "nodes", "node_lag",
+                             NULL};
     const char *opt = "sgd", *sync = "asp", *sched = "constant";
     unsigned int sync_param = 0, push_every = 1, async_momentum = 0, lease_ms = PSD_LEASE_MS_DEFAULT;
     int staleness_lr = 0, predict = 0, lease_only = 0, grad_bf16 = 0;
     unsigned int overlap = 0; /* choices.OVERLAP: 0 auto, 1 on, 2 off */
+    unsigned int nodes = 1;
+    double node_lag = 0;
     double momentum = 0, dampening = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0, lr_decay = 0,
            gamma = 0.1, eta_min = 0;
     unsigned long long step_size = 0, t_max = 0, warmup = 0, max_staleness = UINT64_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKIIppI", kwlist, &opt, &sync, &sync_param,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ssIIsppdddddddddKKKKIIppIId", kwlist, &opt, &sync, &sync_param,
                                      &push_every, &sched, &staleness_lr, &predict, &momentum, &dampening,
                                      &beta1, &beta2, &eps, &wd, &lr_decay, &gamma, &eta_min, &step_size,
                                      &t_max, &warmup, &max_staleness, &async_momentum, &lease_ms, &lease_only,
-                                     &grad_bf16, &overlap) ||
+                                     &grad_bf16, &overlap, &nodes, &node_lag) ||
         check_open(a))
         return NULL;
     int o = name_index("optimizer", opt, optimizer_names, N_OPTIMIZERS), y = name_index("sync mode", sync, sync_names, N_SYNCS),
         c = name_index("schedule", sched, schedule_names, N_SCHEDULES);
     if (o < 0 || y < 0 || c < 0)
         return NULL;
+    if (!(node_lag >= 0.0 && node_lag < 1e18)) {
+        PyErr_Format(PyExc_ValueError, "node_lag must be a finite number >= 0, not %g", node_lag);
+        return NULL;
+    }
     if (overlap > 2) {
         PyErr_Format(PyExc_ValueError, "overlap must be 0 (auto), 1 (on) or 2 (off), not %u", overlap);
         return NULL;
@@ -140,6 +147,8 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
     h->cfg.lease_ms = lease_ms ? lease_ms : PSD_LEASE_MS_DEFAULT;
     h->cfg.momentum = momentum;
     h->cfg.async_momentum = async_momentum;
+    h->cfg.nodes = nodes;
+    h->cfg.node_lag = node_lag;
     h->cfg.dampening = dampening;
     h->cfg.beta1 = beta1;
     h->cfg.beta2 = beta2;

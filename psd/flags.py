@@ -221,7 +221,8 @@ def _build() -> tuple[Flag, ...]:
                   "convergence matrix: docs/training.md)", "auto",
                   choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
-                  "(estimated from the measured staleness) off --momentum, keeps as much of one process's gain as "
+                  "(estimated from the measured staleness; with several nodes exchanging every few updates, the whole "
+                  "job's) off --momentum, keeps as much of one process's gain as "
                   "the measured sharpness allows, and near an edge (or unmeasured) damps the lr of a gradient "
                   "staler than the mean; off applies --momentum and the lr as given, as torch.optim", "auto",
                   choices=async_momentum, metavar="MODE", readme_default="`auto`"),
@@ -238,8 +239,11 @@ def _build() -> tuple[Flag, ...]:
                readme_default="`127.0.0.1`"),
         _nodes("--master-port", "port of the rendezvous on node 0", 29500, type=int, metavar="PORT",
                **between(1, 65535)),
-        _nodes("--sync-every", "local updates (this node's clock) between two exchanges of weights across nodes",
-               100, type=int, metavar="K", **at_least(1, "1 or more local updates")),
+        _nodes("--sync-every", "local updates (this node's clock) between two exchanges of weights across nodes; "
+               "1: a node runs at most --max-node-lag + 1 local updates past the last exchange it adopted, so the "
+               "other nodes' work reaches it about as late as a learner's gradient reaches its own server (the "
+               "convergence matrix: docs/training.md); a larger K for a network too slow or dear to exchange "
+               "every update", 1, type=int, metavar="K", **at_least(1, "1 or more local updates")),
         _nodes("--outer-optimizer", "how the nodes' deltas move the agreed weights: avg (add their mean), sum (add "
                "their sum: every node's progress, as one node with all the learners would make) or nesterov "
                "(DiLoCo's outer SGD with Nesterov momentum on minus the mean delta)", "sum",

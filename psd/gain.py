@@ -18,6 +18,10 @@ times the sharpness the learners measure (learner/sharpness.py: the loss's curva
 gradient, reported through their slots); without a measurement the level is 0. Screened on the
 convergence matrix's workloads in benchmarks/delayed_momentum.py (rule ``curv``, ``--along grad``), then
 through psd (benchmarks/matrix.py).
+
+Several nodes that exchange every few updates (``--sync-every 1``, the default) train as one job, and the
+staleness the rule and the level take is that job's (``node_terms``, ``node_staleness``; native/optim.c
+``psd_node_staleness``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import math
 import statistics
 
 __all__ = ["DAMPING_GATE", "HALF_LIFE", "LEVELS", "MARGIN", "RISE", "SharpnessHold", "damping", "edge", "edges",
-           "level", "rule", "stable"]
+           "level", "node_staleness", "node_terms", "rule", "stable"]
 
 LEVELS = 21  # the levels tried: 0, 0.05, ..., 1
 MARGIN = 1.0  # the chosen level's edge is at least this times lr x sharpness
@@ -35,6 +39,35 @@ HALF_LIFE = 8  # readings: the server holds the largest reading, halving it over
 DAMPING_GATE = 2.0  # the damping of staler gradients applies while lr x sharpness is past this x level 1's edge
 RISE = 0.01  # after the first measurement set it, the level rises by at most this an update; it falls at once
 MAX_TAU = 64  # above this staleness, level 0 (keeping any gain there needs lr x sharpness below 0.0025)
+
+
+def node_terms(nnodes: int, sync_every: int, max_node_lag: int) -> tuple[int, float]:
+    """(nodes, node_lag) of the header's configuration (native/optim.c ``psd_node_staleness``) for a job of
+    ``nnodes`` nodes that exchange every ``sync_every`` local updates and run up to ``max_node_lag``
+    exchanges ahead.
+
+    Nodes that exchange every few updates train as one job: a gradient a node applies was computed before
+    the other nodes' updates of the meantime too, and those reach it an exchange later. So the staleness the
+    rule takes is the job's, ``nodes x`` the node's own plus the exchange's lag, ``(nodes - 1) (K (D + 1) -
+    1)``: for each other node, the local updates a node may run past the last exchange it adopted beyond the
+    one it is making (the default K = 1, D = 1: 1; lockstep at K = 1, D = 0: none, the nodes then computing
+    what one process does with their combined batch). Where that lag passes ``MAX_TAU`` the nodes train
+    apart between exchanges (local SGD: each node's trajectory is its own for K updates, then they meet),
+    and each node's rule takes its own staleness: (1, 0.0), as for one node. Measured:
+    benchmarks/results/matrix/README.md, "Two nodes: an exchange every update"."""
+    if nnodes <= 1:
+        return 1, 0.0
+    lag = float((nnodes - 1) * (sync_every * (max_node_lag + 1) - 1))
+    return (nnodes, lag) if lag <= MAX_TAU else (1, 0.0)
+
+
+def node_staleness(tau: float, nodes: int, node_lag: float) -> float:
+    """The staleness the rule takes at a node whose own mean staleness is ``tau``: native/optim.c's
+    ``psd_node_staleness`` (``tau`` itself for one node)."""
+    if nodes <= 1:
+        return tau
+    lag = node_lag if 0 <= node_lag < 1e18 else 0.0
+    return nodes * (tau if tau > 0 else 0.0) + lag
 
 
 def rule(mu: float, tau: float, level: float) -> tuple[float, float]:

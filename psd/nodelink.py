@@ -3,13 +3,16 @@
 psd is one machine: a job's weights live in its arena. With ``--nnodes N``
 each machine runs its own job (watchdog, server, learners) and its watchdog
 starts this process beside the server. Every ``--sync-every K`` local updates
-(the arena's clock) it reads the node's weights ``w``, all-reduces the delta
-since the last agreed weights (``w - anchor``) with the other nodes over
-torch.distributed's gloo, moves the agreed weights by the mean delta (``avg``)
-or by DiLoCo's outer SGD with Nesterov momentum on minus the mean delta
-(``nesterov``), and makes the node adopt them together with the progress it
-made while the exchange ran: ``w += new_anchor - w_at_exchange``. Inside a node
-training stays asynchronous (HPSGD); across nodes it is local SGD / DiLoCo.
+(the arena's clock; 1 by default) it reads the node's weights ``w``, all-reduces
+the delta since the last agreed weights (``w - anchor``) with the other nodes
+over torch.distributed's gloo, moves the agreed weights by the sum of the deltas
+(``sum``, the default: every node's progress, as one node with all the learners
+would make), their mean (``avg``) or DiLoCo's outer SGD with Nesterov momentum
+on minus the mean delta (``nesterov``), and makes the node adopt them together
+with the progress it made while the exchange ran: ``w += new_anchor -
+w_at_exchange``. Inside a node training stays asynchronous (HPSGD); across
+nodes it is asynchronous with a bounded lag (below), or local SGD / DiLoCo at a
+large K.
 
 Only the update loop writes weights concurrently, so every read and write here
 happens while the loop is stopped by the *hold* (``Arena.hold``): the loop stops
@@ -69,6 +72,7 @@ _ENTER_RETRY = Backoff.every(0.0)  # a later epoch, at once: each try waits for 
 _ARENA_CHECK_S = 0.5  # how often the link looks whether its arena was replaced
 _STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
+_STATE_EVERY_S = 0.2  # the state file (psd status) after an exchange, at most this often; at every change of state
 
 
 class LinkState(enum.Enum):
@@ -95,7 +99,8 @@ class _Reform(Exception):
 
 
 def state_path(job: str) -> Path:
-    """The node link's state file (JSON, for ``psd status``); outside /dev/shm, rewritten after each round."""
+    """The node link's state file (JSON, for ``psd status``); outside /dev/shm, rewritten at each change of
+    state and after a round, at most every ``_STATE_EVERY_S``."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "psd" / "nodes" / f"{job}.json"
 
@@ -152,6 +157,8 @@ class NodeLink:
         self._old_groups: list = []
         self._bound = -1  # the clock the update loop is held at (-1: none)
         self._saved_at = time.monotonic()
+        self._written_at = 0.0  # the state file's last write, and the round it wrote
+        self._written_round = -1
         self._checked_at = 0.0
 
     # -- the arena ------------------------------------------------------------
@@ -407,6 +414,7 @@ class NodeLink:
             if self.stop.is_set():
                 return
             self._check_arena()
+            self._state_due()  # the last exchange's, once it is due
         t0 = time.monotonic()
         held = c.max_node_lag == 0  # the loop stopped at this exchange point by itself
         if held:
@@ -423,6 +431,7 @@ class NodeLink:
         for _ in _CLOCK_POLL.tries():  # the loop trains on meanwhile, up to the hold
             if work.is_completed():
                 break
+            self._state_due()  # the last round's, while this one waits on a slow peer
             if time.monotonic() > deadline:
                 raise _Reform(f"the exchange of round {self.agreed.round + 1} took more than --node-timeout")
             if self.stop.is_set():
@@ -455,7 +464,7 @@ class NodeLink:
         self.bytes_sent += int(payload.numel() * payload.element_size() * 2 * (p - 1) / p)  # ring: 2(p-1)/p
         self.last_exchange_unix = time.time()
         self.last_exchange_ms = (time.monotonic() - t0) * 1000
-        self._write_state()
+        self._state_due()
         if time.monotonic() - self._saved_at > _SAVE_EVERY_S:
             self._save_agreed()
         if payload[-1] > 0:
@@ -507,6 +516,12 @@ class NodeLink:
         self.state = s
         self._write_state()
 
+    def _state_due(self) -> None:
+        """Write the state file if an exchange since its last write has not been written yet and the file is
+        at least ``_STATE_EVERY_S`` old: at K = 1 there can be hundreds of exchanges a second."""
+        if self._written_round != self.agreed.round and time.monotonic() - self._written_at > _STATE_EVERY_S:
+            self._write_state()
+
     def _write_state(self) -> None:
         c = self.cfg
         lag = 0
@@ -519,6 +534,8 @@ class NodeLink:
               "outer_optimizer": c.outer_optimizer, "max_node_lag": c.max_node_lag, "lag": lag,
               "last_exchange_unix": self.last_exchange_unix, "last_exchange_ms": round(self.last_exchange_ms, 2),
               "bytes_sent": self.bytes_sent}
+        self._written_at = time.monotonic()
+        self._written_round = self.agreed.round if self.agreed else -1
         path = state_path(c.job)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{self.me}")

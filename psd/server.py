@@ -146,6 +146,7 @@ class ServeConfig:
         momentum = self.momentum if self.momentum is not None else (0.9 if opt in ("momentum", "nesterov") else 0.0)
         eps = self.eps if self.eps is not None else (1e-10 if opt == "adagrad" else 1e-8)
         wd = self.weight_decay if self.weight_decay is not None else (0.01 if opt == "adamw" else 0.0)
+        nodes, node_lag = gain.node_terms(self.nnodes, self.sync_every, self.max_node_lag)
         return dict(optimizer=opt, sync=mode, sync_param=param, push_every=self.push_every,
                     schedule=self.schedule, staleness_lr=self.staleness_lr, predict=self.predict,
                     momentum=momentum, dampening=self.dampening, beta1=self.betas[0], beta2=self.betas[1],
@@ -154,7 +155,8 @@ class ServeConfig:
                     max_staleness=(1 << 64) - 1 if self.max_staleness is None else self.max_staleness,
                     async_momentum=ASYNC_MOMENTUM.index(self.async_momentum),
                     lease_ms=max(1, round(self.lease * 1000)), lease_only=self.liveness == "lease",
-                    grad_bf16=self.grad_dtype == "bf16", overlap=OVERLAP.index(self.overlap))
+                    grad_bf16=self.grad_dtype == "bf16", overlap=OVERLAP.index(self.overlap), nodes=nodes,
+                    node_lag=node_lag)
 
     def state_vectors(self) -> int:
         """Vectors the size of the weights that the optimizer state and accumulator take."""
@@ -543,20 +545,22 @@ class Server:
         held = self._held.update(sharpness)
         seen = held is not None
         lr_sharpness = h["lr_now"] * held if seen else math.nan  # gain.level and gain.damping: unmeasured
-        lvl = gain.level(lr_sharpness, mu, h["staleness_avg"])
+        tau = gain.node_staleness(h["staleness_avg"], h["nodes"], h["node_lag"])  # the job's, as the loop's rule
+        lvl = gain.level(lr_sharpness, mu, tau)
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
         if self._measured:
             lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
         # Without staleness yet (the first updates) the rule applies the configured momentum at any level, and
-        # gain.level says 0: the first level is set by the first measurement that meets some staleness.
-        self._measured = self._measured or (seen and h["staleness_avg"] > 0)
+        # gain.level says 0: the first level is set by the first measurement that meets some staleness (the
+        # job's: several nodes' lag counts before this node's own learners meet any).
+        self._measured = self._measured or (seen and tau > 0)
         self._gain_clock = h["clock"]
-        damping = gain.damping(lr_sharpness, mu, h["staleness_avg"])
+        damping = gain.damping(lr_sharpness, mu, tau)
         if lvl != self._gain_level or damping != self._damping:
             log.debug("job %r: gain level %.2f, damping %g (lr x sharpness %s, mean staleness %.2f)", self.config.job,
-                      lvl, damping, f"{lr_sharpness:.4g}" if seen else "unmeasured", h["staleness_avg"])
+                      lvl, damping, f"{lr_sharpness:.4g}" if seen else "unmeasured", tau)
             self.arena.set_gain_level(lvl, damping)
             self._gain_level = lvl
             self._damping = damping

@@ -120,6 +120,24 @@ def test_the_damping_of_staler_gradients_applies_only_near_an_edge():
     assert gain.damping(1.1 * gain.DAMPING_GATE * edge1, 0.9, 3.2) == 1.0
 
 
+def test_nodes_that_exchange_often_take_the_jobs_staleness_and_rare_exchanges_their_own():
+    assert gain.node_terms(1, 1, 1) == (1, 0.0)  # one node: nothing added
+    assert gain.node_terms(2, 1, 1) == (2, 1.0)  # the default K = 1, D = 1: a node runs 2 updates past an exchange
+    assert gain.node_terms(4, 1, 1) == (4, 3.0)
+    assert gain.node_terms(4, 1, 0) == (4, 0.0)  # lockstep every update: one process with the combined batch
+    assert gain.node_terms(2, 2, 0) == (2, 1.0)
+    assert gain.node_terms(2, 100, 1) == (1, 0.0)  # local SGD: lag 199 > MAX_TAU, each node its own
+    assert gain.node_terms(2, 100, 0) == (1, 0.0)
+    assert gain.node_terms(2, 65, 0) == (2, 64.0) and gain.node_terms(2, 66, 0) == (1, 0.0)  # MAX_TAU: the last
+    assert gain.node_staleness(1.5, 1, 0.0) == 1.5
+    assert gain.node_staleness(1.5, 2, 1.0) == 4.0  # the other node's 1.5 updates meanwhile, and the lag
+    assert gain.node_staleness(0.0, 2, 1.0) == 1.0  # a node's own learners may meet none: the others' still count
+    for junk in (math.nan, -1.0, math.inf):  # the server writes it; the loop's reader checks it anyway
+        assert gain.node_staleness(1.0, 2, junk) == 2.0
+    # a larger staleness, a lower level for the same measured sharpness
+    assert gain.level(0.05, 0.9, gain.node_staleness(1.0, 2, 1.0)) < gain.level(0.05, 0.9, 1.0)
+
+
 def test_the_held_sharpness_halves_over_new_readings_not_over_time():
     hold = gain.SharpnessHold()
     assert hold.update({}) is None and hold.update({0: math.nan, 1: -1.0, 2: 1e300}) is None

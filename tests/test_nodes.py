@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HELPERS, child_env, wait_until
-from psd import _native
+from conftest import HELPERS, arena_header, child_env, wait_until
+from psd import _native, gain
 from psd.arena import shm_name, shm_path
+from psd.errors import Error
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,8 +62,8 @@ def test_bad_node_flags_say_what_to_do():
 
 
 def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tmp_path):
-    """2 nodes x 2 learners, bsp inside each node, --sync-every 1 --max-node-lag 0: every step is plain SGD
-    on the 4 learners' combined batch, at 2 x lr with the default outer step (sum: each node's step counts,
+    """2 nodes x 2 learners, bsp inside each node, --max-node-lag 0 (the default --sync-every 1): every step
+    is plain SGD on the 4 learners' combined batch, at 2 x lr with the default outer step (sum: each node's step counts,
     as one node of 4 learners taking both nodes' steps); then the whole job, resumed with --resume on both
     nodes and --outer-optimizer avg, goes on from the agreed state as if it had never stopped, at lr (avg:
     the nodes' mean step). Both outer steps in one job: avg from a fresh start was a third start of both
@@ -83,8 +84,8 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
         refs.append((outer, model.weight.detach().reshape(-1).clone()))
     for phase, (outer, ref) in enumerate(refs):
         port = free_port()
-        procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr), "--sync-every",
-                      "1", "--max-node-lag", "0", "--outer-optimizer", outer, "--node-timeout", "20",
+        procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr),
+                      "--max-node-lag", "0", "--outer-optimizer", outer, "--node-timeout", "20",
                       *(["--resume"] if phase else []), learner=("--steps", str(steps))) for r in range(2)]
         for r, p in enumerate(procs):
             assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
@@ -113,10 +114,22 @@ def test_a_node_that_never_arrives_is_a_clear_timeout(job, tmp_path):
     save_file({"w": torch.zeros(4)}, str(tmp_path / "init.safetensors"))  # weights without a learner
     p = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--init",
                           str(tmp_path / "init.safetensors"), "--nnodes", "2", "--master-port", str(free_port()),
-                          "--node-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck")],
+                          "--node-timeout", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--optimizer", "momentum"],
                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"), env=child_env())
     err = tmp_path / "err"
     try:
+        # Two nodes at the default --sync-every 1 train as one job: the update loop's momentum rule takes the
+        # job's staleness (psd/gain.py node_terms), here the exchange's lag alone (no update yet, level 0).
+        def configured() -> dict | None:
+            try:
+                h = arena_header(job)
+            except Error:  # not there yet, or not yet whole
+                return None
+            return h if h["state"] >= _native.ARENA_READY else None
+
+        h = wait_until(configured, timeout=60, what="the server to configure the arena")
+        assert (h["nodes"], h["node_lag"], h["staleness_avg"], h["gain_level"]) == (2, 1.0, 0.0, 0.0), h
+        assert h["momentum_now"] == pytest.approx(gain.rule(0.9, 1.0, 0.0)[0])  # 0.9 - 1/2, not one node's 0.9
         wait_until(lambda: "did not arrive within --node-timeout 2 s" in err.read_text(), timeout=60,
                    what="node 0 to give up on node 1")
         assert "--node-rank R --master-addr 127.0.0.1" in err.read_text()
