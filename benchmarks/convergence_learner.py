@@ -165,18 +165,39 @@ def torch_optimizer(name: str, params, lr: float, momentum: float = 0.9) -> torc
     raise SystemExit(f"no baseline for optimizer {name!r}")
 
 
+def learner_batches(n_train: int, rank: int, world: int, batch: int, epochs: int, seed: int) -> list[torch.Tensor]:
+    """The mini-batches learner ``rank`` of ``world`` (every node's learners counted) trains on, as indices
+    into its shard (``psd.workloads.shard``: samples ``rank``, ``rank + world``, ...), epoch after epoch."""
+    g = torch.Generator().manual_seed(1000 + seed + 7919 * rank)
+    return list(epoch_batches(len(range(rank, n_train, world)), batch, epochs, g))
+
+
+def learners_order(n_train: int, world: int, batch: int, epochs: int, seed: int) -> list[list[torch.Tensor]]:
+    """Every mini-batch ``world`` learners train on, as indices into the whole training set, taken in turn
+    (learner 0's first, learner 1's first, ..., learner 0's second, ...) and split into epochs of the
+    one-process baseline's length: one process on the learners' own batches, without their staleness."""
+    per = [[rank + world * b for b in learner_batches(n_train, rank, world, batch, epochs, seed)]
+           for rank in range(world)]
+    flat = [b for step in range(max(map(len, per))) for bs in per if step < len(bs) for b in [bs[step]]]
+    cut = -(-len(flat) // epochs)
+    return [flat[i:i + cut] for i in range(0, len(flat), cut)]
+
+
 def train_single_curve(name: str, optimizer: str, lr: float, batch: int, epochs: int, seed: int = 0,
-                       order: int = 0) -> list[float]:
+                       order: int = 0, world: int = 0) -> list[float]:
     """One process with torch.optim on all the data: the workload's metric after each epoch. ``order`` other
     than 0 draws the mini-batches in another order (same data split and initial weights: the matrix's
-    noise floor, one process against itself)."""
+    noise floor, one process against itself). ``world`` > 0 trains on the batches ``world`` learners draw
+    (``learners_order``) instead: the matrix's reference for what their data order alone does."""
     data, model = workload(name, seed)
     opt = torch_optimizer(optimizer, model.parameters(), lr)
     x, y = data.x_train, data.y_train
     g = torch.Generator().manual_seed(1000 + seed + 104729 * order)
+    epochs_of = (learners_order(len(x), world, batch, epochs, seed) if world > 0
+                 else ([*epoch_batches(len(x), batch, 1, g)] for _ in range(epochs)))
     curve = []
-    for _ in range(epochs):
-        for idx in epoch_batches(len(x), batch, 1, g):
+    for batches in epochs_of:
+        for idx in batches:
             opt.zero_grad()
             loss_of(name, model, x[idx], y[idx]).backward()
             opt.step()
@@ -220,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     # Several nodes (psd run --nnodes): the data is sharded over every node's learners.
     node, nnodes = int(os.environ.get("PSD_NODE_RANK", 0)), int(os.environ.get("PSD_NNODES", 1))
     data, model = workload(args.workload, args.seed)
-    x, y = shard(data, node * args.world + args.rank, nnodes * args.world)
-    g = torch.Generator().manual_seed(1000 + args.seed + 7919 * (node * args.world + args.rank))
+    rank, world = node * args.world + args.rank, nnodes * args.world
+    x, y = shard(data, rank, world)
     with learner.attach(model, job=args.job, rank=args.rank) as ps:
-        for idx in epoch_batches(len(x), args.batch_size, args.epochs, g):
+        for idx in learner_batches(len(data.x_train), rank, world, args.batch_size, args.epochs, args.seed):
             loss = loss_of(args.workload, model, x[idx], y[idx])
             loss.backward()
             # torch.optim's closure: psd measures the loss's sharpness with it now and then (psd/gain.py)

@@ -28,6 +28,13 @@ over the cell's seeds, beside psd's. A cell whose psd gap is no worse than one p
 "within noise": on the small test sets (360 digits, 500 embedding samples: a point is 3.6 and 5 samples) the
 band can be narrower than the spread of one process's own final model.
 
+The learners' order: at each seed and learner count (every node's learners counted) one process also trains
+on exactly the mini-batches the learners draw, taken in turn (``kind`` "order";
+``convergence_learner.learners_order``): the learners' data order without their staleness. Each cell
+shows that run's gap to the baseline and psd's gap to it at the same seed ("psd against the learners'
+order", worst seed): what asynchrony itself costs, apart from which samples came last. A cell of one
+learner has no such run (its order is the baseline's).
+
 Every run is appended to ``<out>/matrix.jsonl`` as it ends, and a run already there is not run again:
 an interrupted matrix goes on where it stopped (``--fresh`` starts over). ``--flags`` adds server flags to
 every psd run (a mechanism under trial), recorded under ``--label`` (one flag alone: ``--flags=--predict``,
@@ -202,6 +209,7 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
     """One row per cell: the psd metric's median and worst over seeds, the gap per seed, the band."""
     base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
     reorder = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "reorder"}
+    order = {(r["workload"], r["optimizer"], r["learners"], r["seed"]): r for r in runs if r["kind"] == "order"}
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         if r["kind"] == "psd" and r["label"] == label:
@@ -210,6 +218,7 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
     for (wl, opt, n, sync, nodes), rs in groups.items():
         kind = cl.METRIC[wl]
         gaps, noise, b_vals, worst_div = [], [], [], False
+        order_gaps, against_order = [], []  # the learners' order against the baseline; psd against it
         # A run psd refused (an error, no metric) is no divergence: the cell names the refusal instead.
         refused = next((r["error"].strip().splitlines()[-1] for r in rs if r.get("error")), None)
         for r in rs:
@@ -222,11 +231,19 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
             o = reorder.get((wl, opt, r["seed"]))
             if o is not None:
                 noise.append(_gap(kind, o["curve"][-1], b["curve"][-1]))
+            # one learner's order is the baseline's own; several: one process on their batches
+            lo = b if n * nodes == 1 else order.get((wl, opt, n * nodes, r["seed"]))
+            if lo is not None:
+                order_gaps.append(_gap(kind, lo["curve"][-1], b["curve"][-1]))
+                against_order.append(_gap(kind, r["metric"], lo["curve"][-1]))
         if not gaps:
             continue
         worst = min(gaps) if kind == "accuracy" else max(gaps)
         noise_worst = (min(noise) if kind == "accuracy" else max(noise)) if len(noise) == len(gaps) else None
         in_band = not worst_div and not refused and (worst >= BAND[kind] if kind == "accuracy" else worst <= BAND[kind])
+        pick = min if kind == "accuracy" else max
+        whole = len(against_order) == len(gaps)
+        order_worst, against_worst = (pick(order_gaps), pick(against_order)) if whole else (None, None)
         vals = [r["metric"] for r in rs]
         improving = [b["curve"][-1] > b["curve"][-2] if kind == "accuracy" else b["curve"][-1] < b["curve"][-2]
                      for b in (base[(wl, opt, r["seed"])] for r in rs if (wl, opt, r["seed"]) in base)
@@ -237,6 +254,9 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
                      "psd_worst": min(vals) if kind == "accuracy" else max(vals), "gap_median": statistics.median(gaps),
                      "gap_worst": worst, "diverged": worst_div and not refused, "refused": refused,
                      "in_band": in_band, "noise_worst": noise_worst,
+                     "order_worst": order_worst, "against_order_worst": against_worst,
+                     "against_order_in_band": against_worst is not None and not worst_div and not refused and (
+                         against_worst >= BAND[kind] if kind == "accuracy" else against_worst <= BAND[kind]),
                      "within_noise": in_band or (noise_worst is not None and not worst_div and not refused
                                                  and (worst >= noise_worst if kind == "accuracy"
                                                       else worst <= noise_worst)),
@@ -261,6 +281,10 @@ def _why(x: dict) -> str:
     return " (diverged)" if x["diverged"] else ""
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def _fmt_gap(x: dict, g: float) -> str:
     return f"{g * 100:+.2f} pt" if x["metric"] == "accuracy" else f"{g * 100:+.1f}%"
 
@@ -281,13 +305,18 @@ def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = No
            "Gap per seed against one process with torch.optim at the same lr, mini-batch and passes over the "
            "data: accuracy points, or relative test loss (lm). Band: -1 pt, +2% loss; the worst seed counts. "
            "Noise floor: one process against itself with its mini-batches in another order, worst over the same "
-           "seeds; within noise: in band, or no worse than that.", ""]
+           "seeds; within noise: in band, or no worse than that. The learners' order: one process on the "
+           "mini-batches the learners draw, taken in turn, its gap to the baseline (worst seed); psd against "
+           "it: psd's gap to that run at the same seed (worst seed), what asynchrony costs apart from the data "
+           "order, and whether that is within the band.", ""]
     bad = [x for x in rows if not x["in_band"]]
     if rows:
         worst_acc = min((x for x in rows if x["metric"] == "accuracy"), key=lambda x: x["gap_worst"], default=None)
         worst_lm = max((x for x in rows if x["metric"] == "loss"), key=lambda x: x["gap_worst"], default=None)
         out.append(f"{len(rows)} cells, {len(rows) - len(bad)} in band, "
                    f"{sum(x.get('within_noise', False) for x in rows)} within noise, "
+                   f"{sum(x.get('against_order_in_band', False) for x in rows)} within the band of one process on "
+                   f"the learners' own batches, "
                    f"{sum(x['diverged'] for x in rows)} with a diverged seed, "
                    f"{sum(bool(x.get('refused')) for x in rows)} refused by psd.")
         for w in (worst_acc, worst_lm):
@@ -296,9 +325,10 @@ def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = No
                            f"{w['sync']}: {_fmt_gap(w, w['gap_worst'])}.")
         out.append("")
     out += ["| workload | optimizer | nodes x learners | sync | seeds | one process | psd median | psd worst | "
-            "gap median | gap worst | noise floor | in band | within noise | baseline improving in last epoch | "
-            "staleness |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "gap median | gap worst | noise floor | in band | within noise | learners' order | "
+            "psd against it | in band against it | baseline improving in last epoch | staleness |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+            "| --- |"]
     for x in rows:
         out.append(f"| {x['workload']} ({x['metric']}) | {x['optimizer']} | {x['nodes']}x{x['learners']} | "
                    f"{x['sync']} | {x['seeds']} | {x['baseline_median']:.4f} | {x['psd_median']:.4f} | "
@@ -306,6 +336,9 @@ def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = No
                    f"{'-' if x.get('noise_worst') is None else _fmt_gap(x, x['noise_worst'])} | "
                    f"{'yes' if x['in_band'] else '**no**' + _why(x)} | "
                    f"{'yes' if x.get('within_noise') else 'no'} | "
+                   f"{'-' if x.get('order_worst') is None else _fmt_gap(x, x['order_worst'])} | "
+                   f"{'-' if x.get('against_order_worst') is None else _fmt_gap(x, x['against_order_worst'])} | "
+                   f"{'-' if x.get('against_order_worst') is None else _yes(x['against_order_in_band'])} | "
                    f"{x['baseline_still_improving']} | {x['staleness_mean']:.1f} |")
     return "\n".join(out) + "\n"
 
@@ -328,6 +361,12 @@ def plot(rows: list[dict], path: Path, label: str) -> None:
     if noise:
         ax.scatter([i for i, _ in noise], [max(-20, y) for _, y in noise], marker="_", s=60, color="black",
                    label="one process, another order (worst seed)", zorder=3)
+    own = [(i, (x["order_worst"] * 100) if x["metric"] == "accuracy" else -x["order_worst"] * 100)
+           for i, x in enumerate(rows) if x.get("order_worst") is not None]
+    if own:
+        ax.scatter([i for i, _ in own], [max(-20, y) for _, y in own], marker=".", s=14, color="tab:green",
+                   label="one process on the learners' batches (worst seed)", zorder=3)
+    if noise or own:
         ax.legend(fontsize=7, loc="lower left")
     ax.axhline(-1, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(rows)), [f"{x['workload']} {x['optimizer']} {x['nodes']}x{x['learners']} {x['sync']}"
@@ -348,6 +387,9 @@ def main() -> int:
     p.add_argument("--label", default="default", help="the name the runs are recorded under")
     p.add_argument("--out", type=Path, default=OUT / "matrix")
     p.add_argument("--report", action="store_true", help="only write the tables and plot from the runs recorded")
+    p.add_argument("--references-only", action="store_true",
+                   help="run only the one-process references of the cells asked for (baseline, another order, "
+                        "the learners' order), not psd")
     p.add_argument("--fresh", action="store_true", help="forget the runs recorded under --out")
     p.add_argument("--no-plots", action="store_true", help="write the report's JSON and table only (no matplotlib)")
     args = p.parse_args()
@@ -417,7 +459,15 @@ def _run_matrix(args: argparse.Namespace, record, done: set, flags: list[str]) -
                 if _key(o) not in done:
                     curve = cl.train_single_curve(wl, opt, w["lr"][opt], w["batch"], w["epochs"], seed, order=1)
                     record({**o, "lr": w["lr"][opt], "order": 1, "curve": curve})
-        for wl, opt, n, sync, nodes in todo:
+        for wl, opt, world in dict.fromkeys((c[0], c[1], c[2] * c[4]) for c in todo if c[2] * c[4] > 1):
+            w = WORKLOADS[wl]
+            for seed in range(args.seeds):  # the learners' order: one process on their batches
+                o = {"label": "baseline", "kind": "order", "workload": wl, "optimizer": opt, "learners": world,
+                     "seed": seed}
+                if _key(o) not in done:
+                    curve = cl.train_single_curve(wl, opt, w["lr"][opt], w["batch"], w["epochs"], seed, world=world)
+                    record({**o, "lr": w["lr"][opt], "curve": curve})
+        for wl, opt, n, sync, nodes in [] if args.references_only else todo:
             for seed in range(args.seeds):
                 r = {"label": args.label, "kind": "psd", "workload": wl, "optimizer": opt, "learners": n,
                      "sync": sync, "nodes": nodes, "seed": seed}

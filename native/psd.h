@@ -510,6 +510,10 @@ double psd_node_staleness(const struct psd_config *c, double tau);
 double psd_async_momentum(const struct psd_config *c, double tau, double level);
 /* The lr factor of one gradient of the given staleness under --async-momentum (see optim.c). */
 double psd_async_lr_factor(const struct psd_config *c, double tau, double staleness);
+/* Adagrad's young updates under --async-momentum auto: the lr factor of update `update` (0 the job's
+ * first) whose gradient has the given staleness (see optim.c). */
+#define PSD_ADAGRAD_YOUNG 16
+double psd_adagrad_start_factor(const struct psd_config *c, uint64_t update, double staleness);
 /* The running mean of staleness the update loop stored in the header (0 if it holds no valid one). */
 double psd_staleness_avg(const struct psd_header *h);
 /* One update of the configured optimizer with gradient g * gscale (n float32, or bfloat16 when

@@ -185,7 +185,8 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
 
 /* One optimizer update of the weights with g * gscale, at the scheduled lr
  * (divided by the staleness with --staleness-lr; the momentum less asynchrony's implicit momentum
- * with --async-momentum auto); advances the clock. */
+ * with --async-momentum auto, and Adagrad's young updates damped: psd_adagrad_start_factor); advances the
+ * clock. */
 static void update_weights(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double staleness) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
@@ -201,6 +202,7 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
         psd_async_rule(&L->cfg, L->staleness_avg, psd_gain_level(h), &mom, &gain_lr);
         double d = psd_damping(h);
         lr *= gain_lr * ((1.0 - d) + d * psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness));
+        lr *= psd_adagrad_start_factor(&L->cfg, t - 1, staleness);
         note_staleness(L, staleness);
     }
     apply_pieces(L, g, map, gscale, lr, mom);

@@ -304,6 +304,48 @@ def test_async_momentum_auto_damps_a_gradient_staler_than_the_mean(job, serve, m
     served.stop()
 
 
+@pytest.mark.parametrize("case", ["young", "grown", "off"])
+def test_adagrad_damps_the_lr_of_its_first_updates_by_the_staleness(job, serve, case):
+    """Under auto, an Adagrad job's first 16 updates take lr / (1 + staleness) (psd_adagrad_start_factor):
+    B's fresh gradients (staleness 0) step at the lr, and A's, computed on clock 0, meets clock 3 and steps
+    at lr / 4 as update 3; once B has made 16 updates, A's gradient (staleness 16) steps at the lr, as under
+    off. Checked against torch.optim.Adagrad replaying the same gradients at those lrs."""
+    served = serve(job, "--no-watchdog", "--learners", "2", "--optimizer", "adagrad", "--lr", "0.1",
+                   "--async-momentum", "off" if case == "off" else "auto")
+    torch.manual_seed(0)
+    ma, mb = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    mb.load_state_dict(ma.state_dict())
+    ref = torch.nn.Linear(4, 1)
+    ref.load_state_dict(ma.state_dict())
+    opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    a = learner.attach(ma, job=job)
+    b = learner.attach(mb, job=job)
+    x = torch.randn(2, 4)
+    ma(x).sum().backward()  # A's gradient, on the weights of clock 0
+    fresh = 16 if case == "grown" else 3
+    for _ in range(fresh):
+        mb(x).sum().backward()
+        for p, q in zip(ref.parameters(), mb.parameters(), strict=True):
+            p.grad = q.grad.clone()
+        opt.step()
+        b.step()
+        b.flush()
+    for p, q in zip(ref.parameters(), ma.parameters(), strict=True):
+        p.grad = q.grad.clone()
+    opt.param_groups[0]["lr"] = 0.1 / (1 + fresh) if case == "young" else 0.1
+    opt.step()
+    a.step()
+    a.flush()
+    meta = a._arena.entry_meta(a.slot, 0)
+    assert meta["applied_clock"] - meta["clock"] == fresh
+    got = learner.pull_state_dict(job)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-7), k
+    a.close()
+    b.close()
+    served.stop()
+
+
 def test_non_finite_gradients_are_rejected_counted_and_reported(job, serve):
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1")
     model = torch.nn.Linear(4, 2)
