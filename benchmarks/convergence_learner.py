@@ -174,8 +174,9 @@ def learner_batches(n_train: int, rank: int, world: int, batch: int, epochs: int
 
 def learners_order(n_train: int, world: int, batch: int, epochs: int, seed: int) -> list[list[torch.Tensor]]:
     """Every mini-batch ``world`` learners train on, as indices into the whole training set, taken in turn
-    (learner 0's first, learner 1's first, ..., learner 0's second, ...) and split into epochs of the
-    one-process baseline's length: one process on the learners' own batches, without their staleness."""
+    (learner 0's first, learner 1's first, ..., learner 0's second, ...) and cut into ``epochs`` parts of
+    equal length (the last shorter; only the curve's points between epochs depend on the cut): one process
+    on the learners' own batches, without their staleness."""
     per = [[rank + world * b for b in learner_batches(n_train, rank, world, batch, epochs, seed)]
            for rank in range(world)]
     flat = [b for step in range(max(map(len, per))) for bs in per if step < len(bs) for b in [bs[step]]]

@@ -225,7 +225,8 @@ def _build() -> tuple[Flag, ...]:
                   "job's) off --momentum, keeps as much of one process's gain as "
                   "the measured sharpness allows, and near an edge (or unmeasured) damps the lr of a gradient "
                   "staler than the mean; adagrad: auto divides the lr of the job's first 16 updates by 1 + the "
-                  "gradient's staleness; off applies --momentum and the lr as given, as torch.optim", "auto",
+                  "gradient's staleness (not with --staleness-lr); off applies --momentum and the lr as given, as "
+                  "torch.optim", "auto",
                   choices=async_momentum, metavar="MODE", readme_default="`auto`"),
         _training("--grad-dtype", "what CPU learners push of a dense gradient: float32, or bf16 (rounded to "
                   "bfloat16: half the bytes into and out of the ring; the server widens it and keeps float32 "

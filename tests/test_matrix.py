@@ -7,6 +7,9 @@ The band is the matrix's: the worst seed at most 1 point below (2% of loss). The
 Momentum at the matrix's small lr was the gap `--async-momentum auto`'s staleness rule left (a tenth of one
 process's gain: -7.75 points at 4 learners); its cell here holds the gain level (psd/gain.py) to the band,
 from the sharpness the learners measure with torch.optim's closure (benchmarks/convergence_learner.py).
+
+Last, the matrix's reference of one process on the learners' own mini-batches (what their data order alone
+does, apart from their staleness) and the report's use of it.
 """
 
 from __future__ import annotations
@@ -70,3 +73,47 @@ def test_two_nodes_train_as_one_node_of_all_their_learners_at_default_flags():
     run = matrix.run_psd("lm", "sgd", 2, "asp", 2, 0, [])
     gap = matrix._gap("loss", run["metric"], curve[-1])
     assert gap <= matrix.BAND["loss"], f"2 nodes x 2 learners: {run['metric']:.4f} against {curve[-1]:.4f} ({gap:+.1%})"
+
+
+def test_the_learners_order_is_the_batches_the_learners_draw_and_one_learners_is_the_baseline():
+    """The matrix's reference of one process on the learners' own mini-batches: every batch a learner draws
+    (``learner_batches``, what convergence_learner's learners train on), as indices of the whole training set,
+    each once, taken in turn; for one learner exactly the one-process baseline's order."""
+    import torch
+
+    from psd.workloads import Dataset, epoch_batches, shard
+
+    n, batch, epochs, seed = 103, 4, 3, 5
+    g = torch.Generator().manual_seed(1000 + seed)
+    baseline_order = [b for _ in range(epochs) for b in epoch_batches(n, batch, 1, g)]
+    one = [b for ep in cl.learners_order(n, 1, batch, epochs, seed) for b in ep]
+    assert len(one) == len(baseline_order) and all(torch.equal(a, b) for a, b in zip(one, baseline_order, strict=True))
+    world = 3
+    order = cl.learners_order(n, world, batch, epochs, seed)
+    assert len(order) == epochs
+    flat = [b for ep in order for b in ep]
+    ids = Dataset(torch.arange(n), torch.zeros(n), torch.arange(1), torch.zeros(1), 1)  # each sample its index
+    draws = [[shard(ids, rank, world)[0][b] for b in cl.learner_batches(n, rank, world, batch, epochs, seed)]
+             for rank in range(world)]  # what a learner trains on: its batches of its shard
+    assert sorted(map(tuple, (b.tolist() for b in flat))) == sorted(tuple(b.tolist()) for d in draws for b in d)
+    assert [b.tolist() for b in flat[:world]] == [d[0].tolist() for d in draws]  # in turn: each learner's first
+    assert sorted(torch.cat(flat).tolist()) == sorted(list(range(n)) * epochs)  # every sample once an epoch
+
+
+def test_the_report_sets_psd_against_one_process_on_the_learners_batches():
+    """summarize: psd's gap to the learners'-order run at the same seed, beside both gaps to the baseline."""
+    runs = [{"label": "baseline", "kind": "baseline", "workload": "mlp", "optimizer": "sgd", "seed": s,
+             "untrained": 0.1, "curve": [0.80, 0.90]} for s in (0, 1)]
+    runs += [{"label": "baseline", "kind": "order", "workload": "mlp", "optimizer": "sgd", "learners": 4, "seed": s,
+              "curve": [0.7, v]} for s, v in ((0, 0.86), (1, 0.91))]
+    runs += [{"label": "x", "kind": "psd", "workload": "mlp", "optimizer": "sgd", "learners": 4, "sync": "asp",
+              "nodes": 1, "seed": s, "metric": v} for s, v in ((0, 0.855), (1, 0.88))]
+    (row,) = matrix.summarize(runs, "x")
+    assert row["gap_worst"] == pytest.approx(-0.045) and not row["in_band"]
+    assert row["order_worst"] == pytest.approx(-0.04)
+    assert row["against_order_worst"] == pytest.approx(-0.03) and not row["against_order_in_band"]
+    runs[-1]["metric"] = 0.905  # seed 1 now 0.5 points under its learners' order, as seed 0 is
+    (row,) = matrix.summarize(runs, "x")
+    assert row["against_order_worst"] == pytest.approx(-0.005) and row["against_order_in_band"]
+    assert not row["in_band"]  # still 4.5 points under the baseline at seed 0
+    assert "| -0.50 pt | yes |" in matrix.table([row], "x", "")

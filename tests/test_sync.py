@@ -304,14 +304,19 @@ def test_async_momentum_auto_damps_a_gradient_staler_than_the_mean(job, serve, m
     served.stop()
 
 
-@pytest.mark.parametrize("case", ["young", "grown", "off"])
-def test_adagrad_damps_the_lr_of_its_first_updates_by_the_staleness(job, serve, case):
+# (case, the server's flags, B's fresh updates before A's gradient, the lr A's gradient takes out of 0.1)
+ADAGRAD_CASES = [("young", [], 3, 0.1 / 4), ("last-young", [], 15, 0.1 / 16), ("grown", [], 16, 0.1),
+                 ("off", ["--async-momentum", "off"], 3, 0.1), ("staleness-lr", ["--staleness-lr"], 3, 0.1 / 3)]
+
+
+@pytest.mark.parametrize("case, flags, fresh, lr_a", ADAGRAD_CASES, ids=[c[0] for c in ADAGRAD_CASES])
+def test_adagrad_damps_the_lr_of_its_first_updates_by_the_staleness(job, serve, case, flags, fresh, lr_a):
     """Under auto, an Adagrad job's first 16 updates take lr / (1 + staleness) (psd_adagrad_start_factor):
-    B's fresh gradients (staleness 0) step at the lr, and A's, computed on clock 0, meets clock 3 and steps
-    at lr / 4 as update 3; once B has made 16 updates, A's gradient (staleness 16) steps at the lr, as under
-    off. Checked against torch.optim.Adagrad replaying the same gradients at those lrs."""
-    served = serve(job, "--no-watchdog", "--learners", "2", "--optimizer", "adagrad", "--lr", "0.1",
-                   "--async-momentum", "off" if case == "off" else "auto")
+    B's fresh gradients (staleness 0) step at the lr; A's, computed on clock 0, meets clock ``fresh`` and is
+    update number ``fresh`` (0 the first): lr / 4 as update 3, lr / 16 as update 15 (the window's last), the lr
+    as update 16, as under off; with --staleness-lr that flag alone divides it (by the staleness, 3).
+    Checked against torch.optim.Adagrad replaying the same gradients at those lrs."""
+    served = serve(job, "--no-watchdog", "--learners", "2", "--optimizer", "adagrad", "--lr", "0.1", *flags)
     torch.manual_seed(0)
     ma, mb = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
     mb.load_state_dict(ma.state_dict())
@@ -322,7 +327,6 @@ def test_adagrad_damps_the_lr_of_its_first_updates_by_the_staleness(job, serve, 
     b = learner.attach(mb, job=job)
     x = torch.randn(2, 4)
     ma(x).sum().backward()  # A's gradient, on the weights of clock 0
-    fresh = 16 if case == "grown" else 3
     for _ in range(fresh):
         mb(x).sum().backward()
         for p, q in zip(ref.parameters(), mb.parameters(), strict=True):
@@ -332,7 +336,7 @@ def test_adagrad_damps_the_lr_of_its_first_updates_by_the_staleness(job, serve, 
         b.flush()
     for p, q in zip(ref.parameters(), ma.parameters(), strict=True):
         p.grad = q.grad.clone()
-    opt.param_groups[0]["lr"] = 0.1 / (1 + fresh) if case == "young" else 0.1
+    opt.param_groups[0]["lr"] = lr_a
     opt.step()
     a.step()
     a.flush()
