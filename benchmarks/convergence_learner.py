@@ -179,7 +179,7 @@ def learners_order(n_train: int, world: int, batch: int, epochs: int, seed: int)
     on the learners' own batches, without their staleness."""
     per = [[rank + world * b for b in learner_batches(n_train, rank, world, batch, epochs, seed)]
            for rank in range(world)]
-    flat = [b for step in range(max(map(len, per))) for bs in per if step < len(bs) for b in [bs[step]]]
+    flat = [bs[step] for step in range(max(map(len, per))) for bs in per if step < len(bs)]
     cut = -(-len(flat) // epochs)
     return [flat[i:i + cut] for i in range(0, len(flat), cut)]
 

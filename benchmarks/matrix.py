@@ -238,10 +238,10 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
                 against_order.append(_gap(kind, r["metric"], lo["curve"][-1]))
         if not gaps:
             continue
-        worst = min(gaps) if kind == "accuracy" else max(gaps)
-        noise_worst = (min(noise) if kind == "accuracy" else max(noise)) if len(noise) == len(gaps) else None
+        pick = min if kind == "accuracy" else max  # the worst of some gaps
+        worst = pick(gaps)
+        noise_worst = pick(noise) if len(noise) == len(gaps) else None
         in_band = not worst_div and not refused and _within(kind, worst, BAND[kind])
-        pick = min if kind == "accuracy" else max
         whole = len(against_order) == len(gaps)
         order_worst, against_worst = (pick(order_gaps), pick(against_order)) if whole else (None, None)
         vals = [r["metric"] for r in rs]
@@ -340,7 +340,7 @@ def table(rows: list[dict], label: str, flags: str, hosts: list[str] | None = No
                    f"{x['psd_worst']:.4f} | {_fmt_gap(x, x['gap_median'])} | {_fmt_gap(x, x['gap_worst'])} | "
                    f"{'-' if x.get('noise_worst') is None else _fmt_gap(x, x['noise_worst'])} | "
                    f"{'yes' if x['in_band'] else '**no**' + _why(x)} | "
-                   f"{'yes' if x.get('within_noise') else 'no'} | "
+                   f"{_yes(x.get('within_noise', False))} | "
                    f"{'-' if x.get('order_worst') is None else _fmt_gap(x, x['order_worst'])} | "
                    f"{'-' if x.get('against_order_worst') is None else _fmt_gap(x, x['against_order_worst'])} | "
                    f"{'-' if x.get('against_order_worst') is None else _yes(x['against_order_in_band'])} | "

@@ -156,8 +156,9 @@ double psd_async_lr_factor(const struct psd_config *c, double tau, double stalen
  * first PSD_ADAGRAD_YOUNG updates of an Adagrad job (the job's optimizer steps, restored with its state)
  * take lr / (1 + staleness), like --staleness-lr for a whole run (which divides by the staleness itself,
  * above 1), where that flag is not set; after them, and without staleness, the lr as given. The staleness
- * is the one the update loop measured for this gradient: on several nodes, the node's own. The matrix's language model at 8 learners: +2.1 to +5.7% of
- * loss without it, +0.6 to +1.2% with it (benchmarks/results/matrix/README.md, "Adagrad's young updates").
+ * is the one the update loop measured for this gradient: on several nodes, the node's own. The matrix's
+ * language model at 8 learners: +2.1 to +5.7% of loss without it, -0.5 to +2.1% with it over two rounds of
+ * 3 seeds (benchmarks/results/matrix/README.md, "Adagrad's young updates").
  * Adam's first updates are as large, but there the same damping cost loss (the same README). */
 double psd_adagrad_start_factor(const struct psd_config *c, uint64_t update, double staleness) {
     if (c->optimizer != PSD_OPT_ADAGRAD || c->async_momentum != PSD_ASYNC_MOMENTUM_AUTO ||
