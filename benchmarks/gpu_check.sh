@@ -7,8 +7,12 @@
 #
 #     bash benchmarks/gpu_check.sh            # from the repository root
 #     STEPS="tests job suite" LEARNERS=1,2,8 bash benchmarks/gpu_check.sh   # some steps only (install always)
+#
+# Steps: tests (tests/test_device.py alone on the machine, then its step-overlap test OVERLAP_RUNS more times
+# for a median), stages (the pipeline-stage and example tests with a GPU present: test_partial.py,
+# test_stages.py, test_examples.py; the two-GPU pipeline test needs two GPUs), register, job, bench, suite.
 set -u
-STEPS=" ${STEPS:-tests register job bench suite} "
+STEPS=" ${STEPS:-tests stages register job bench suite} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/psd-gpu-check}
 PY=${PY:-python3}
@@ -29,6 +33,17 @@ command -v psd
 if want tests; then
 step "tests/test_device.py on the GPU"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rA -s tests/test_device.py 2>&1 | tail -25
+for i in $(seq "${OVERLAP_RUNS:-3}"); do
+    timeout 60 "$PY" -m pytest -q -p no:cacheprovider --timeout 50 -s tests/test_device.py -k overlaps 2>&1 \
+        | grep -E "through psd|passed|failed"
+done
+
+fi
+if want stages; then
+step "pipeline stages and the examples with a GPU present (6 workers)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -n 6 --timeout 200 -rA tests/test_partial.py tests/test_stages.py \
+    tests/test_examples.py > "$OUT/stages.log" 2>&1
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/stages.log" | tail -60
 
 fi
 if want register; then

@@ -125,7 +125,7 @@ def batches(train: torch.Tensor, shard: int, shards: int, batch: int, epochs: in
         order = torch.randperm(len(mine), generator=g)
         for i in range(0, len(mine) - batch + 1, batch):
             w = mine[order[i:i + batch]]
-            yield w[:, :-1], w[:, 1:]
+            yield w[:, :-1].contiguous(), w[:, 1:].contiguous()  # torch 2.11's pipelining checks strides
 
 
 def single(args: argparse.Namespace) -> int:
