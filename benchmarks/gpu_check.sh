@@ -8,7 +8,7 @@
 #     bash benchmarks/gpu_check.sh            # from the repository root
 #     STEPS="tests job suite" LEARNERS=1,2,8 bash benchmarks/gpu_check.sh   # some steps only (install always)
 #
-# Steps: tests (tests/test_device.py alone on the machine, then its step-overlap test OVERLAP_RUNS more times
+# Steps: tests (tests/test_device.py alone on the machine, then its no-wait step test OVERLAP_RUNS more times
 # for a median), stages (the pipeline-stage and example tests with a GPU present: test_partial.py,
 # test_stages.py, test_examples.py; the two-GPU pipeline test needs two GPUs), register, job, bench, suite.
 set -u
@@ -34,8 +34,8 @@ if want tests; then
 step "tests/test_device.py on the GPU"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 60 -rA -s tests/test_device.py 2>&1 | tail -25
 for i in $(seq "${OVERLAP_RUNS:-3}"); do
-    timeout 60 "$PY" -m pytest -q -p no:cacheprovider --timeout 50 -s tests/test_device.py -k overlaps 2>&1 \
-        | grep -E "through psd|passed|failed"
+    timeout 60 "$PY" -m pytest -q -p no:cacheprovider --timeout 50 -s tests/test_device.py -k does_not_wait 2>&1 \
+        | grep -E "step\\(\\)|passed|failed"
 done
 
 fi
