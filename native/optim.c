@@ -62,6 +62,16 @@ double psd_staleness_avg(const struct psd_header *h) {
     return tau >= 0.0 && tau < 1e18 ? tau : 0.0;
 }
 
+/* The staleness the momentum rule reads (psd_async_rule): the running mean, or the staleness held since the
+ * job last lost a learner where that is larger (staleness_held_bits; update.c note_learners says why). */
+double psd_rule_staleness(const struct psd_header *h) {
+    uint64_t bits = PSD_LOAD_RLX(&h->staleness_held_bits); /* only the update loop writes it */
+    double held;
+    memcpy(&held, &bits, sizeof held);
+    double tau = psd_staleness_avg(h);
+    return held > tau && held < 1e18 ? held : tau;
+}
+
 /* A double in [0, 1] the server steers (psd_layout.h: gain_level_bits, damping_bits), loaded relaxed; `outside`
  * where it is not in [0, 1] (NaN included). */
 static double steered(const _Atomic uint64_t *field, double outside) {

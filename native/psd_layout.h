@@ -73,10 +73,10 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-/* 13: cfg nodes and node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap
+/* 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap
  * auto waits for momentum too; 11: auto waits but for momentum at 2+ slots;
  * 10: cfg_flags' overlap bits */
-#define PSD_LAYOUT_VERSION 13
+#define PSD_LAYOUT_VERSION 14
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -232,7 +232,7 @@ struct psd_header {
 
     /* -- optimizer progress, written only by the update loop (or by a server
      *    restoring a checkpoint before READY); in checkpoints, except
-     *    `acc_members` and `staleness_avg_bits` (a resume starts them at 0). */
+     *    `acc_members`, `staleness_avg_bits` and `staleness_held_bits` (a resume starts them at 0). */
     alignas(PSD_CACHELINE) _Atomic uint64_t opt_steps; /* updates applied to the weights (Adam's t) */
     _Atomic uint64_t lr_bits;       /* double: scheduled lr of the last update (weight prediction reads it) */
     _Atomic uint64_t rounds;        /* bsp / kasync: rounds completed (signalled on sync_cond) */
@@ -241,6 +241,9 @@ struct psd_header {
     _Atomic uint64_t acc_staleness; /* staleness summed over acc_count */
     _Atomic uint64_t staleness_avg_bits; /* double: running mean of the staleness of the last
                                           * ~PSD_STALENESS_WINDOW updates (--async-momentum reads it) */
+    _Atomic uint64_t staleness_held_bits; /* double: the running mean when the job last lost a learner, decaying
+                                           * over ~PSD_STALENESS_HOLD updates, 0 once one arrives; the
+                                           * momentum rule reads the larger of the two (psd_rule_staleness) */
 
     /* -- --async-momentum auto's steering (psd/gain.py), written by the server:
      *    level 0 and all of the damping at the arena's creation and when a
@@ -652,6 +655,8 @@ enum psd_async_momentum {
 };
 /* Updates the running mean of staleness spans (an exponential moving average). */
 #define PSD_STALENESS_WINDOW 64.0
+/* Updates over which the staleness held when learners leave decays (1/e): staleness_held_bits. */
+#define PSD_STALENESS_HOLD 1024.0
 
 #define PSD_CFG_STALENESS_LR 1u /* divide the lr by max(1, staleness) */
 #define PSD_CFG_PREDICT 2u      /* learners train on predicted weights */

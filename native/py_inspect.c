@@ -74,10 +74,11 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
         PyBool_FromLong(psd_learners_wait_for_their_own(&h->cfg)));
     SET(d, "lr_now", PyFloat_FromDouble(current_lr(h)));
     double level = psd_gain_level(h);
-    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(&h->cfg, psd_staleness_avg(h), level)));
+    SET(d, "momentum_now", PyFloat_FromDouble(psd_async_momentum(&h->cfg, psd_rule_staleness(h), level)));
     SET(d, "gain_level", PyFloat_FromDouble(level));
     SET(d, "damping", PyFloat_FromDouble(psd_damping(h)));
     SET(d, "staleness_avg", READ_BITS(h, staleness_avg_bits));
+    SET(d, "staleness_held", READ_BITS(h, staleness_held_bits));
     PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
     for (int i = 0; hist && i < PSD_HIST_BUCKETS; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&h->staleness_hist[i]));

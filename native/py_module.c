@@ -341,6 +341,7 @@ static PyObject *offsets(void) {
 #define ENTRY_OFFSET(f) PUT(e, #f, struct psd_entry, f)
     PSD_HEADER_FIELDS(HEADER_OFFSET)
     PUT(h, "staleness_avg_bits", struct psd_header, staleness_avg_bits)
+    PUT(h, "staleness_held_bits", struct psd_header, staleness_held_bits)
     PUT(h, "state_cond.waiters", struct psd_header, state_cond.waiters)
     PUT(h, "doorbell.waiters", struct psd_header, doorbell.waiters)
     PUT(h, "sync_cond.waiters", struct psd_header, sync_cond.waiters)

@@ -33,6 +33,8 @@ struct psd_loop {
      * process can change what the loop uses under it. */
     struct psd_config cfg;
     double staleness_avg; /* --async-momentum's running mean of staleness (note_staleness) */
+    double staleness_held; /* and that mean held since the job last lost a learner (note_learners) */
+    uint32_t learners;     /* slots in use at the last whole pass (round_robin's count) */
     pthread_t thread;
     _Atomic int stop; /* set by psd_loop_stop, read each round */
     uint32_t threads;
@@ -99,11 +101,40 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, const struct ps
 
 /* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads
  * (the loop's own copy), and show it in the header. */
+static void store_double(_Atomic uint64_t *field, double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    PSD_STORE_RLX(field, bits);
+}
+
 static void note_staleness(struct psd_loop *L, double staleness) {
     L->staleness_avg += (staleness - L->staleness_avg) / PSD_STALENESS_WINDOW;
-    uint64_t bits;
-    memcpy(&bits, &L->staleness_avg, sizeof bits);
-    PSD_STORE_RLX(&psd_hdr(L->m)->staleness_avg_bits, bits); /* for psd status, and the next server */
+    store_double(&psd_hdr(L->m)->staleness_avg_bits, L->staleness_avg); /* for psd status, the next server */
+    if (L->staleness_held > 0.0) {
+        L->staleness_held *= 1.0 - 1.0 / PSD_STALENESS_HOLD;
+        store_double(&psd_hdr(L->m)->staleness_held_bits, L->staleness_held);
+    }
+}
+
+/* The staleness the momentum rule reads: the running mean, or the mean held since the job last lost a
+ * learner where that is larger. The staleness falls as learners leave (at a job's end they finish one
+ * after another), and the rule would raise the momentum the job trained under several-fold within its
+ * last few hundred updates: the MLP of tests/test_convergence.py's momentum test then ended at 0.954-0.97
+ * where it trained at 0.98 (benchmarks/results/matrix/README.md, "the momentum rule's surge at a job's
+ * tail"). So a departure holds the mean it met; the hold decays over PSD_STALENESS_HOLD updates (learners
+ * that left for good let the momentum back up slowly) and an arrival (a restarted learner) releases it. */
+static double rule_staleness(const struct psd_loop *L) {
+    return L->staleness_held > L->staleness_avg ? L->staleness_held : L->staleness_avg;
+}
+
+/* A whole pass found `busy` slots in use: a learner left (hold the staleness) or arrived (release it). */
+static void note_learners(struct psd_loop *L, uint32_t busy) {
+    if (busy < L->learners)
+        L->staleness_held = rule_staleness(L);
+    else
+        L->staleness_held = 0.0;
+    L->learners = busy;
+    store_double(&psd_hdr(L->m)->staleness_held_bits, L->staleness_held);
 }
 
 /* A sparse piece's rows as a dense gradient in L->dense (grown to the tensor's size the first time);
@@ -199,9 +230,10 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     double mom = L->cfg.momentum;
     if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
         double gain_lr;
-        psd_async_rule(&L->cfg, L->staleness_avg, psd_gain_level(h), &mom, &gain_lr);
+        double tau = rule_staleness(L);
+        psd_async_rule(&L->cfg, tau, psd_gain_level(h), &mom, &gain_lr);
         double d = psd_damping(h);
-        lr *= gain_lr * ((1.0 - d) + d * psd_async_lr_factor(&L->cfg, L->staleness_avg, staleness));
+        lr *= gain_lr * ((1.0 - d) + d * psd_async_lr_factor(&L->cfg, tau, staleness));
         lr *= psd_adagrad_start_factor(&L->cfg, t - 1, staleness);
         note_staleness(L, staleness);
     }
@@ -555,12 +587,13 @@ static void evict(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint32_t r
 }
 
 /* One round over all rings; returns how many gradients it applied, and in
- * *busy how many learner slots are in use. */
+ * *busy how many learner slots are in use (counted over every slot: a pause
+ * ends the taking, not the count). */
 static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint32_t applied = 0;
-    bool bsp = L->cfg.sync_mode == PSD_SYNC_BSP;
+    bool bsp = L->cfg.sync_mode == PSD_SYNC_BSP, paused = false;
     *busy = 0;
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
@@ -569,6 +602,8 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
         if (st != PSD_SLOT_ACTIVE && st != PSD_SLOT_DRAINING)
             continue;
         ++*busy;
+        if (paused)
+            continue;
         uint64_t head = L->heads[i];
         /* Pairs with the store of tail in psd_push: the entry is whole. Loaded once. */
         uint64_t tail = PSD_LOAD_ACQ(&psd_lslot_at(m, i)->tail);
@@ -584,9 +619,8 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
                 continue;
             take_entry(L, i, s, head, &eh);
             applied++;
-            /* A pause (a snapshot) is honoured between two updates: no need to finish the pass. */
-            if (psd_loop_should_pause(m))
-                break;
+            /* A pause (a snapshot) is honoured between two updates: the pass takes no more. */
+            paused = psd_loop_should_pause(m);
         } else if (st == PSD_SLOT_DRAINING) {
             free_slot(L, i, s);
         }
@@ -695,6 +729,8 @@ static void *loop_main(void *arg) {
             continue;
         }
         uint32_t applied = psd_admit(L->m) + round_robin(L, &busy);
+        if (busy != L->learners && L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO)
+            note_learners(L, busy);
         now = psd_now_ns();
         psd_beat_at(&L->beat, now);
         if (applied) {
@@ -745,6 +781,7 @@ static bool take_config(struct psd_loop *L, const struct psd_map *m) {
     const struct psd_config *cfg = &L->cfg;
     L->cfg = psd_hdr(m)->cfg; /* written before the loop starts, never after: one copy */
     L->staleness_avg = psd_staleness_avg(psd_hdr(m)); /* the last server's running mean */
+    L->staleness_held = psd_rule_staleness(psd_hdr(m)) > L->staleness_avg ? psd_rule_staleness(psd_hdr(m)) : 0.0;
     return cfg->async_momentum <= PSD_ASYNC_MOMENTUM_AUTO && cfg->optimizer <= PSD_OPT_ADAGRAD &&
            cfg->sync_mode <= PSD_SYNC_KASYNC && cfg->schedule <= PSD_SCHED_COSINE &&
            psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;
@@ -799,6 +836,7 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         uint32_t st = PSD_LOAD_ACQ(&psd_slot_at(m, i)->state);
         L->heads[i] = st == PSD_SLOT_ACTIVE || st == PSD_SLOT_DRAINING ? PSD_LOAD_RLX(&psd_slot_at(m, i)->head) : 0;
+        L->learners += st == PSD_SLOT_ACTIVE || st == PSD_SLOT_DRAINING; /* no departure at a restart */
     }
     L->threads = threads ? threads : 1;
     L->spin_ns = (uint64_t)spin_us * 1000;

@@ -304,6 +304,64 @@ def test_async_momentum_auto_damps_a_gradient_staler_than_the_mean(job, serve, m
     served.stop()
 
 
+def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
+    """Under auto the momentum rule reads the running mean of staleness, or the mean it met when the job last
+    lost a learner where that is larger (psd_rule_staleness): at a job's end its learners finish one after
+    another and the mean falls, which would raise the momentum several-fold over the last updates. B's
+    departure holds the mean of that moment; the hold decays by 1 - 1/1024 an update where the mean decays by
+    1 - 1/64; an arrival releases it. Momentum 0 makes the rule's staleness visible in the step itself: the
+    damping of a gradient staler than it, lr x (1 + tau) / (1 + staleness) (as in the test above)."""
+    served = serve(job, "--no-watchdog", "--learners", "4", "--optimizer", "momentum", "--momentum", "0",
+                   "--lr", "0.5")
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 1) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    a, b, c = (learner.attach(m, job=job) for m in models)
+    ma, mb, mc = models
+    x = torch.randn(2, 4)
+
+    def push(lrn, model, times=1):
+        for _ in range(times):
+            model(x).sum().backward()
+            lrn.step()
+            lrn.flush()
+
+    for _ in range(30):  # B's three fresh gradients, then A's computed three updates ago: a mean near 0.7
+        push(b, mb, 3)
+        push(a, ma)
+    h = header(job)
+    avg = h["staleness_avg"]
+    assert avg > 0.3 and h["staleness_held"] == 0.0
+    b.close()  # a departure
+    h = wait_until(lambda: (hh := header(job))["staleness_held"] > 0 and hh, what="the loop to see B leave")
+    assert h["staleness_held"] == avg == h["staleness_avg"]  # the mean of that moment, held
+    push(a, ma, 64)  # A alone: 64 fresh gradients
+    h = header(job)
+    assert h["staleness_avg"] == pytest.approx(avg * (1 - 1 / 64) ** 64, rel=1e-9)
+    assert h["staleness_held"] == pytest.approx(avg * (1 - 1 / 1024) ** 64, rel=1e-9)
+    # C moves the clock three updates while A holds its weights: A's gradient is staler than the held mean.
+    ma(x).sum().backward()
+    grads = {k: p.grad.clone() for k, p in ma.named_parameters()}
+    c.pull()  # C has not pushed since it attached: fresh weights first
+    push(c, mc, 3)
+    tau = header(job)["staleness_held"]  # what the loop's rule reads at A's update
+    before = learner.pull_state_dict(job)
+    a.step()
+    a.flush()
+    after = learner.pull_state_dict(job)
+    meta = a._arena.entry_meta(a.slot, a.pushed - 1)
+    staleness = meta["applied_clock"] - meta["clock"]
+    assert staleness > tau > header(job)["staleness_avg"]
+    for k in before:  # damped as from the held mean, not the running one
+        assert torch.allclose(before[k] - after[k], 0.5 * (1 + tau) / (1 + staleness) * grads[k], rtol=1e-5), k
+    d = learner.attach(torch.nn.Linear(4, 1), job=job)  # an arrival releases the hold
+    wait_until(lambda: header(job)["staleness_held"] == 0.0, what="the loop to see D arrive")
+    for lrn in (a, c, d):
+        lrn.close()
+    served.stop()
+
+
 # (case, the server's flags, B's fresh updates before A's gradient, the lr A's gradient takes out of 0.1)
 ADAGRAD_CASES = [("young", [], 3, 0.1 / 4), ("last-young", [], 15, 0.1 / 16), ("grown", [], 16, 0.1),
                  ("off", ["--async-momentum", "off"], 3, 0.1), ("staleness-lr", ["--staleness-lr"], 3, 0.1 / 3)]

@@ -60,6 +60,9 @@ static void setup(void) {
     rc = psd_arena_grow(&map);
     CHECK(rc == 0, "grow: %s", psd_strerror(rc));
     psd_hdr(&map)->cfg.lr = 1.0;
+    /* sgd's steps are exact under auto too; the loop keeps its running staleness and the hold as learners
+     * come and go (note_staleness, note_learners) beside the producers */
+    psd_hdr(&map)->cfg.async_momentum = PSD_ASYNC_MOMENTUM_AUTO;
     atomic_store(&psd_hdr(&map)->server_pid, me);
     psd_hdr(&map)->server_start_time = psd_proc_start_time(me);
     psd_arena_set_state(&map, PSD_ARENA_READY);
