@@ -62,14 +62,19 @@ double psd_staleness_avg(const struct psd_header *h) {
     return tau >= 0.0 && tau < 1e18 ? tau : 0.0;
 }
 
-/* The staleness the momentum rule reads (psd_async_rule): the running mean, or the staleness held since the
- * job last lost a learner where that is larger (staleness_held_bits; update.c note_learners says why). */
-double psd_rule_staleness(const struct psd_header *h) {
+/* The staleness held since the job last lost a learner (staleness_held_bits; update.c note_learners says
+ * why): what the loop started with, and what psd status shows; 0 for none. */
+double psd_staleness_held(const struct psd_header *h) {
     uint64_t bits = PSD_LOAD_RLX(&h->staleness_held_bits); /* only the update loop writes it */
     double held;
     memcpy(&held, &bits, sizeof held);
-    double tau = psd_staleness_avg(h);
-    return held > tau && held < 1e18 ? held : tau;
+    return held >= 0.0 && held < 1e18 ? held : 0.0;
+}
+
+/* The staleness the momentum rule reads (psd_async_rule): the running mean, or the held one where larger. */
+double psd_rule_staleness(const struct psd_header *h) {
+    double held = psd_staleness_held(h), tau = psd_staleness_avg(h);
+    return held > tau ? held : tau;
 }
 
 /* A double in [0, 1] the server steers (psd_layout.h: gain_level_bits, damping_bits), loaded relaxed; `outside`

@@ -79,6 +79,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     SET(d, "damping", PyFloat_FromDouble(psd_damping(h)));
     SET(d, "staleness_avg", READ_BITS(h, staleness_avg_bits));
     SET(d, "staleness_held", READ_BITS(h, staleness_held_bits));
+    SET(d, "staleness_rule", PyFloat_FromDouble(psd_rule_staleness(h)));
     PyObject *hist = PyList_New(PSD_HIST_BUCKETS);
     for (int i = 0; hist && i < PSD_HIST_BUCKETS; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(atomic_load(&h->staleness_hist[i]));

@@ -112,6 +112,8 @@ static void note_staleness(struct psd_loop *L, double staleness) {
     store_double(&psd_hdr(L->m)->staleness_avg_bits, L->staleness_avg); /* for psd status, the next server */
     if (L->staleness_held > 0.0) {
         L->staleness_held *= 1.0 - 1.0 / PSD_STALENESS_HOLD;
+        if (L->staleness_held <= L->staleness_avg)
+            L->staleness_held = 0.0; /* the mean met it: the hold is over */
         store_double(&psd_hdr(L->m)->staleness_held_bits, L->staleness_held);
     }
 }
@@ -122,12 +124,16 @@ static void note_staleness(struct psd_loop *L, double staleness) {
  * last few hundred updates: the MLP of tests/test_convergence.py's momentum test then ended at 0.954-0.97
  * where it trained at 0.98 (benchmarks/results/matrix/README.md, "the momentum rule's surge at a job's
  * tail"). So a departure holds the mean it met; the hold decays over PSD_STALENESS_HOLD updates (learners
- * that left for good let the momentum back up slowly) and an arrival (a restarted learner) releases it. */
+ * that left for good let the momentum back up slowly) and ends when the running mean meets it, or when a
+ * learner arrives (a restarted one, a new one). */
 static double rule_staleness(const struct psd_loop *L) {
     return L->staleness_held > L->staleness_avg ? L->staleness_held : L->staleness_avg;
 }
 
-/* A whole pass found `busy` slots in use: a learner left (hold the staleness) or arrived (release it). */
+/* A whole pass found `busy` slots in use: a learner left (hold the staleness) or arrived (release it).
+ * Only this thread frees slots (free_slot, evict), so a pass counts fewer only after a departure. A
+ * departure and an arrival between two passes (while the loop pauses or holds, psd_admit still admits)
+ * leave the count as it was, and the rule as it was: the job has as many learners as before. */
 static void note_learners(struct psd_loop *L, uint32_t busy) {
     if (busy < L->learners)
         L->staleness_held = rule_staleness(L);
@@ -781,7 +787,7 @@ static bool take_config(struct psd_loop *L, const struct psd_map *m) {
     const struct psd_config *cfg = &L->cfg;
     L->cfg = psd_hdr(m)->cfg; /* written before the loop starts, never after: one copy */
     L->staleness_avg = psd_staleness_avg(psd_hdr(m)); /* the last server's running mean */
-    L->staleness_held = psd_rule_staleness(psd_hdr(m)) > L->staleness_avg ? psd_rule_staleness(psd_hdr(m)) : 0.0;
+    L->staleness_held = psd_staleness_held(psd_hdr(m)); /* and its hold, which goes on */
     return cfg->async_momentum <= PSD_ASYNC_MOMENTUM_AUTO && cfg->optimizer <= PSD_OPT_ADAGRAD &&
            cfg->sync_mode <= PSD_SYNC_KASYNC && cfg->schedule <= PSD_SCHED_COSINE &&
            psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;

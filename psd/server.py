@@ -546,7 +546,7 @@ class Server:
         seen = held is not None
         lr_sharpness = h["lr_now"] * held if seen else math.nan  # gain.level and gain.damping: unmeasured
         # The staleness the loop's rule reads (psd_rule_staleness: held when learners leave), as the job's
-        tau = gain.node_staleness(max(h["staleness_avg"], h["staleness_held"]), h["nodes"], h["node_lag"])
+        tau = gain.node_staleness(h["staleness_rule"], h["nodes"], h["node_lag"])
         lvl = gain.level(lr_sharpness, mu, tau)
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements

@@ -6,6 +6,8 @@ The servers run without a watchdog: nothing here needs one, and its last checkpo
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -360,6 +362,48 @@ def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
     for lrn in (a, c, d):
         lrn.close()
     served.stop()
+
+
+def test_a_reaped_learner_holds_the_staleness_and_a_new_server_keeps_the_hold(job, serve):
+    """A learner SIGKILLed (the server reaps its slot) is a departure as one that detaches is; a server that
+    takes over (the watchdog restarts a killed one) goes on with the hold the last one published and decays
+    it from there."""
+    serve(job, "--learners", "4", "--optimizer", "momentum", "--momentum", "0", "--lr", "0.01")
+    idler = spawn("holder.py", job, "--idle")  # attaches a model of one tensor `w` (64) and blocks
+    assert read_line(idler) == "ready"
+    models = []
+    for _ in range(2):
+        m = torch.nn.Module()
+        m.w = torch.nn.Parameter(torch.zeros(64))
+        models.append(m)
+    ma, mb = models
+    a, b = learner.attach(ma, job=job), learner.attach(mb, job=job)
+    x = torch.randn(64)
+
+    def push(lrn, model, times=1):
+        for _ in range(times):
+            (model.w * x).sum().backward()
+            lrn.step()
+            lrn.flush()
+
+    for _ in range(30):
+        push(b, mb, 3)
+        push(a, ma)
+    h = header(job)
+    avg = h["staleness_avg"]
+    assert avg > 0.3 and h["staleness_held"] == 0.0
+    kill(idler)
+    old = wait_until(lambda: (hh := header(job))["staleness_held"] > 0 and hh, what="the server to reap the idler")
+    assert old["staleness_held"] == avg
+    os.kill(old["server_pid"], signal.SIGKILL)
+    wait_until(lambda: header(job)["generation"] == old["generation"] + 1, what="the watchdog's new server")
+    a.pull()  # fresh weights: A's next gradient meets no update (staleness 0), under the held mean
+    push(a, ma)  # applied by the new server
+    h = header(job)
+    assert h["server_pid"] != old["server_pid"] and h["staleness_avg"] < h["staleness_held"]
+    assert h["staleness_held"] == pytest.approx(avg * (1 - 1 / 1024), rel=1e-12)
+    a.close()
+    b.close()
 
 
 # (case, the server's flags, B's fresh updates before A's gradient, the lr A's gradient takes out of 0.1)
