@@ -542,7 +542,11 @@ def test_prediction_brings_the_weights_computed_on_closer_to_those_applied_to(jo
           f"with: distance {mean(on, 'mean_distance'):.4f} where the pulled weights were "
           f"{mean(on, 'mean_distance_unpredicted'):.4f} away, staleness {mean(on, 'mean_staleness'):.1f}")
 
-    assert mean(off, "mean_shift") < 1e-4, "without --predict learners train on the pulled weights"
+    # Without --predict a learner trains on the weights it pulled. A pull copies them without a lock while the
+    # loop updates them (Hogwild's reads, docs/operations.md), so a few of the 1,200 copies mix two clocks:
+    # each adds about 2e-5 to the mean here (measured: 2.0e-5, 2.0e-5, 6.1e-5; 1.02e-4 once, in a fresh
+    # clone's suite). Prediction moves them by 100 times more (> 0.01, below).
+    assert mean(off, "mean_shift") < 1e-3, "without --predict learners train on the pulled weights"
     assert mean(off, "mean_distance") > 0.01, "8 learners must see some staleness"
     assert mean(on, "mean_shift") > 0.01, "with --predict the weights are moved"
     assert mean(on, "mean_distance") < 0.7 * mean(on, "mean_distance_unpredicted")
