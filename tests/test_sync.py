@@ -406,6 +406,53 @@ def test_a_reaped_learner_holds_the_staleness_and_a_new_server_keeps_the_hold(jo
     b.close()
 
 
+def test_pauses_neither_hold_nor_release_the_staleness(job, serve):
+    """A pause (a snapshot) asked for while the loop takes one ring's entry stops the pass's taking, but not its
+    count of the slots in use: a pass cut short would count fewer, then the next one more, and that "arrival"
+    would release a hold. Here B left (a hold), and A pushes fresh gradients (the mean falls under the hold)
+    while pauses come and go, C attached behind it: the hold stays, decayed by A's updates alone."""
+    import threading
+
+    served = serve(job, "--no-watchdog", "--learners", "4", "--optimizer", "momentum", "--momentum", "0",
+                   "--lr", "0.001")
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 1) for _ in range(3)]
+    a, b, c = (learner.attach(m, job=job) for m in models)
+    ma, mb, _ = models  # C stays attached, behind A in the pass, and pushes nothing
+    x = torch.randn(2, 4)
+
+    def push(lrn, model, times=1, flush=True):
+        for _ in range(times):
+            model(x).sum().backward()
+            lrn.step()
+            if flush:
+                lrn.flush()
+
+    for _ in range(30):
+        push(b, mb, 3)
+        push(a, ma)
+    b.close()
+    held = wait_until(lambda: header(job)["staleness_held"], what="the loop to see B leave")
+    a.pull()
+    clock = header(job)["clock"]
+    pusher = threading.Thread(target=push, args=(a, ma, 300))
+    pusher.start()
+    arena, me = open_job(job), os.getpid()
+    try:
+        while pusher.is_alive():
+            arena.pause(me, _native.proc_start_time(me), 5.0)
+            arena.resume()
+    finally:
+        arena.close()
+    pusher.join()
+    h = header(job)
+    assert h["clock"] == clock + 300 and h["staleness_avg"] < h["staleness_held"]
+    assert h["staleness_held"] == pytest.approx(held * (1 - 1 / 1024) ** 300, rel=1e-9), "released under pauses"
+    for lrn in (a, c):
+        lrn.close()
+    served.stop()
+
+
 # (case, the server's flags, B's fresh updates before A's gradient, the lr A's gradient takes out of 0.1)
 ADAGRAD_CASES = [("young", [], 3, 0.1 / 4), ("last-young", [], 15, 0.1 / 16), ("grown", [], 16, 0.1),
                  ("off", ["--async-momentum", "off"], 3, 0.1), ("staleness-lr", ["--staleness-lr"], 3, 0.1 / 3)]
