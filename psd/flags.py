@@ -221,10 +221,10 @@ def _build() -> tuple[Flag, ...]:
                   "convergence matrix: docs/training.md)", "auto",
                   choices=OVERLAP, metavar="MODE", readme_default="`auto`"),
         _training("--async-momentum", "momentum / nesterov: auto takes the implicit momentum that asynchrony adds "
-                  "(estimated from the measured staleness; with several nodes exchanging every few updates, the whole "
-                  "job's) off --momentum, keeps as much of one process's gain as "
+                  "(estimated from the measured staleness, held when learners leave; with several nodes exchanging "
+                  "every few updates, the whole job's) off --momentum, keeps as much of one process's gain as "
                   "the measured sharpness allows, and near an edge (or unmeasured) damps the lr of a gradient "
-                  "staler than the mean; adagrad: auto divides the lr of the job's first 16 updates by 1 + the "
+                  "staler than that staleness; adagrad: auto divides the lr of the job's first 16 updates by 1 + the "
                   "gradient's staleness (not with --staleness-lr); off applies --momentum and the lr as given, as "
                   "torch.optim", "auto",
                   choices=async_momentum, metavar="MODE", readme_default="`auto`"),
