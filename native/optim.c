@@ -53,22 +53,25 @@ double psd_scheduled_lr(const struct psd_config *c, uint64_t t) {
     return lr;
 }
 
-/* The running mean of staleness in the header (staleness_avg_bits): what the loop started with, and
- * what psd status shows. */
-double psd_staleness_avg(const struct psd_header *h) {
-    uint64_t bits = PSD_LOAD_RLX(&h->staleness_avg_bits); /* only the update loop writes it */
+/* A staleness the update loop stored in the header as a double's bits, loaded relaxed (only the loop writes
+ * it); 0 where it is not a number in [0, 1e18). */
+static double stored_staleness(const _Atomic uint64_t *field) {
+    uint64_t bits = PSD_LOAD_RLX(field);
     double tau;
     memcpy(&tau, &bits, sizeof tau);
     return tau >= 0.0 && tau < 1e18 ? tau : 0.0;
 }
 
+/* The running mean of staleness in the header (staleness_avg_bits): what the loop started with, and
+ * what psd status shows. */
+double psd_staleness_avg(const struct psd_header *h) {
+    return stored_staleness(&h->staleness_avg_bits);
+}
+
 /* The staleness held since the job last lost a learner (staleness_held_bits; update.c note_learners says
- * why): what the loop started with, and what psd status shows; 0 for none. */
+ * why): what the loop started with; 0 for none. */
 double psd_staleness_held(const struct psd_header *h) {
-    uint64_t bits = PSD_LOAD_RLX(&h->staleness_held_bits); /* only the update loop writes it */
-    double held;
-    memcpy(&held, &bits, sizeof held);
-    return held >= 0.0 && held < 1e18 ? held : 0.0;
+    return stored_staleness(&h->staleness_held_bits);
 }
 
 /* The staleness the momentum rule reads (psd_async_rule): the running mean, or the held one where larger. */

@@ -73,8 +73,9 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-/* 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap
- * auto waits for momentum too; 11: auto waits but for momentum at 2+ slots;
+/* 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and
+ * node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap auto waits for
+ * momentum too; 11: auto waits but for momentum at 2+ slots;
  * 10: cfg_flags' overlap bits */
 #define PSD_LAYOUT_VERSION 14
 #define PSD_VERSION_LEN 24

@@ -99,14 +99,15 @@ static void count_applied(struct psd_map *m, struct psd_slot *s, const struct ps
     PSD_ADD_RLX(&h->staleness_hist[bucket < PSD_HIST_BUCKETS ? bucket : PSD_HIST_BUCKETS - 1], 1);
 }
 
-/* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads
- * (the loop's own copy), and show it in the header. */
+/* A double into a header field of its bits (the loop alone writes these; readers load them relaxed). */
 static void store_double(_Atomic uint64_t *field, double v) {
     uint64_t bits;
     memcpy(&bits, &v, sizeof bits);
     PSD_STORE_RLX(field, bits);
 }
 
+/* --async-momentum: fold this update's staleness into the running mean psd_async_momentum reads
+ * (the loop's own copy), decay a hold (note_learners), and show both in the header. */
 static void note_staleness(struct psd_loop *L, double staleness) {
     L->staleness_avg += (staleness - L->staleness_avg) / PSD_STALENESS_WINDOW;
     store_double(&psd_hdr(L->m)->staleness_avg_bits, L->staleness_avg); /* for psd status, the next server */

@@ -306,6 +306,22 @@ def test_async_momentum_auto_damps_a_gradient_staler_than_the_mean(job, serve, m
     served.stop()
 
 
+def push(lrn, loss, times: int = 1) -> None:
+    """``times`` steps of ``lrn`` on the gradient of ``loss()``, each applied before the next."""
+    for _ in range(times):
+        loss().backward()
+        lrn.step()
+        lrn.flush()
+
+
+def stale_rounds(a, loss_a, b, loss_b, rounds: int = 30) -> None:
+    """B's three fresh gradients, then A's computed three updates ago, ``rounds`` times: a running mean of
+    staleness near 0.7 (the hold tests' departure then holds it)."""
+    for _ in range(rounds):
+        push(b, loss_b, 3)
+        push(a, loss_a)
+
+
 def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
     """Under auto the momentum rule reads the running mean of staleness, or the mean it met when the job last
     lost a learner where that is larger (psd_rule_staleness): at a job's end its learners finish one after
@@ -322,23 +338,14 @@ def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
     a, b, c = (learner.attach(m, job=job) for m in models)
     ma, mb, mc = models
     x = torch.randn(2, 4)
-
-    def push(lrn, model, times=1):
-        for _ in range(times):
-            model(x).sum().backward()
-            lrn.step()
-            lrn.flush()
-
-    for _ in range(30):  # B's three fresh gradients, then A's computed three updates ago: a mean near 0.7
-        push(b, mb, 3)
-        push(a, ma)
+    stale_rounds(a, lambda: ma(x).sum(), b, lambda: mb(x).sum())
     h = header(job)
     avg = h["staleness_avg"]
     assert avg > 0.3 and h["staleness_held"] == 0.0
     b.close()  # a departure
     h = wait_until(lambda: (hh := header(job))["staleness_held"] > 0 and hh, what="the loop to see B leave")
     assert h["staleness_held"] == avg == h["staleness_avg"]  # the mean of that moment, held
-    push(a, ma, 64)  # A alone: 64 fresh gradients
+    push(a, lambda: ma(x).sum(), 64)  # A alone: 64 fresh gradients
     h = header(job)
     assert h["staleness_avg"] == pytest.approx(avg * (1 - 1 / 64) ** 64, rel=1e-9)
     assert h["staleness_held"] == pytest.approx(avg * (1 - 1 / 1024) ** 64, rel=1e-9)
@@ -346,7 +353,7 @@ def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
     ma(x).sum().backward()
     grads = {k: p.grad.clone() for k, p in ma.named_parameters()}
     c.pull()  # C has not pushed since it attached: fresh weights first
-    push(c, mc, 3)
+    push(c, lambda: mc(x).sum(), 3)
     tau = header(job)["staleness_held"]  # what the loop's rule reads at A's update
     before = learner.pull_state_dict(job)
     a.step()
@@ -379,16 +386,7 @@ def test_a_reaped_learner_holds_the_staleness_and_a_new_server_keeps_the_hold(jo
     ma, mb = models
     a, b = learner.attach(ma, job=job), learner.attach(mb, job=job)
     x = torch.randn(64)
-
-    def push(lrn, model, times=1):
-        for _ in range(times):
-            (model.w * x).sum().backward()
-            lrn.step()
-            lrn.flush()
-
-    for _ in range(30):
-        push(b, mb, 3)
-        push(a, ma)
+    stale_rounds(a, lambda: (ma.w * x).sum(), b, lambda: (mb.w * x).sum())
     h = header(job)
     avg = h["staleness_avg"]
     assert avg > 0.3 and h["staleness_held"] == 0.0
@@ -398,7 +396,7 @@ def test_a_reaped_learner_holds_the_staleness_and_a_new_server_keeps_the_hold(jo
     os.kill(old["server_pid"], signal.SIGKILL)
     wait_until(lambda: header(job)["generation"] == old["generation"] + 1, what="the watchdog's new server")
     a.pull()  # fresh weights: A's next gradient meets no update (staleness 0), under the held mean
-    push(a, ma)  # applied by the new server
+    push(a, lambda: (ma.w * x).sum())  # applied by the new server
     h = header(job)
     assert h["server_pid"] != old["server_pid"] and h["staleness_avg"] < h["staleness_held"]
     assert h["staleness_held"] == pytest.approx(avg * (1 - 1 / 1024), rel=1e-12)
@@ -420,22 +418,12 @@ def test_pauses_neither_hold_nor_release_the_staleness(job, serve):
     a, b, c = (learner.attach(m, job=job) for m in models)
     ma, mb, _ = models  # C stays attached, behind A in the pass, and pushes nothing
     x = torch.randn(2, 4)
-
-    def push(lrn, model, times=1, flush=True):
-        for _ in range(times):
-            model(x).sum().backward()
-            lrn.step()
-            if flush:
-                lrn.flush()
-
-    for _ in range(30):
-        push(b, mb, 3)
-        push(a, ma)
+    stale_rounds(a, lambda: ma(x).sum(), b, lambda: mb(x).sum())
     b.close()
     held = wait_until(lambda: header(job)["staleness_held"], what="the loop to see B leave")
     a.pull()
     clock = header(job)["clock"]
-    pusher = threading.Thread(target=push, args=(a, ma, 300))
+    pusher = threading.Thread(target=push, args=(a, lambda: ma(x).sum(), 300))
     pusher.start()
     arena, me = open_job(job), os.getpid()
     try:
