@@ -74,20 +74,10 @@ double psd_staleness_held(const struct psd_header *h) {
     return stored_staleness(&h->staleness_held_bits);
 }
 
-/* The staleness the momentum rule reads (psd_async_rule) at gain level `level` in [0, 1], from the running
- * mean and the staleness held since the job last lost a learner (update.c note_learners): the held one where
- * larger at level 0, the mean at level 1, between the two in between. The hold mends the staleness rule's
- * surge (a falling staleness raises its momentum several-fold); the gain-keeping rule keeps lr / (1 - mu)
- * whatever the staleness, so a fall makes no surge there, and a hold would only keep its explicit momentum
- * low while asynchrony's implicit momentum fades (benchmarks/results/matrix/README.md, "the hold at the
- * gain-keeping level"). */
-double psd_rule_tau(double mean, double held, double level) {
-    return held > mean ? mean + (1.0 - level) * (held - mean) : mean;
-}
-
-/* psd_rule_tau of the header's mean, hold and gain level. */
+/* The staleness the momentum rule reads (psd_async_rule): the running mean, or the held one where larger. */
 double psd_rule_staleness(const struct psd_header *h) {
-    return psd_rule_tau(psd_staleness_avg(h), psd_staleness_held(h), psd_gain_level(h));
+    double held = psd_staleness_held(h), tau = psd_staleness_avg(h);
+    return held > tau ? held : tau;
 }
 
 /* A double in [0, 1] the server steers (psd_layout.h: gain_level_bits, damping_bits), loaded relaxed; `outside`

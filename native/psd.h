@@ -517,10 +517,8 @@ double psd_adagrad_start_factor(const struct psd_config *c, uint64_t update, dou
 /* The running mean of staleness the update loop stored in the header (0 if it holds no valid one). */
 double psd_staleness_avg(const struct psd_header *h);
 /* The staleness held since the job last lost a learner (0 if none, or no valid one), and the one the
- * momentum rule reads at gain level `level`: the larger of the mean and the hold at level 0, the mean at
- * level 1, between them in between (psd_rule_tau; psd_rule_staleness: the header's three). */
+ * momentum rule reads: the larger of the two. */
 double psd_staleness_held(const struct psd_header *h);
-double psd_rule_tau(double mean, double held, double level);
 double psd_rule_staleness(const struct psd_header *h);
 /* One update of the configured optimizer with gradient g * gscale (n float32, or bfloat16 when
  * gdtype is PSD_DTYPE_BF16: widened a chunk at a time) and momentum `momentum` (momentum / nesterov:

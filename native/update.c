@@ -126,9 +126,8 @@ static void note_staleness(struct psd_loop *L, double staleness) {
  * where it trained at 0.98 (benchmarks/results/matrix/README.md, "the momentum rule's surge at a job's
  * tail"). So a departure holds the mean it met; the hold decays over PSD_STALENESS_HOLD updates (learners
  * that left for good let the momentum back up slowly) and ends when the running mean meets it, or when a
- * learner arrives (a restarted one, a new one). The rule reads the hold in full at gain level 0 only:
- * psd_rule_tau says why. */
-static double held_staleness(const struct psd_loop *L) {
+ * learner arrives (a restarted one, a new one). */
+static double rule_staleness(const struct psd_loop *L) {
     return L->staleness_held > L->staleness_avg ? L->staleness_held : L->staleness_avg;
 }
 
@@ -138,7 +137,7 @@ static double held_staleness(const struct psd_loop *L) {
  * leave the count as it was, and the rule as it was: the job has as many learners as before. */
 static void note_learners(struct psd_loop *L, uint32_t busy) {
     if (busy < L->learners)
-        L->staleness_held = held_staleness(L);
+        L->staleness_held = rule_staleness(L);
     else
         L->staleness_held = 0.0;
     L->learners = busy;
@@ -237,9 +236,9 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
         lr /= staleness;
     double mom = L->cfg.momentum;
     if (L->cfg.async_momentum == PSD_ASYNC_MOMENTUM_AUTO) {
-        double gain_lr, level = psd_gain_level(h);
-        double tau = psd_rule_tau(L->staleness_avg, L->staleness_held, level);
-        psd_async_rule(&L->cfg, tau, level, &mom, &gain_lr);
+        double gain_lr;
+        double tau = rule_staleness(L);
+        psd_async_rule(&L->cfg, tau, psd_gain_level(h), &mom, &gain_lr);
         double d = psd_damping(h);
         lr *= gain_lr * ((1.0 - d) + d * psd_async_lr_factor(&L->cfg, tau, staleness));
         lr *= psd_adagrad_start_factor(&L->cfg, t - 1, staleness);

@@ -116,7 +116,7 @@ del _name
 # What ``Arena.header()`` holds besides the layout's fields: values py_inspect.c derives (the version and failure
 # texts, the heartbeat's age, the mapping's size, the state vectors, whether learners wait for their own update
 # (--overlap), the current lr and momentum, the gain level and damping, the mean staleness, the staleness held
-# since the job last lost a learner and the one the momentum rule reads (psd_rule_tau), the histogram).
+# since the job last lost a learner and the one the momentum rule reads (the larger), the histogram).
 # Checked against the dict's keys at the first Header made (``_check_keys``).
 HEADER_DERIVED = ("psd_version", "fail_msg", "heartbeat_age_s", "mapped_size", "state_vectors",
                   "learners_wait_for_their_own", "lr_now", "momentum_now", "gain_level", "damping", "staleness_avg",

@@ -545,10 +545,8 @@ class Server:
         held = self._held.update(sharpness)
         seen = held is not None
         lr_sharpness = h["lr_now"] * held if seen else math.nan  # gain.level and gain.damping: unmeasured
-        # The staleness held when learners leave (update.c note_learners), as the job's. Not the rule's own
-        # (psd_rule_tau), which leans toward the running mean as the level rises: a level read from it would
-        # rise as the mean falls at a job's tail, and take the gain up with it.
-        tau = gain.node_staleness(max(h["staleness_avg"], h["staleness_held"]), h["nodes"], h["node_lag"])
+        # The staleness the loop's rule reads (psd_rule_staleness: held when learners leave), as the job's
+        tau = gain.node_staleness(h["staleness_rule"], h["nodes"], h["node_lag"])
         lvl = gain.level(lr_sharpness, mu, tau)
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements

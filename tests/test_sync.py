@@ -328,8 +328,8 @@ def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
     another and the mean falls, which would raise the momentum several-fold over the last updates. B's
     departure holds the mean of that moment; the hold decays by 1 - 1/1024 an update where the mean decays by
     1 - 1/64; an arrival releases it. Momentum 0 makes the rule's staleness visible in the step itself: the
-    damping of a gradient staler than it, lr x (1 + tau) / (1 + staleness) (as in the test above). At gain
-    level 0 the rule reads the hold; at level 0.5 half way from it to the running mean (psd_rule_tau)."""
+    damping of a gradient staler than it, lr x (1 + tau) / (1 + staleness) (as in the test above), at gain
+    level 0 and at 0.5: below level 1 a falling staleness raises the gain too, so the hold holds at every level."""
     served = serve(job, "--no-watchdog", "--learners", "4", "--optimizer", "momentum", "--momentum", "0",
                    "--lr", "0.5")
     torch.manual_seed(0)
@@ -352,7 +352,7 @@ def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
     assert h["staleness_held"] == pytest.approx(avg * (1 - 1 / 1024) ** 64, rel=1e-9)
     c.pull()  # C has not pushed since it attached: fresh weights first
     for level in (0.0, 0.5):
-        if level:  # the gain-keeping rule's way: the rule reads the hold less, the mean more (psd_rule_tau)
+        if level:  # the hold holds at every level (benchmarks/results/matrix/README.md, trial-hold-by-level)
             server_side = open_job(job)
             server_side.set_gain_level(level, 1.0)  # the server steers nothing at momentum 0
             server_side.close()
@@ -362,16 +362,16 @@ def test_the_momentum_rules_staleness_is_held_when_a_learner_leaves(job, serve):
         push(c, lambda: mc(x).sum(), 3)
         h = header(job)
         mean, held = h["staleness_avg"], h["staleness_held"]
-        tau = mean + (1 - level) * (held - mean)  # what the loop's rule reads at A's update
-        assert h["gain_level"] == level and h["staleness_rule"] == pytest.approx(tau, rel=1e-12)
+        tau = held  # what the loop's rule reads at A's update
+        assert h["gain_level"] == level and h["staleness_rule"] == tau
         before = learner.pull_state_dict(job)
         a.step()
         a.flush()
         after = learner.pull_state_dict(job)
         meta = a._arena.entry_meta(a.slot, a.pushed - 1)
         staleness = meta["applied_clock"] - meta["clock"]
-        assert staleness > held >= tau > mean and held - mean > 0.2  # the levels' damping differ by far more than 1e-5
-        for k in before:  # damped as from the rule's staleness, the held one at level 0, not the running mean
+        assert staleness > tau > mean + 0.2  # the damping from the mean would differ by far more than 1e-5
+        for k in before:  # damped as from the held staleness, not the running mean
             ulps = 4 * torch.finfo(torch.float32).eps * float(before[k].abs().max())  # the weights have grown
             assert torch.allclose(before[k] - after[k], 0.5 * (1 + tau) / (1 + staleness) * grads[k], rtol=1e-5,
                                   atol=ulps), k
