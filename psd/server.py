@@ -547,15 +547,20 @@ class Server:
         lr_sharpness = h["lr_now"] * held if seen else math.nan  # gain.level and gain.damping: unmeasured
         # The staleness the loop's rule reads (psd_rule_staleness: held when learners leave), as the job's
         tau = gain.node_staleness(h["staleness_rule"], h["nodes"], h["node_lag"])
-        lvl = gain.level(lr_sharpness, mu, tau)
+        # Measured before the loop met any staleness: gain.level says 0 at tau 0, and the next poll is 0.1 s
+        # away, hundreds of updates in a small job (the embeddings of the convergence matrix ran a third of
+        # their 1,000 updates at level 0 so, momentum 0.5 where the level gave 0.89). Until some staleness is
+        # measured, the level is taken at the staleness the live learners bring in turn: each gradient
+        # meets the others' updates, one each (more than the mean they measure: the safer side).
+        lvl = gain.level(lr_sharpness, mu, tau if tau > 0 else float(max(0, len(sharpness) - 1)))
         # The first measurement sets it (the learners measure densely at first: steps 1, 2, 4, ..., 32); after
         # that it falls at once, and rises by at most gain.RISE an update: a loss sharpens between measurements
         last = 0.0 if math.isnan(self._gain_level) else self._gain_level
         if self._measured:
             lvl = min(lvl, last + gain.RISE * max(0, h["clock"] - self._gain_clock))
-        # Without staleness yet (the first updates) the rule applies the configured momentum at any level, and
-        # gain.level says 0: the first level is set by the first measurement that meets some staleness (the
-        # job's: several nodes' lag counts before this node's own learners meet any).
+        # Without staleness yet (the first updates) the rule applies the configured momentum at any level: the
+        # level set above from the learners' number is set again, up or down, by the first measurement that
+        # meets some staleness (the job's: several nodes' lag counts before this node's own learners meet any).
         self._measured = self._measured or (seen and tau > 0)
         self._gain_clock = h["clock"]
         damping = gain.damping(lr_sharpness, mu, tau)
