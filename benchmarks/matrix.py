@@ -133,7 +133,7 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
                 [sys.executable, "-m", "psd.cli", "run", "--job", f"{job}-{r}", "--learners", str(learners),
                  "--nnodes", str(nodes), "--node-rank", str(r), "--master-port", str(port), "--checkpoint-every",
                  "0", "-q", *_server_flags(opt, lr, sync, flags), "--", *_learner_cmd(workload, seed, w)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(nodes)]
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for r in range(nodes)]
             outs = []
             for p in procs:
                 out, err = p.communicate(timeout=3600)
@@ -166,9 +166,11 @@ def serving(job: str, workload: str, opt: str, learners: int, sync: str, seed: i
     from psd.arena import wait_for_job
 
     w = WORKLOADS[workload]
+    # In this tree: `python -m` puts the working directory first on the path, and a server started from
+    # another checkout would run that checkout's psd (benchmarks/matrix_ab.py compares two trees)
     server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--quiet", "--job", job, "--learners",
                                str(learners), *_server_flags(opt, w["lr"][opt], sync, flags)], env=env,
-                              stderr=server_stderr, text=True)
+                              stderr=server_stderr, text=True, cwd=ROOT)
     try:
         wait_for_job(job, timeout=60, server_pid=server.pid)
         yield [start([*_learner_cmd(workload, seed, w), "--job", job, "--rank", str(r), "--world", str(learners)],

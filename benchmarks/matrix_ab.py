@@ -1,12 +1,14 @@
-"""One convergence-matrix cell from the tree this interpreter imports psd from, at seeds 0-2: its gap per seed.
+"""One convergence-matrix cell run by the psd of this script's tree, at seeds 0-2: its gap per seed.
 
-    for t in /work/a /work/b; do $t/.venv/bin/python benchmarks/matrix_ab.py embed momentum 2; done
+    for t in /work/a /work/b; do $t/.venv/bin/python $t/benchmarks/matrix_ab.py embed momentum 2; done
 
 Two builds of psd compared in turn, round after round on the same machine (an A/B): the matrix's runs of
 one build spread by several points between runs (the LM, the embeddings), and runs taken hours apart at
 another load read differently, so a change is judged on interleaved rounds, not on a matrix run against an
-old one. Each line printed is JSON: the tree, the cell, the gaps (points of accuracy, or % of loss for the
-LM) against the baselines recorded in benchmarks/results/matrix/matrix.jsonl.
+old one. Run each tree's script with that tree's own interpreter (its virtual environment): the server starts
+in the script's tree (benchmarks/matrix.py), the learners import the interpreter's psd. Each line printed is
+JSON: the tree, the cell, the gaps (points of accuracy, or % of loss for the LM) against the baselines
+recorded in benchmarks/results/matrix/matrix.jsonl.
 """
 
 from __future__ import annotations

@@ -205,6 +205,12 @@ def _load_initial_weights(path: str) -> tuple[list[ParamSpec], dict]:
     return spec, tensors
 
 
+# While an --async-momentum auto job waits for its first measured gain level: the server looks this often
+# (seconds), for at most the window after its first look (Server.next_poll_s).
+FIRST_LEVEL_POLL_S = 0.005
+FIRST_LEVEL_WINDOW_S = 10.0
+
+
 class Server:
     """One job's server. ``start()``, then ``run(stop_event)`` or ``poll()`` in a loop, then ``stop()``."""
 
@@ -224,6 +230,7 @@ class Server:
         self._held = gain.SharpnessHold()  # the learners' readings' decaying maximum
         self._damping = math.nan  # the damping of staler-than-mean gradients last set (psd/gain.py damping)
         self._measured = False  # whether a learner's measurement has set the level yet
+        self._steer_since: float | None = None  # when this server first steered the level (monotonic)
         self._ignored: dict[int, int] = {}  # slot -> stale-token entries last seen
         self._offer_since: float | None = None  # when an offerer /proc cannot judge was first seen
         self._stopped = False
@@ -542,6 +549,8 @@ class Server:
         if (ASYNC_MOMENTUM[h["async_momentum"]] != "auto" or OPTIMIZERS[h["optimizer"]] not in ("momentum", "nesterov")
                 or not 0 < mu < 1):
             return
+        if self._steer_since is None:
+            self._steer_since = time.monotonic()
         held = self._held.update(sharpness)
         seen = held is not None
         lr_sharpness = h["lr_now"] * held if seen else math.nan  # gain.level and gain.damping: unmeasured
@@ -571,11 +580,23 @@ class Server:
             self._gain_level = lvl
             self._damping = damping
 
+    def next_poll_s(self) -> float:
+        """Seconds to the next poll: ``poll_interval``, or ``FIRST_LEVEL_POLL_S`` while an --async-momentum auto
+        job waits for its first measured gain level, for at most ``FIRST_LEVEL_WINDOW_S`` from the first look
+        (a job without a closure measures nothing). Until then the update loop runs at level 0 and under all
+        of the damping, and 0.1 s is hundreds of updates of a small job: the convergence matrix's embeddings
+        ran their first 175-330 of 1,000 so and lost 3-7 points of accuracy (0 to -1 with this;
+        benchmarks/results/matrix/README.md, "the first tenth of a second")."""
+        if (self._steer_since is not None and not self._measured
+                and time.monotonic() - self._steer_since < FIRST_LEVEL_WINDOW_S):
+            return min(self.config.poll_interval, FIRST_LEVEL_POLL_S)
+        return self.config.poll_interval
+
     def run(self, stop: Stop) -> None:
         """Supervise until ``stop`` is set."""
         while not stop.is_set():
             self.poll()
-            stop.wait(self.config.poll_interval)
+            stop.wait(self.next_poll_s())
 
     def _drain(self, a: _native.Arena, timeout: float) -> None:
         """Apply what learners had pushed when the stop came (they may go on pushing), for at most ``timeout``

@@ -179,7 +179,8 @@ def test_a_measurement_before_any_staleness_sets_the_level_at_the_learners_numbe
     says 0; the server's next look is 0.1 s later, hundreds of updates in a small job, which ran them at
     level 0 (a third of the matrix's embeddings job). So with no staleness measured yet the server takes the
     level at the staleness its live learners bring in turn, one update each of the others': here 1 (two
-    learners), far from any edge at lr 0.001, level > 0 while the mean staleness is still 0."""
+    learners), far from any edge at lr 0.001, level > 0 while the mean staleness is still 0; and until that
+    first level it looks every 5 ms, so the level comes within the job's first updates."""
     # --overlap off: a learner waits for its own update, so A alone (B attached, idle) meets no staleness
     served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001", "--overlap", "off")
     torch.manual_seed(0)
@@ -196,6 +197,9 @@ def test_a_measurement_before_any_staleness_sets_the_level_at_the_learners_numbe
         h = steer(ps, closure, lambda h: h["gain_level"] > 0, timeout=30)
         assert h["staleness_avg"] == 0.0 and h["staleness_held"] == 0.0
         assert h["momentum_now"] == 0.9  # no staleness: the configured momentum, at any level
+        # and at once: the server looks every 5 ms until the first level is measured (Server.next_poll_s), where
+        # a look every 0.1 s set it at update 250-279 of this job (2-4 now)
+        assert h["clock"] <= 100, f"the level came at update {h['clock']}"
     served.stop()
 
 
