@@ -585,7 +585,7 @@ class Server:
         job waits for its first measured gain level, for at most ``FIRST_LEVEL_WINDOW_S`` from the first look
         (a job without a closure measures nothing). Until then the update loop runs at level 0 and under all
         of the damping, and 0.1 s is hundreds of updates of a small job: the convergence matrix's embeddings
-        ran their first 175-330 of 1,000 so and lost 3-7 points of accuracy (0 to -1 with this;
+        ran their first 175-330 of 1,000 so and lost 3-7 points of accuracy (-0.8 to +0.6 with this;
         benchmarks/results/matrix/README.md, "the first tenth of a second")."""
         if (self._steer_since is not None and not self._measured
                 and time.monotonic() - self._steer_since < FIRST_LEVEL_WINDOW_S):

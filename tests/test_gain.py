@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -174,15 +175,9 @@ def steer(ps, closure, until, timeout: float = 60.0, report=None) -> dict:
         assert time.monotonic() < deadline, f"the gain level stayed {h['gain_level']} ({h['staleness_avg']=})"
 
 
-def test_a_measurement_before_any_staleness_sets_the_level_at_the_learners_number(job, serve):
-    """A learner measures at its first steps, before the update loop has met any staleness, where gain.level
-    says 0; the server's next look is 0.1 s later, hundreds of updates in a small job, which ran them at
-    level 0 (a third of the matrix's embeddings job). So with no staleness measured yet the server takes the
-    level at the staleness its live learners bring in turn, one update each of the others': here 1 (two
-    learners), far from any edge at lr 0.001, level > 0 while the mean staleness is still 0; and until that
-    first level it looks every 5 ms, so the level comes within the job's first updates."""
-    # --overlap off: a learner waits for its own update, so A alone (B attached, idle) meets no staleness
-    served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001", "--overlap", "off")
+def least_squares() -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """A Linear(8, 1) and torch.optim's closure of its least-squares loss on one fixed batch (seed 0): at lr
+    0.001 far below any edge of stability."""
     torch.manual_seed(0)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     model = torch.nn.Linear(8, 1)
@@ -193,6 +188,19 @@ def test_a_measurement_before_any_staleness_sets_the_level_at_the_learners_numbe
         loss.backward()
         return loss
 
+    return model, closure
+
+
+def test_a_measurement_before_any_staleness_sets_the_level_at_the_learners_number(job, serve):
+    """A learner measures at its first steps, before the update loop has met any staleness, where gain.level
+    says 0; the server's next look is 0.1 s later, hundreds of updates in a small job, which ran them at
+    level 0 (a third of the matrix's embeddings job). So with no staleness measured yet the server takes the
+    level at the staleness its live learners bring in turn, one update each of the others': here 1 (two
+    learners), far from any edge at lr 0.001, level > 0 while the mean staleness is still 0; and until that
+    first level it looks every 5 ms, so the level comes within the job's first updates."""
+    # --overlap off: a learner waits for its own update, so A alone (B attached, idle) meets no staleness
+    served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001", "--overlap", "off")
+    model, closure = least_squares()
     with learner.attach(model, job=job) as ps, learner.attach(torch.nn.Linear(8, 1), job=job):
         h = steer(ps, closure, lambda h: h["gain_level"] > 0, timeout=30)
         assert h["staleness_avg"] == 0.0 and h["staleness_held"] == 0.0
@@ -206,16 +214,7 @@ def test_a_measurement_before_any_staleness_sets_the_level_at_the_learners_numbe
 def test_a_server_keeps_the_gain_a_learners_measured_sharpness_allows_and_shrugs_off_junk(job, serve):
     # --overlap on: the one learner's gradients meet staleness (off, one learner meets none)
     served = serve(job, "--learners", "2", "--optimizer", "momentum", "--lr", "0.001", "--overlap", "on")
-    torch.manual_seed(0)
-    x, y = torch.randn(16, 8), torch.randn(16, 1)
-    model = torch.nn.Linear(8, 1)
-
-    def closure() -> torch.Tensor:
-        model.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        return loss
-
+    model, closure = least_squares()
     with learner.attach(model, job=job) as ps:
         ps.sharpness.every = 5
         assert arena_header(job)["damping"] == 1.0  # all of it until the job is measured
