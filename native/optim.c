@@ -30,6 +30,7 @@ struct step_scalars {
     float neg_step_size, bc2_sqrt, decay_mul, neg_clr;
     float gscale;
     int first; /* the momentum buffer starts as the first gradient */
+    int squares_taken; /* Adagrad: the state already holds this update's squares (psd_adagrad_take) */
 };
 
 double psd_scheduled_lr(const struct psd_config *c, uint64_t t) {
@@ -384,7 +385,8 @@ PSD_KERNEL static uint32_t adam_range(const struct step_scalars *k, int decouple
 #undef PSD_ADAM
 }
 
-PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, float *restrict w,
+/* taken: the state already holds the squares (kasync, psd_adagrad_take); the step reads it and adds none. */
+PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, const int taken, float *restrict w,
                                  const float *restrict g, float *restrict sum, uint64_t lo, uint64_t hi) {
     const float gs = k->gscale, wd = k->wd, neg_clr = k->neg_clr, eps = k->eps;
     uint32_t bad = 0;
@@ -392,8 +394,9 @@ PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, 
         float d = psd_take1(g[i], &bad) * gs;
         if (wd_on)
             d = fmaf(wd, w[i], d);
-        float s = sum[i] + d * d;
-        sum[i] = s;
+        float s = taken ? sum[i] : sum[i] + d * d;
+        if (!taken)
+            sum[i] = s;
         w[i] = w[i] + neg_clr * (d / (sqrtf(s) + eps));
     }
     return bad;
@@ -401,7 +404,31 @@ PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, 
 
 PSD_KERNEL static uint32_t adagrad_range(const struct step_scalars *k, float *restrict w, const float *restrict g,
                                          float *restrict sum, uint64_t lo, uint64_t hi) {
-    return k->wd != 0.0f ? adagrad_body(k, 1, w, g, sum, lo, hi) : adagrad_body(k, 0, w, g, sum, lo, hi);
+#define PSD_ADAGRAD(d, t) adagrad_body(k, d, t, w, g, sum, lo, hi)
+    if (k->squares_taken)
+        return k->wd != 0.0f ? PSD_ADAGRAD(1, 1) : PSD_ADAGRAD(0, 1);
+    return k->wd != 0.0f ? PSD_ADAGRAD(1, 0) : PSD_ADAGRAD(0, 0);
+#undef PSD_ADAGRAD
+}
+
+uint32_t psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, uint64_t n, int first) {
+    float wide[PSD_CHUNK];
+    uint32_t bad = 0;
+    for (uint64_t lo = 0; lo < n; lo += PSD_CHUNK) {
+        uint64_t len = n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK;
+        const float *src = (const float *)g + lo;
+        if (gdtype == PSD_DTYPE_BF16) { /* widened (and taken) first: each value read once */
+            bad |= psd_take_finite_bf16(wide, (const uint16_t *)g + lo, len);
+            src = wide;
+        }
+        float *restrict a = acc + lo, *restrict s = sum + lo;
+        for (uint64_t i = 0; i < len; i++) {
+            float d = psd_take1(src[i], &bad);
+            a[i] = first ? d : a[i] + d;
+            s[i] = s[i] + d * d;
+        }
+    }
+    return bad;
 }
 
 static uint32_t step_range(const struct psd_config *c, const struct step_scalars *k, float *w, const float *g,
@@ -457,6 +484,7 @@ void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, c
     k.mom = (float)momentum;
     k.one_minus_damp = (float)(1.0 - c->dampening);
     k.first = t == 1;
+    k.squares_taken = (c->cfg_flags & PSD_CFG_LOOP_SQUARES_TAKEN) != 0;
     k.b1_weight = (float)(1.0 - c->beta1);
     k.b2 = (float)c->beta2;
     k.one_minus_b2 = (float)(1.0 - c->beta2);
@@ -597,15 +625,20 @@ void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct
         PSD_ADD_RLX(nonfinite, bad);
 }
 
-void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite) {
+void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, float *squares,
+                    _Atomic uint64_t *nonfinite) {
     uint64_t nnz = sparse_count_within(span, len, row_len), rows = len / row_len;
     uint32_t bad = 0;
     const float *v = sparse_values(span, nnz);
     for (uint64_t k = 0; k < nnz; k++) {
         uint64_t r = (uint64_t)sparse_row(span, k);
         float *row = acc + r * row_len;
-        for (uint64_t j = 0; r < rows && j < row_len; j++)
-            row[j] += sparse_value(v, k * row_len + j, &bad);
+        for (uint64_t j = 0; r < rows && j < row_len; j++) {
+            float x = sparse_value(v, k * row_len + j, &bad); /* read once: the sum and the square agree */
+            row[j] += x;
+            if (squares)
+                squares[r * row_len + j] += x * x;
+        }
     }
     if (bad && nonfinite)
         PSD_ADD_RLX(nonfinite, bad);

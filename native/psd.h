@@ -539,8 +539,19 @@ int64_t psd_sparse_rows(const void *span, uint64_t cap, uint64_t rows, uint64_t 
 void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct psd_config *c, float *w,
                      const void *span, uint64_t len, uint64_t row_len, float gscale, float *s0, double lr,
                      uint64_t t, _Atomic uint64_t *nonfinite);
-/* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows. */
-void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, _Atomic uint64_t *nonfinite);
+/* acc (a tensor of len elements, rows of row_len) += the sparse piece's rows; where `squares` is not NULL
+ * (kasync with Adagrad: psd_adagrad_take), squares += each value squared, row by row. */
+void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, float *squares,
+                    _Atomic uint64_t *nonfinite);
+/* kasync with Adagrad: one gradient of a round taken into the round's sum and its squares into Adagrad's
+ * state, `n` float32 (or bfloat16, gdtype) values each read once: acc = g (first) or acc + g; sum += g^2.
+ * One process takes K steps, each adding its own gradient's square; the round's update (with
+ * PSD_CFG_LOOP_SQUARES_TAKEN) then adds no square of the sum, which would count K correlated gradients
+ * K times over. Nonzero if any value was not finite (it is taken as 0). */
+uint32_t psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, uint64_t n, int first);
+/* A flag of the update loop's own copy of the configuration, never stored in an arena (psd_layout.h's
+ * PSD_CFG_* are): the Adagrad update being applied finds its squares already in the state. */
+#define PSD_CFG_LOOP_SQUARES_TAKEN (1u << 31)
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, uint64_t hi, double staleness);
 

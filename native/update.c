@@ -160,7 +160,7 @@ static bool dense_gradient(struct psd_loop *L, const float *span, const struct p
         L->dense_len = pg->len;
     }
     memset(L->dense, 0, pg->len * sizeof *L->dense);
-    psd_sparse_add(L->dense, span, pg->len, pg->row_len, &L->nonfinite);
+    psd_sparse_add(L->dense, span, pg->len, pg->row_len, NULL, &L->nonfinite);
     return true;
 }
 
@@ -275,12 +275,19 @@ static void copy_beating(struct psd_loop *L, float *dst, const void *src, uint32
         PSD_ADD_RLX(&L->nonfinite, bad);
 }
 
+/* Whether a round's gradients put their squares into Adagrad's state as they come (kasync, where each
+ * gradient is one process's step: psd_adagrad_take), the round's update then adding none. */
+static bool squares_as_taken(const struct psd_config *c) {
+    return c->sync_mode == PSD_SYNC_KASYNC && c->optimizer == PSD_OPT_ADAGRAD;
+}
+
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
  * a tensor's first gradient of the round replaces what the sum held. */
 static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     float *acc = psd_accumulator(m);
+    float *squares = squares_as_taken(&L->cfg) ? psd_state(m, 0) : NULL;
     uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
     for (uint64_t k = 0; k < L->n_pieces; k++) {
         const struct psd_piece_geom *pg = &L->pieces[k];
@@ -288,7 +295,18 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         bool first = ps->round != mark;
         bool dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
         uint32_t dtype = map[k] == PSD_PIECE_DENSE_BF16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
-        if (dense && first)
+        if (dense && squares) {
+            uint32_t bad = 0;
+            for (uint64_t lo = 0; lo < pg->len; lo += PSD_CHUNK) { /* a bfloat16 span starts where a float32 one would */
+                uint64_t len = pg->len - lo < PSD_CHUNK ? pg->len - lo : PSD_CHUNK;
+                const void *src = dtype == PSD_DTYPE_BF16 ? (const void *)((const uint16_t *)(g + pg->off) + lo)
+                                                          : (const void *)(g + pg->off + lo);
+                bad |= psd_adagrad_take(acc + pg->off + lo, squares + pg->off + lo, src, dtype, len, first);
+                psd_beat(&L->beat);
+            }
+            if (bad)
+                PSD_ADD_RLX(&L->nonfinite, bad);
+        } else if (dense && first)
             copy_beating(L, acc + pg->off, g + pg->off, dtype, pg->len);
         else if (dense) /* acc += g */
             psd_apply_sgd(acc + pg->off, g + pg->off, dtype, pg->len, -1.0f, (int)L->threads, &L->beat,
@@ -296,7 +314,8 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         if (map[k] == PSD_PIECE_SPARSE) {
             if (first)
                 memset(acc + pg->off, 0, pg->len * sizeof(float));
-            psd_sparse_add(acc + pg->off, g + pg->off, pg->len, pg->row_len, &L->nonfinite);
+            psd_sparse_add(acc + pg->off, g + pg->off, pg->len, pg->row_len, squares ? squares + pg->off : NULL,
+                           &L->nonfinite);
         }
         if (map[k] != PSD_PIECE_ABSENT)
             ps->round = mark;
@@ -346,7 +365,10 @@ static void finish_round(struct psd_loop *L) {
         for (uint64_t k = 0; k < L->n_pieces; k++)
             L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
         float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
+        if (squares_as_taken(&L->cfg))
+            L->cfg.cfg_flags |= PSD_CFG_LOOP_SQUARES_TAKEN;
         update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness);
+        L->cfg.cfg_flags &= ~PSD_CFG_LOOP_SQUARES_TAKEN;
     }
     PSD_STORE_RLX(&h->acc_count, 0);
     PSD_STORE_RLX(&h->acc_members, 0);

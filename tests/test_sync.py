@@ -184,6 +184,39 @@ def test_grouped_updates_match_the_reference(job, serve, flags, groups, clock, r
     served.stop()
 
 
+def test_kasync_adagrad_takes_each_gradients_square(job, serve):
+    """kasync:3 with Adagrad: each gradient is one process's step, so Adagrad's sum takes each gradient's
+    square (as three steps of one process would), not the square of the three's sum, which counts
+    correlated gradients up to three times over and shrinks every later step."""
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", "--optimizer", "adagrad",
+                   "--sync", "kasync:3")
+    model, x, y = linear_problem()
+    with learner.attach(model, job=job) as ps:
+        run_steps(ps, model, x, y, 6)
+        assert ps.clock == 2
+        ours = learner.pull_state_dict(job)
+    ref, i = linear_problem()[0], 0
+    sums = [torch.zeros_like(p) for p in ref.parameters()]
+    squared_sum = [torch.zeros_like(p) for p in ref.parameters()]  # what summing the squares of the sum gives
+    for _ in range(2):
+        grads = []
+        for _ in range(3):
+            ref.zero_grad()
+            torch.nn.functional.mse_loss(ref(x[i:i + 2]), y[i:i + 2]).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+            i += 1
+        with torch.no_grad():
+            for j, p in enumerate(ref.parameters()):
+                g = sum(gr[j] for gr in grads)
+                sums[j] += sum(gr[j] ** 2 for gr in grads)
+                squared_sum[j] += g ** 2
+                p -= 0.1 * g / (sums[j].sqrt() + 1e-10)
+    for (k, v), s, q in zip(ref.state_dict().items(), sums, squared_sum, strict=True):
+        assert not torch.allclose(s, q, rtol=1e-3), k  # the two rules differ on this problem
+        assert torch.allclose(ours[k], v, rtol=1e-5, atol=1e-6), k
+    served.stop()
+
+
 @pytest.mark.parametrize("flags", [["--sync", "kasync:3"], ["--sync", "asp"], ["--sync", "bsp"]])
 def test_a_step_without_gradients_is_no_update(job, serve, flags):
     """A step that carries no gradient (every p.grad None: a framework's step after a skipped backward) is no
