@@ -385,7 +385,8 @@ PSD_KERNEL static uint32_t adam_range(const struct step_scalars *k, int decouple
 #undef PSD_ADAM
 }
 
-/* taken: the state already holds the squares (kasync, psd_adagrad_take); the step reads it and adds none. */
+/* taken: the state already holds the squares (kasync, psd_adagrad_take) and g the weight decay of each of
+ * its gradients; the step reads the state and adds neither. */
 PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, const int taken, float *restrict w,
                                  const float *restrict g, float *restrict sum, uint64_t lo, uint64_t hi) {
     const float gs = k->gscale, wd = k->wd, neg_clr = k->neg_clr, eps = k->eps;
@@ -406,29 +407,50 @@ PSD_KERNEL static uint32_t adagrad_range(const struct step_scalars *k, float *re
                                          float *restrict sum, uint64_t lo, uint64_t hi) {
 #define PSD_ADAGRAD(d, t) adagrad_body(k, d, t, w, g, sum, lo, hi)
     if (k->squares_taken)
-        return k->wd != 0.0f ? PSD_ADAGRAD(1, 1) : PSD_ADAGRAD(0, 1);
+        return PSD_ADAGRAD(0, 1);
     return k->wd != 0.0f ? PSD_ADAGRAD(1, 0) : PSD_ADAGRAD(0, 0);
 #undef PSD_ADAGRAD
 }
 
-uint32_t psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, uint64_t n, int first) {
-    float wide[PSD_CHUNK];
+
+/* psd_adagrad_take's body over [lo, hi) of float32 values (a bfloat16 chunk widened first): each value of g read
+ * once, with the weight decay a step of one process adds to its gradient. */
+PSD_KERNEL static uint32_t adagrad_take_range(float *restrict acc, float *restrict sum, const float *restrict g,
+                                              const float *restrict w, float wd, int first, uint64_t lo,
+                                              uint64_t hi) {
     uint32_t bad = 0;
-    for (uint64_t lo = 0; lo < n; lo += PSD_CHUNK) {
-        uint64_t len = n - lo < PSD_CHUNK ? n - lo : PSD_CHUNK;
-        const float *src = (const float *)g + lo;
-        if (gdtype == PSD_DTYPE_BF16) { /* widened (and taken) first: each value read once */
-            bad |= psd_take_finite_bf16(wide, (const uint16_t *)g + lo, len);
-            src = wide;
-        }
-        float *restrict a = acc + lo, *restrict s = sum + lo;
-        for (uint64_t i = 0; i < len; i++) {
-            float d = psd_take1(src[i], &bad);
-            a[i] = first ? d : a[i] + d;
-            s[i] = s[i] + d * d;
-        }
+    for (uint64_t i = lo; i < hi; i++) {
+        float d = psd_take1(g[i], &bad);
+        if (wd != 0.0f)
+            d = fmaf(wd, w[i], d);
+        acc[i] = first ? d : acc[i] + d;
+        sum[i] = sum[i] + d * d;
     }
     return bad;
+}
+
+struct take_args {
+    float *acc, *sum;
+    const void *g;
+    uint32_t gdtype;
+    const float *w;
+    float wd;
+    int first;
+};
+
+static uint32_t take_item(const void *ctx, uint64_t lo, uint64_t hi) {
+    const struct take_args *a = ctx;
+    if (a->gdtype != PSD_DTYPE_BF16)
+        return adagrad_take_range(a->acc, a->sum, a->g, a->w, a->wd, a->first, lo, hi);
+    float wide[PSD_CHUNK];
+    uint32_t bad = psd_take_finite_bf16(wide, (const uint16_t *)a->g + lo, hi - lo);
+    return bad | adagrad_take_range(a->acc + lo, a->sum + lo, wide, a->w + lo, a->wd, a->first, 0, hi - lo);
+}
+
+void psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, const float *w, double weight_decay,
+                      uint64_t n, int first, int threads, struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
+    const struct take_args a = {acc, sum, g, gdtype, w, (float)weight_decay, first};
+    run_chunks(n, threads, beat, nonfinite, take_item, &a);
 }
 
 static uint32_t step_range(const struct psd_config *c, const struct step_scalars *k, float *w, const float *g,

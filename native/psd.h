@@ -543,12 +543,16 @@ void psd_sparse_step(struct psd_rowlog_writer *log, uint64_t piece, const struct
  * (kasync with Adagrad: psd_adagrad_take), squares += each value squared, row by row. */
 void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len, float *squares,
                     _Atomic uint64_t *nonfinite);
-/* kasync with Adagrad: one gradient of a round taken into the round's sum and its squares into Adagrad's
- * state, `n` float32 (or bfloat16, gdtype) values each read once: acc = g (first) or acc + g; sum += g^2.
- * One process takes K steps, each adding its own gradient's square; the round's update (with
- * PSD_CFG_LOOP_SQUARES_TAKEN) then adds no square of the sum, which would count K correlated gradients
- * K times over. Nonzero if any value was not finite (it is taken as 0). */
-uint32_t psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, uint64_t n, int first);
+/* kasync with Adagrad: one gradient of a round taken into the round's sum and its square into Adagrad's
+ * state, `n` float32 (or bfloat16, gdtype) values each read once, with the weight decay a step of one
+ * process adds (the weights w do not move within a round): d = g + weight_decay * w; acc = d (first) or
+ * acc + d; sum += d^2. One process takes K steps, each adding its own gradient's square; the round's
+ * update (with PSD_CFG_LOOP_SQUARES_TAKEN) then adds no square and no decay, so a step stays within
+ * sqrt(K) x the lr (the square of the sum counted K correlated gradients up to K times over). Runs on
+ * `threads` as psd_optimizer_step does, beating `beat`; a non-finite value is taken as 0 and counted in
+ * *nonfinite. */
+void psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, const float *w, double weight_decay,
+                      uint64_t n, int first, int threads, struct psd_beat *beat, _Atomic uint64_t *nonfinite);
 /* A flag of the update loop's own copy of the configuration, never stored in an arena (psd_layout.h's
  * PSD_CFG_* are): the Adagrad update being applied finds its squares already in the state. */
 #define PSD_CFG_LOOP_SQUARES_TAKEN (1u << 31)

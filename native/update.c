@@ -295,18 +295,10 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         bool first = ps->round != mark;
         bool dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
         uint32_t dtype = map[k] == PSD_PIECE_DENSE_BF16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
-        if (dense && squares) {
-            uint32_t bad = 0;
-            for (uint64_t lo = 0; lo < pg->len; lo += PSD_CHUNK) { /* a bfloat16 span starts where a float32 one would */
-                uint64_t len = pg->len - lo < PSD_CHUNK ? pg->len - lo : PSD_CHUNK;
-                const void *src = dtype == PSD_DTYPE_BF16 ? (const void *)((const uint16_t *)(g + pg->off) + lo)
-                                                          : (const void *)(g + pg->off + lo);
-                bad |= psd_adagrad_take(acc + pg->off + lo, squares + pg->off + lo, src, dtype, len, first);
-                psd_beat(&L->beat);
-            }
-            if (bad)
-                PSD_ADD_RLX(&L->nonfinite, bad);
-        } else if (dense && first)
+        if (dense && squares) /* a bfloat16 span starts where a float32 one would */
+            psd_adagrad_take(acc + pg->off, squares + pg->off, g + pg->off, dtype, psd_weights(m) + pg->off,
+                             L->cfg.weight_decay, pg->len, first, (int)L->threads, &L->beat, &L->nonfinite);
+        else if (dense && first)
             copy_beating(L, acc + pg->off, g + pg->off, dtype, pg->len);
         else if (dense) /* acc += g */
             psd_apply_sgd(acc + pg->off, g + pg->off, dtype, pg->len, -1.0f, (int)L->threads, &L->beat,
@@ -804,14 +796,15 @@ static void loop_free(struct psd_loop *L) {
     free(L);
 }
 
-/* Copy the header's configuration into L as one unit and check it: known optimizer, sync mode and
+/* Copy the header's configuration into L as one unit and check it: known flags, optimizer, sync mode and
  * schedule, and the state vectors the arena was grown with. */
 static bool take_config(struct psd_loop *L, const struct psd_map *m) {
     const struct psd_config *cfg = &L->cfg;
     L->cfg = psd_hdr(m)->cfg; /* written before the loop starts, never after: one copy */
     L->staleness_avg = psd_staleness_avg(psd_hdr(m)); /* the last server's running mean */
     L->staleness_held = psd_staleness_held(psd_hdr(m)); /* and its hold, which goes on */
-    return cfg->async_momentum <= PSD_ASYNC_MOMENTUM_AUTO && cfg->optimizer <= PSD_OPT_ADAGRAD &&
+    return !(cfg->cfg_flags & ~PSD_CFG_KNOWN) && cfg->async_momentum <= PSD_ASYNC_MOMENTUM_AUTO &&
+           cfg->optimizer <= PSD_OPT_ADAGRAD &&
            cfg->sync_mode <= PSD_SYNC_KASYNC && cfg->schedule <= PSD_SCHED_COSINE &&
            psd_state_vectors(cfg->optimizer, cfg->sync_mode) == m->g.state_vectors;
 }

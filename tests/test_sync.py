@@ -184,13 +184,18 @@ def test_grouped_updates_match_the_reference(job, serve, flags, groups, clock, r
     served.stop()
 
 
-def test_kasync_adagrad_takes_each_gradients_square(job, serve):
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_kasync_adagrad_takes_each_gradients_square(job, serve, weight_decay):
     """kasync:3 with Adagrad: each gradient is one process's step, so Adagrad's sum takes each gradient's
     square (as three steps of one process would), not the square of the three's sum, which counts
-    correlated gradients up to three times over and shrinks every later step."""
+    correlated gradients up to three times over and shrinks every later step. With weight decay each
+    gradient carries its decay, square included (the weights do not move within a round); an input that
+    is always 0 leaves its weights only the decay, whose steps must stay about the lr (a decay outside the
+    sum divided by a sum of 0 threw them to 1e13)."""
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.1", "--optimizer", "adagrad",
-                   "--sync", "kasync:3")
+                   "--sync", "kasync:3", "--weight-decay", str(weight_decay))
     model, x, y = linear_problem()
+    x[:, 0] = 0.0  # the weights of input 0 get no gradient
     with learner.attach(model, job=job) as ps:
         run_steps(ps, model, x, y, 6)
         assert ps.clock == 2
@@ -203,7 +208,7 @@ def test_kasync_adagrad_takes_each_gradients_square(job, serve):
         for _ in range(3):
             ref.zero_grad()
             torch.nn.functional.mse_loss(ref(x[i:i + 2]), y[i:i + 2]).backward()
-            grads.append([p.grad.clone() for p in ref.parameters()])
+            grads.append([p.grad.clone() + weight_decay * p.detach() for p in ref.parameters()])
             i += 1
         with torch.no_grad():
             for j, p in enumerate(ref.parameters()):
@@ -214,6 +219,7 @@ def test_kasync_adagrad_takes_each_gradients_square(job, serve):
     for (k, v), s, q in zip(ref.state_dict().items(), sums, squared_sum, strict=True):
         assert not torch.allclose(s, q, rtol=1e-3), k  # the two rules differ on this problem
         assert torch.allclose(ours[k], v, rtol=1e-5, atol=1e-6), k
+        assert ours[k].abs().max() < 10, k  # no weight thrown far: each step is at most sqrt(3) x the lr
     served.stop()
 
 

@@ -13,11 +13,15 @@
  * 4. bsp: learners that wait for each round see every round average exactly
  *    one gradient from each of them;
  * 5. ssp:1 with one slow learner: no learner ever runs more than 2 pushes
- *    ahead of the slowest, and everything is applied.
+ *    ahead of the slowest, and everything is applied;
+ * 6. kasync:2 with Adagrad: every gradient applied, two a round, and Adagrad's
+ *    sum holds each gradient's square (taken as the loop accumulates it while
+ *    learners push), not the square of a round's sum.
  * Prints one line per check and "N passed, M failed" at the end.
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -267,6 +271,10 @@ static void setup_sync(struct psd_map *m, char *nm, size_t len, uint32_t mode, u
     struct psd_header *h = psd_hdr(m);
     h->cfg.sync_mode = mode; /* before grow: bsp needs the accumulator */
     h->cfg.sync_param = param;
+    if (mode == PSD_SYNC_KASYNC) { /* kasync with Adagrad: each gradient's square taken as it is accumulated */
+        h->cfg.optimizer = PSD_OPT_ADAGRAD;
+        h->cfg.eps = 1e-10;
+    }
     const char spec[] = "[]";
     pid_t me = getpid();
     rc = psd_arena_set_spec(m, spec, sizeof spec, 1, &model, me, psd_proc_start_time(me));
@@ -336,7 +344,7 @@ static uint64_t ssp_gap(struct psd_map *m) {
 static void test_sync_mode(uint32_t mode) {
     struct psd_map m = {.fd = -1};
     char nm[96];
-    setup_sync(&m, nm, sizeof nm, mode, 1);
+    setup_sync(&m, nm, sizeof nm, mode, mode == PSD_SYNC_KASYNC ? 2 : 1);
     struct psd_loop *loop;
     int rc = psd_loop_start(&m, 1, 20, pieces, 3, 0, &loop);
     CHECK(rc == 0, "loop start: %s", psd_strerror(rc));
@@ -376,6 +384,17 @@ static void test_sync_mode(uint32_t mode) {
         CHECK(w[N - 1] == -(float)SYNC_PUSHES, "bsp w[N-1] = %g", w[N - 1]);
         CHECK(atomic_load(&h->staleness_max) == 0, "bsp staleness %llu",
               (unsigned long long)atomic_load(&h->staleness_max));
+    } else if (mode == PSD_SYNC_KASYNC) {
+        /* kasync:2, Adagrad: two gradients a round, each gradient's square in the sum (the square of a round's
+         * sum would make the last element's 4 a round, not 2); every weight finite and moved the right way. */
+        const float *sum = psd_state(&m, 0);
+        CHECK(atomic_load(&h->clock) == SLOTS * SYNC_PUSHES / 2, "kasync clock %llu",
+              (unsigned long long)atomic_load(&h->clock));
+        for (int i = 0; i < SLOTS; i++)
+            CHECK(sum[i] == (float)SYNC_PUSHES && isfinite(w[i]) && w[i] < 0.0f, "kasync sum[%d] = %g, w %g", i,
+                  sum[i], w[i]);
+        CHECK(sum[N - 1] == (float)(SLOTS * SYNC_PUSHES), "kasync sum[N-1] = %g", sum[N - 1]);
+        CHECK(w[SLOTS] == 0.0f && isfinite(w[N - 1]) && w[N - 1] < 0.0f, "kasync w %g %g", w[SLOTS], w[N - 1]);
     } else {
         CHECK(worst <= 2 && worst >= 1, "ssp:1 gap reached %llu (bound 2)", (unsigned long long)worst);
         CHECK(atomic_load(&h->clock) == SLOTS * SYNC_PUSHES, "ssp clock");
@@ -492,6 +511,7 @@ int main(void) {
     test_rings();
     test_sync_mode(PSD_SYNC_BSP);
     test_sync_mode(PSD_SYNC_SSP);
+    test_sync_mode(PSD_SYNC_KASYNC);
     test_claim_churn();
     psd_arena_close(&map);
     shm_unlink(name);
