@@ -355,12 +355,14 @@ def test_the_shared_page_and_a_scribbled_request_line_harm_nobody(job, serve):
 
 @pytest.mark.parametrize("setup", [("--optimizer", "momentum", "--momentum", "0.9"), ("--optimizer", "adam"),
                                    ("--optimizer", "adagrad"), ("--sync", "kasync:2"),
+                                   ("--sync", "kasync:2", "--optimizer", "adagrad", "--weight-decay", "0.01"),
+                                   ("--grad-dtype", "bf16", "--sync", "kasync:2", "--optimizer", "adagrad"),
                                    ("--grad-dtype", "bf16", "--optimizer", "adamw")])
 def test_a_nonfinite_gradient_marked_finite_never_reaches_the_weights(job, serve, tmp_path, setup):
-    """Every optimizer's kernel (and the kasync sum) reads a ring's gradient once per value and takes a NaN or
-    an infinity as zero: the weights and the optimizer state stay finite whatever a learner wrote after its
-    own check, and that learner is evicted (rule VALUES). The kernels are the server's: no watchdog (its last
-    checkpoint costs seconds at each stop)."""
+    """Every optimizer's kernel (and the kasync sum, with Adagrad's squares) reads a ring's gradient once per
+    value and takes a NaN or an infinity as zero: the weights and the optimizer state stay finite whatever a
+    learner wrote after its own check, and that learner is evicted (rule VALUES). The kernels are the server's:
+    no watchdog (its last checkpoint costs seconds at each stop)."""
     events = tmp_path / "events.jsonl"
     served = serve(job, "--no-watchdog", "--learners", "2", "--lr", "0.01", "--ring-depth", "4", "--event-log",
                    str(events), *setup)
