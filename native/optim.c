@@ -31,6 +31,7 @@ struct step_scalars {
     float gscale;
     int first; /* the momentum buffer starts as the first gradient */
     int squares_taken; /* Adagrad: the state already holds this update's squares (psd_adagrad_take) */
+    float inv_k;       /* and 1 / K, K gradients a round: the sum's floor (adagrad_body) */
 };
 
 double psd_scheduled_lr(const struct psd_config *c, uint64_t t) {
@@ -395,7 +396,10 @@ PSD_INLINE uint32_t adagrad_body(const struct step_scalars *k, const int wd_on, 
         float d = psd_take1(g[i], &bad) * gs;
         if (wd_on)
             d = fmaf(wd, w[i], d);
-        float s = taken ? sum[i] : sum[i] + d * d;
+        /* Taken: K gradients' squares are at least their sum's square over K (Cauchy-Schwarz), so the floor
+         * changes nothing but where a round's first squares are missing (a round begun by a build before
+         * psd_adagrad_take, restored mid-round), and a step stays within sqrt(K) x the lr there too. */
+        float s = taken ? fmaxf(sum[i], d * d * k->inv_k) : sum[i] + d * d;
         if (!taken)
             sum[i] = s;
         w[i] = w[i] + neg_clr * (d / (sqrtf(s) + eps));
@@ -507,6 +511,7 @@ void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, c
     k.one_minus_damp = (float)(1.0 - c->dampening);
     k.first = t == 1;
     k.squares_taken = (c->cfg_flags & PSD_CFG_LOOP_SQUARES_TAKEN) != 0;
+    k.inv_k = 1.0f / (float)(c->sync_param > 1 ? c->sync_param : 1);
     k.b1_weight = (float)(1.0 - c->beta1);
     k.b2 = (float)c->beta2;
     k.one_minus_b2 = (float)(1.0 - c->beta2);

@@ -665,7 +665,10 @@ enum psd_async_momentum {
 #define PSD_CFG_GRAD_BF16 8u    /* --grad-dtype bf16: learners push dense gradients as bfloat16 */
 #define PSD_CFG_OVERLAP 16u     /* --overlap on: an asp/ssp learner pulls without waiting for its own gradient */
 #define PSD_CFG_NO_OVERLAP 32u  /* --overlap off: it pulls once the loop applied its gradient (neither: auto) */
-#define PSD_CFG_KNOWN 63u       /* every flag above: the update loop refuses a configuration with any other */
+/* Every flag above: the update loop refuses a configuration with any other (take_config). */
+#define PSD_CFG_KNOWN                                                                                              \
+    (PSD_CFG_STALENESS_LR | PSD_CFG_PREDICT | PSD_CFG_LEASE_ONLY | PSD_CFG_GRAD_BF16 | PSD_CFG_OVERLAP |             \
+     PSD_CFG_NO_OVERLAP)
 
 /* Whether asp / ssp learners wait after each push until the loop applied it: --overlap off, and auto (neither
  * bit), for every optimizer at any learner count (docs/training.md, "When a learner takes newer weights":

@@ -208,7 +208,8 @@ static PyObject *arena_start_loop(Arena *a, PyObject *args) {
     if (rc == EINVAL) {
         PyErr_SetString(PyExc_ValueError, "start_loop: the pieces do not tile the job's trainable weights, or the "
                                           "configuration is not one this psd knows (optimizer, sync mode, schedule, "
-                                          "--async-momentum, or state vectors other than the arena was grown with)");
+                                          "--async-momentum, flags, or state vectors other than the arena was grown "
+                                          "with)");
         return NULL;
     }
     if (rc)

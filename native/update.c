@@ -796,6 +796,8 @@ static void loop_free(struct psd_loop *L) {
     free(L);
 }
 
+_Static_assert((PSD_CFG_KNOWN & PSD_CFG_LOOP_SQUARES_TAKEN) == 0, "the loop's own flag is never a stored one");
+
 /* Copy the header's configuration into L as one unit and check it: known flags, optimizer, sync mode and
  * schedule, and the state vectors the arena was grown with. */
 static bool take_config(struct psd_loop *L, const struct psd_map *m) {

@@ -223,6 +223,119 @@ def test_kasync_adagrad_takes_each_gradients_square(job, serve, weight_decay):
     served.stop()
 
 
+class TwoLayers(torch.nn.Module):
+    """A 300 x 300 layer (90,300 floats: the update loop's kernels split it across threads) and a head that
+    only some mini-batches use (a tensor absent from some gradients of a round, and from whole rounds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(300, 300)
+        self.b = torch.nn.Linear(300, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return h.sum(1, keepdim=True) * 0 + (self.b(h) if use_b else h[:, :4])
+
+
+USES_B = [True, False, True, False, False, False, True, True, False]
+
+
+def adagrad_job(job, serve, sync, dtype="float32"):
+    """TwoLayers trained through a one-learner Adagrad job (weight decay, lr decay, 2 update threads) on
+    USES_B's mini-batches: its initial weights, its data and the job's final weights."""
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.05", "--optimizer", "adagrad", "--sync", sync,
+                   "--weight-decay", "0.01", "--lr-decay", "0.1", "--threads", "2", "--grad-dtype", dtype,
+                   "--async-momentum", "off")
+    torch.manual_seed(5)
+    model = TwoLayers()
+    x, y = torch.randn(40, 300), torch.randn(40, 4)
+    x[:, :50] = 0.0  # weights that only ever see their decay
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    with learner.attach(model, job=job) as ps:
+        for i, use_b in enumerate(USES_B):
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[2 * i:2 * i + 2], use_b), y[2 * i:2 * i + 2]).backward()
+            ps.step()
+            ps.flush()
+            ps.pull()
+        ours = learner.pull_state_dict(job)
+    served.stop()
+    return init, (x, y), ours
+
+
+def test_kasync_adagrad_on_threads_matches_the_reference(job, serve):
+    """kasync:3, Adagrad with weight and lr decay, a tensor split across 2 update threads and one that some
+    gradients leave out: each gradient (with its decay) in the round's sum and its square in Adagrad's."""
+    init, (x, y), ours = adagrad_job(job, serve, "kasync:3")
+    ref = TwoLayers()
+    ref.load_state_dict(init)
+    params = dict(ref.named_parameters())
+    sums = {k: torch.zeros_like(p) for k, p in params.items()}
+    steps = dict.fromkeys(params, 0)
+    for r in range(len(USES_B) // 3):
+        acc = {}
+        for i in range(3 * r, 3 * r + 3):
+            ref.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ref(x[2 * i:2 * i + 2], USES_B[i]), y[2 * i:2 * i + 2]).backward()
+            for k, p in params.items():
+                if p.grad is not None:
+                    d = p.grad + 0.01 * p.detach()
+                    acc[k] = acc.get(k, 0) + d
+                    sums[k] += d * d
+        with torch.no_grad():
+            for k, d in acc.items():
+                steps[k] += 1
+                params[k] -= 0.05 / (1 + (steps[k] - 1) * 0.1) * d / (sums[k].sqrt() + 1e-10)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(ours[k], v, rtol=1e-4, atol=1e-5), k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_kasync_1_adagrad_is_asp_bit_for_bit(job, serve, dtype):
+    """kasync:1 takes each gradient (decay included) and its square as it comes, then steps without adding
+    either: the same operations as asp's one step, to the bit, on 2 threads, float32 or bfloat16."""
+    asp = adagrad_job(job, serve, "asp", dtype)[2]
+    k1 = adagrad_job(job + "-k1", serve, "kasync:1", dtype)[2]
+    for k, v in asp.items():
+        assert torch.equal(k1[k], v), k
+
+
+def test_a_round_without_its_first_squares_steps_within_the_lr(job, serve):
+    """A kasync round whose first gradient's square is missing from Adagrad's sum (a round begun by a server
+    of a build that took no squares, restored mid-round): the sum's floor, the round's sum squared over K,
+    keeps the step within sqrt(K) x the lr (without it: 1 / eps, weights thrown to 45 on this problem)."""
+    args = ("--no-watchdog", "--learners", "1", "--lr", "0.1", "--optimizer", "adagrad", "--sync", "kasync:2")
+    first = serve(job, *args)
+    model, x, y = linear_problem()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with learner.attach(model, job=job) as ps:
+        torch.nn.functional.mse_loss(model(x[0:2]), y[0:2]).backward()
+        ps.step()
+        ps.flush()
+        a = open_job(job)
+        try:
+            h = a.header()
+            assert h["acc_count"] == 1  # the round is in flight
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait()
+            state = torch.frombuffer(a, dtype=torch.float32, count=h["n_train"], offset=h["optstate_off"])
+            state.zero_()  # the first gradient's square, gone
+            del state
+        finally:
+            a.close()
+        second = serve(job, *args)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[2:4]), y[2:4]).backward()
+        ps.step()
+        ps.flush()
+        ps.pull()
+        assert ps.clock == 1  # the round, applied by the second server
+        ours = learner.pull_state_dict(job)
+    for k, v in ours.items():
+        assert (v - before[k]).abs().max() <= 0.1 * 2 ** 0.5 * 1.001, k
+    second.stop()
+
+
 @pytest.mark.parametrize("flags", [["--sync", "kasync:3"], ["--sync", "asp"], ["--sync", "bsp"]])
 def test_a_step_without_gradients_is_no_update(job, serve, flags):
     """A step that carries no gradient (every p.grad None: a framework's step after a skipped backward) is no
