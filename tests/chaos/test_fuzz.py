@@ -13,7 +13,9 @@ rogue that was evicted refused a slot again (also by a server that took over aft
 ending `psd serve` within 10 s leaving nothing in /dev/shm.
 
 Seeds: PSD_FUZZ_SEEDS (default 2: seed 0, and seed 1, which also SIGKILLs the server mid-fuzz; the slow suite
-runs 20: `PSD_FUZZ_SEEDS=20 PSD_FUZZ_WRITES=1500 pytest tests/chaos/test_fuzz.py`).
+runs 20: `PSD_FUZZ_SEEDS=20 PSD_FUZZ_WRITES=1500 pytest tests/chaos/test_fuzz.py`), each with momentum; and
+seed 1 under kasync:2 with Adagrad (a round's sum and Adagrad's squares taken from the rings, the server
+killed mid-round).
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ class Watch(threading.Thread):
             self.samples += 1
 
 
+# momentum: the server steers its gain level from a number each learner writes in its slot (psd/gain.py);
+# kasync:2 with Adagrad: the round's sum and Adagrad's squares taken from the rings (native/update.c accumulate)
+SETUPS = {"momentum": ("--optimizer", "momentum"), "kasync-adagrad": ("--optimizer", "adagrad", "--sync", "kasync:2")}
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", range(SEEDS))
-def test_a_learner_writing_anything_anywhere_it_can_cannot_break_the_job(job, serve, tmp_path, seed):
+@pytest.mark.parametrize("seed, setup", [*((s, "momentum") for s in range(SEEDS)), (1, "kasync-adagrad")])
+def test_a_learner_writing_anything_anywhere_it_can_cannot_break_the_job(job, serve, tmp_path, seed, setup):
     events = tmp_path / "events.jsonl"
-    # momentum: the server steers its gain level from a number each learner writes in its slot (psd/gain.py)
-    served = serve(job, "--learners", "3", "--lr", "0.001", "--ring-depth", "8", "--optimizer", "momentum",
+    served = serve(job, "--learners", "3", "--lr", "0.001", "--ring-depth", "8", *SETUPS[setup],
                    "--event-log", str(events))
     first = arena_header(job)
     honest = [spawn("honest.py", job, str(r), str(HONEST_MAX), stdin=True) for r in (0, 1)]
@@ -159,7 +165,7 @@ def test_a_learner_writing_anything_anywhere_it_can_cannot_break_the_job(job, se
         assert torch.isfinite(weights).all(), weights
         c = job_status(job)
         assert c["pushed"] == c["applied"] + c["rejected"] + c["dropped"] + c["ignored"] + c["pending"]
-        report = {"seed": seed, "writes": WRITES * ROGUES, "lives": lives,
+        report = {"seed": seed, "setup": setup, "writes": WRITES * ROGUES, "lives": lives,
                   "honest_pushes": [int(d[1]) for d in done], "server_restarts": h["server_restarts"],
                   "max_heartbeat_age_s": round(watch.max_age, 3), "applied": c["applied"],
                   "rejected": c["rejected"], "ignored": c["ignored"]}
