@@ -416,9 +416,8 @@ PSD_KERNEL static uint32_t adagrad_range(const struct step_scalars *k, float *re
 #undef PSD_ADAGRAD
 }
 
-
-/* psd_adagrad_take's body over [lo, hi) of float32 values (a bfloat16 chunk widened first): each value of g read
- * once, with the weight decay a step of one process adds to its gradient. */
+/* psd_adagrad_take's body over [lo, hi) of float32 values (a bfloat16 chunk widened first, as step_chunk does):
+ * each value of g read once and taken (psd_take1), with the weight decay a step of one process adds to it. */
 PSD_KERNEL static uint32_t adagrad_take_range(float *restrict acc, float *restrict sum, const float *restrict g,
                                               const float *restrict w, float wd, int first, uint64_t lo,
                                               uint64_t hi) {
@@ -447,8 +446,8 @@ static uint32_t take_item(const void *ctx, uint64_t lo, uint64_t hi) {
     if (a->gdtype != PSD_DTYPE_BF16)
         return adagrad_take_range(a->acc, a->sum, a->g, a->w, a->wd, a->first, lo, hi);
     float wide[PSD_CHUNK];
-    uint32_t bad = psd_take_finite_bf16(wide, (const uint16_t *)a->g + lo, hi - lo);
-    return bad | adagrad_take_range(a->acc + lo, a->sum + lo, wide, a->w + lo, a->wd, a->first, 0, hi - lo);
+    psd_bf16_widen(wide, (const uint16_t *)a->g + lo, hi - lo);
+    return adagrad_take_range(a->acc + lo, a->sum + lo, wide, a->w + lo, a->wd, a->first, 0, hi - lo);
 }
 
 void psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, const float *w, double weight_decay,

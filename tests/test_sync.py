@@ -184,6 +184,34 @@ def test_grouped_updates_match_the_reference(job, serve, flags, groups, clock, r
     served.stop()
 
 
+def kasync_adagrad_reference(model, batches, k: int, lr: float, weight_decay: float, lr_decay: float = 0.0):
+    """torch's Adagrad as kasync:K takes it: K gradients a round, all on the round's weights, each with its
+    weight decay; each gradient's square into the sum, the round's sum as one step (a tensor's step count
+    moving only with the rounds that moved it). ``batches``: a callable per mini-batch that computes the loss
+    and its gradients. Returns the sums of the squares and, to tell the two rules apart, the squares of the
+    rounds' sums."""
+    params = dict(model.named_parameters())
+    sums = {n: torch.zeros_like(p) for n, p in params.items()}
+    squared_sums = {n: torch.zeros_like(p) for n, p in params.items()}
+    steps = dict.fromkeys(params, 0)
+    for r in range(len(batches) // k):
+        acc = {}
+        for loss_and_grads in batches[k * r:k * r + k]:
+            model.zero_grad(set_to_none=True)
+            loss_and_grads()
+            for n, p in params.items():
+                if p.grad is not None:
+                    d = p.grad + weight_decay * p.detach()
+                    acc[n] = acc.get(n, 0) + d
+                    sums[n] += d * d
+        with torch.no_grad():
+            for n, d in acc.items():
+                steps[n] += 1
+                squared_sums[n] += d * d
+                params[n] -= lr / (1 + (steps[n] - 1) * lr_decay) * d / (sums[n].sqrt() + 1e-10)
+    return sums, squared_sums
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_kasync_adagrad_takes_each_gradients_square(job, serve, weight_decay):
     """kasync:3 with Adagrad: each gradient is one process's step, so Adagrad's sum takes each gradient's
@@ -200,24 +228,11 @@ def test_kasync_adagrad_takes_each_gradients_square(job, serve, weight_decay):
         run_steps(ps, model, x, y, 6)
         assert ps.clock == 2
         ours = learner.pull_state_dict(job)
-    ref, i = linear_problem()[0], 0
-    sums = [torch.zeros_like(p) for p in ref.parameters()]
-    squared_sum = [torch.zeros_like(p) for p in ref.parameters()]  # what summing the squares of the sum gives
-    for _ in range(2):
-        grads = []
-        for _ in range(3):
-            ref.zero_grad()
-            torch.nn.functional.mse_loss(ref(x[i:i + 2]), y[i:i + 2]).backward()
-            grads.append([p.grad.clone() + weight_decay * p.detach() for p in ref.parameters()])
-            i += 1
-        with torch.no_grad():
-            for j, p in enumerate(ref.parameters()):
-                g = sum(gr[j] for gr in grads)
-                sums[j] += sum(gr[j] ** 2 for gr in grads)
-                squared_sum[j] += g ** 2
-                p -= 0.1 * g / (sums[j].sqrt() + 1e-10)
-    for (k, v), s, q in zip(ref.state_dict().items(), sums, squared_sum, strict=True):
-        assert not torch.allclose(s, q, rtol=1e-3), k  # the two rules differ on this problem
+    ref = linear_problem()[0]
+    batches = [lambda i=i: torch.nn.functional.mse_loss(ref(x[i:i + 2]), y[i:i + 2]).backward() for i in range(6)]
+    sums, squared_sums = kasync_adagrad_reference(ref, batches, 3, 0.1, weight_decay)
+    for k, v in ref.state_dict().items():
+        assert not torch.allclose(sums[k], squared_sums[k], rtol=1e-3), k  # the two rules differ on this problem
         assert torch.allclose(ours[k], v, rtol=1e-5, atol=1e-6), k
         assert ours[k].abs().max() < 10, k  # no weight thrown far: each step is at most sqrt(3) x the lr
     served.stop()
@@ -269,23 +284,9 @@ def test_kasync_adagrad_on_threads_matches_the_reference(job, serve):
     init, (x, y), ours = adagrad_job(job, serve, "kasync:3")
     ref = TwoLayers()
     ref.load_state_dict(init)
-    params = dict(ref.named_parameters())
-    sums = {k: torch.zeros_like(p) for k, p in params.items()}
-    steps = dict.fromkeys(params, 0)
-    for r in range(len(USES_B) // 3):
-        acc = {}
-        for i in range(3 * r, 3 * r + 3):
-            ref.zero_grad(set_to_none=True)
-            torch.nn.functional.mse_loss(ref(x[2 * i:2 * i + 2], USES_B[i]), y[2 * i:2 * i + 2]).backward()
-            for k, p in params.items():
-                if p.grad is not None:
-                    d = p.grad + 0.01 * p.detach()
-                    acc[k] = acc.get(k, 0) + d
-                    sums[k] += d * d
-        with torch.no_grad():
-            for k, d in acc.items():
-                steps[k] += 1
-                params[k] -= 0.05 / (1 + (steps[k] - 1) * 0.1) * d / (sums[k].sqrt() + 1e-10)
+    batches = [lambda i=i, b=b: torch.nn.functional.mse_loss(ref(x[2 * i:2 * i + 2], b), y[2 * i:2 * i + 2]).backward()
+               for i, b in enumerate(USES_B)]
+    kasync_adagrad_reference(ref, batches, 3, 0.05, 0.01, lr_decay=0.1)
     for k, v in ref.state_dict().items():
         assert torch.allclose(ours[k], v, rtol=1e-4, atol=1e-5), k
 
