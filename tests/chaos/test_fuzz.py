@@ -7,7 +7,8 @@ random bytes; 1-64 bytes each) at uniformly random offsets of every range `psd i
 `learner_writable` for its slot: the header's shared page and its whole learner block (request line, tail,
 figures, every ring entry), no field left out. The honest learners push for as long as the fuzz runs (and
 through the server's SIGKILL). Each run must show: no server restart (the one deliberate SIGKILL aside),
-the heartbeat never older than the hung limit, each honest rank's gradients applied exactly once, weights
+the heartbeat never older than the hung limit, each honest rank's gradients applied exactly once (the one
+entry a SIGKILLed server was taking is taken again by its successor: at most one more), weights
 that are all finite (the server takes no NaN or infinity from a ring, whatever the entry's flags say), a
 rogue that was evicted refused a slot again (also by a server that took over after a SIGKILL), and SIGTERM
 ending `psd serve` within 10 s leaving nothing in /dev/shm.
@@ -157,14 +158,19 @@ def test_a_learner_writing_anything_anywhere_it_can_cannot_break_the_job(job, se
         assert h["server_restarts"] == restarts and h["generation"] == first["generation"] + restarts
         assert len(watch.pids) == 1 + restarts, (watch.pids, watch.errors[-3:], watch.samples, watch.is_alive())
         assert watch.max_age < HUNG_S, f"the heartbeat was {watch.max_age:.3f} s old"
-        for r, d in enumerate(done):  # exactly once: each honest rank's pushes, each applied
-            assert d[0] == "done" and int(d[1]) > 0 and d[1] == d[2], (r, d)
+        # Each honest rank's pushes, each applied once. A server SIGKILLed while it took an entry (counted, not yet
+        # handed back) leaves it at the ring's head: its successor applies and counts it again (docs/architecture.md,
+        # "the only double application"), one entry of one ring per kill.
+        for r, d in enumerate(done):
+            assert d[0] == "done" and int(d[1]) > 0 and int(d[1]) <= int(d[2]) <= int(d[1]) + restarts, (r, d)
+        assert sum(int(d[2]) - int(d[1]) for d in done) <= restarts, done
         # sgd at lr 0.001: even the largest finite float32 the rogues could write, in every entry they pushed,
         # cannot sum to an infinity; a NaN or infinity they wrote must never reach the weights.
         weights = learner.pull_state_dict(job)["weight"]
         assert torch.isfinite(weights).all(), weights
         c = job_status(job)
-        assert c["pushed"] == c["applied"] + c["rejected"] + c["dropped"] + c["ignored"] + c["pending"]
+        taken = c["applied"] + c["rejected"] + c["dropped"] + c["ignored"] + c["pending"]
+        assert c["pushed"] <= taken <= c["pushed"] + restarts, c
         report = {"seed": seed, "setup": setup, "writes": WRITES * ROGUES, "lives": lives,
                   "honest_pushes": [int(d[1]) for d in done], "server_restarts": h["server_restarts"],
                   "max_heartbeat_age_s": round(watch.max_age, 3), "applied": c["applied"],

@@ -4,9 +4,11 @@
 
 Attaches a Linear(8, 2) model with PSD_RANK-like `rank` and prints "ready". On a "go" line on stdin it pushes
 gradients of ones, one after another, until a "stop" line (or MAX_PUSHES), then waits until every one is applied
-and prints "done PUSHED APPLIED" (APPLIED: its rank's count as the server keeps it).
+and prints "done PUSHED APPLIED COUNTS" (APPLIED: its rank's count as the server keeps it; COUNTS: its slot's
+head, tail and outcome counts, as JSON).
 """
 
+import json
 import sys
 import threading
 
@@ -36,7 +38,9 @@ def main() -> int:
             model.weight.grad = torch.ones(2, 8)
             ps.step()
         ps.flush(timeout=120)
-        print(f"done {ps.pushed} {ps._arena.ranks()[rank]}", flush=True)
+        info = ps._arena.slot_info(ps.slot)  # its slot's own counts, for a failure's message
+        counts = {k: info[k] for k in ("head", "tail", "applied", "rejected", "dropped", "ignored") if k in info}
+        print(f"done {ps.pushed} {ps._arena.ranks()[rank]} {json.dumps(counts, separators=(',', ':'))}", flush=True)
     return 0
 
 
