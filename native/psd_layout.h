@@ -73,11 +73,12 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-/* 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and
+/* 15: round_applying (a round whose update a killed server began is closed, not applied again);
+ * 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and
  * node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap auto waits for
  * momentum too; 11: auto waits but for momentum at 2+ slots;
  * 10: cfg_flags' overlap bits */
-#define PSD_LAYOUT_VERSION 14
+#define PSD_LAYOUT_VERSION 15
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -245,6 +246,11 @@ struct psd_header {
     _Atomic uint64_t staleness_held_bits; /* double: the running mean when the job last lost a learner, decaying
                                            * over ~PSD_STALENESS_HOLD updates, 0 once one arrives; the
                                            * momentum rule reads the larger of the two (psd_rule_staleness) */
+    _Atomic uint64_t round_applying; /* bsp / kasync: rounds + 1 of the round whose update the loop is applying,
+                                      * 0 between rounds: a server killed inside that update leaves it set, and
+                                      * its successor closes the round instead of applying its sum again
+                                      * (update.c close_interrupted_round). Not in checkpoints (taken between
+                                      * updates, where it is 0). */
 
     /* -- --async-momentum auto's steering (psd/gain.py), written by the server:
      *    level 0 and all of the damping at the arena's creation and when a

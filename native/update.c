@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +52,7 @@ struct psd_loop {
     double *moved;
     uint64_t buffers_set; /* leading buffer elements an entry sets; the rest it adds to */
     uint64_t clock;       /* the weights clock: the loop's own, stored out after each update */
+    uint64_t crash_in_round; /* PSD_TEST_CRASH_IN_ROUND (a test hook), 0: none */
     /* Per slot, the head this loop stored last (0 for a free slot): the loop never takes a head
      * back from shared memory, and a slot whose head another process moved is evicted. */
     uint64_t *heads;
@@ -347,27 +349,58 @@ static bool joined_this_round(const struct psd_header *h, struct psd_slot *s) {
 /* bsp: apply the average of the round's gradients (one per learner, as DDP's all-reduce); kasync: their
  * sum (each gradient one process's step at the lr, as asp applies it: the average made K times fewer
  * steps of the same size). Then start the next round. */
-static void finish_round(struct psd_loop *L) {
-    struct psd_map *m = L->m;
-    struct psd_header *h = psd_hdr(m);
-    uint64_t count = PSD_LOAD_RLX(&h->acc_count);
-    if (count) {
-        double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
-        uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
-        for (uint64_t k = 0; k < L->n_pieces; k++)
-            L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
-        float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
-        if (squares_as_taken(&L->cfg))
-            L->cfg.cfg_flags |= PSD_CFG_LOOP_SQUARES_TAKEN;
-        update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness);
-        L->cfg.cfg_flags &= ~PSD_CFG_LOOP_SQUARES_TAKEN;
-    }
+/* Closes the round: its sum is in the weights (or partly, where a server died applying it). The next round
+ * starts empty; learners waiting for the round go on. */
+static void close_round(struct psd_header *h) {
     PSD_STORE_RLX(&h->acc_count, 0);
     PSD_STORE_RLX(&h->acc_members, 0);
     PSD_STORE_RLX(&h->acc_staleness, 0);
     /* Pairs with the load-acquire of rounds in psd_wait_round. */
     atomic_store(&h->rounds, PSD_LOAD_RLX(&h->rounds) + 1);
+    /* After the round is closed (seq_cst, as the store of rounds): a server killed between the two finds
+     * round_applying behind rounds + 1 and only clears it. */
+    atomic_store(&h->round_applying, 0);
     psd_cond_broadcast_if_waiters(&h->sync_cond);
+}
+
+static void finish_round(struct psd_loop *L) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    uint64_t count = PSD_LOAD_RLX(&h->acc_count);
+    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
+    if (count) {
+        double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
+        for (uint64_t k = 0; k < L->n_pieces; k++)
+            L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
+        float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
+        if (squares_as_taken(&L->cfg))
+            L->cfg.cfg_flags |= PSD_CFG_LOOP_SQUARES_TAKEN;
+        /* seq_cst: stored before the update writes a weight (its kernels' threads start after it), so a server
+         * killed inside the update leaves it, and its successor closes the round instead of applying the sum
+         * again (close_interrupted_round). */
+        atomic_store(&h->round_applying, mark);
+        update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness);
+        L->cfg.cfg_flags &= ~PSD_CFG_LOOP_SQUARES_TAKEN;
+        if (L->crash_in_round == mark) /* PSD_TEST_CRASH_IN_ROUND: die as a server killed right here would */
+            raise(SIGKILL);
+    }
+    close_round(h);
+}
+
+/* A new server on an arena whose last server died applying a round's update (round_applying is that round's
+ * mark): the sum is in the weights, wholly or partly, so it is not applied again (which, with the entry being
+ * taken when the server died taken again, added the round twice and that entry three times). The round is
+ * closed; the entry, at its ring's head still, starts the next round: applied twice, as an entry being applied
+ * at a crash under asp is. A mark behind rounds + 1: the round was closed, only the mark was left. */
+static void close_interrupted_round(struct psd_loop *L) {
+    struct psd_header *h = psd_hdr(L->m);
+    uint64_t mark = PSD_LOAD_RLX(&h->round_applying);
+    if (!mark)
+        return;
+    if (mark == PSD_LOAD_RLX(&h->rounds) + 1)
+        close_round(h);
+    else
+        atomic_store(&h->round_applying, 0);
 }
 
 /* Consume the entry at `head` of slot i, whose header `eh` (the loop's copy) and piece map
@@ -854,6 +887,11 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
         return EINVAL;
     }
     L->clock = PSD_LOAD_RLX(&psd_hdr(m)->clock); /* restored before READY, or the last server's */
+    close_interrupted_round(L);
+    /* A test hook (tests/test_sync.py): the loop SIGKILLs its own process right after the update of round N, before
+     * it closes the round, where a crash leaves the most to recover. Unset or 0 in any real job. */
+    const char *crash = getenv("PSD_TEST_CRASH_IN_ROUND");
+    L->crash_in_round = crash ? strtoull(crash, NULL, 10) : 0;
     L->log = (struct psd_rowlog_writer){L->m, PSD_LOAD_RLX(&psd_hdr(m)->rowlog_head)};
     /* A new server starts each ring where the last one left it (a free slot's head is 0). The
      * load-acquire of state pairs with its store-release in claim / release / reap / free_slot. */

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import forked
@@ -335,6 +336,46 @@ def test_a_round_without_its_first_squares_steps_within_the_lr(job, serve):
     for k, v in ours.items():
         assert (v - before[k]).abs().max() <= 0.1 * 2 ** 0.5 * 1.001, k
     second.stop()
+
+
+@pytest.mark.parametrize("sync", ["kasync:2", "bsp"])
+def test_a_server_killed_inside_a_rounds_update_applies_the_round_once(job, serve, monkeypatch, sync):
+    """A server SIGKILLed inside a round's update (PSD_TEST_CRASH_IN_ROUND: after the update, before the round is
+    closed; round_applying set): its successor closes the round, where it applied the round's sum again. One
+    learner pushes gradients 1, 2, 4, 8, 16 (each its own power of two, so the weights say which were applied how
+    often) under sgd at lr 1. kasync:2: rounds {1, 2}, {4, 8}, then the entry being taken at the crash (8) is
+    taken again with 16: the weights move by 3 + 12 + 24 = 39 (the sum applied again made it 35: {4, 8} twice,
+    8 three times), and the rank counts 8 twice. bsp (a round a step, averaged over one learner): 1, 2, 4 and
+    16 once each, 8 too (its entry was handed back before the round's update): 31, nothing counted twice."""
+    args = ("--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "8", "--sync", sync)
+    monkeypatch.setenv("PSD_TEST_CRASH_IN_ROUND", "2" if sync == "kasync:2" else "4")
+    first = serve(job, *args)
+    monkeypatch.delenv("PSD_TEST_CRASH_IN_ROUND")
+    second = []
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+
+    def take_over() -> None:  # the watchdog's part: a new server once the first died
+        first.proc.wait(timeout=120)
+        second.append(serve(job, *args))
+
+    taker = threading.Thread(target=take_over)
+    taker.start()
+    with learner.attach(model, job=job, reconnect_timeout=120) as ps:
+        for g in (1.0, 2.0, 4.0, 8.0, 16.0):  # a bsp step waits for its round: the fourth, for the second server
+            model.weight.grad = torch.full((1, 4), g)
+            ps.step()
+        ps.flush()
+        taker.join(timeout=120)
+        assert first.proc.returncode == -signal.SIGKILL and second, "the first server did not die in the round"
+        ps.pull()
+        w = learner.pull_state_dict(job)["weight"]
+        counters = ps._arena.counters()
+    twice = sync == "kasync:2"
+    assert torch.equal(w, torch.full((1, 4), -39.0 if twice else -31.0)), w
+    assert ps.pushed == 5 and counters["applied"] == 5 + twice and counters["pending"] == 0, counters
+    second[0].stop()
 
 
 @pytest.mark.parametrize("flags", [["--sync", "kasync:3"], ["--sync", "asp"], ["--sync", "bsp"]])
