@@ -181,7 +181,8 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(beta1, CFG_REAL) X(beta2, CFG_REAL) X(eps, CFG_REAL) X(weight_decay, CFG_REAL) X(lr_decay, CFG_REAL)       \
     X(gamma, CFG_REAL) X(eta_min, CFG_REAL) X(nodes, CFG) X(node_lag, CFG_REAL)                                  \
     X(opt_steps, ATOMIC) X(rounds, ATOMIC) X(acc_count, ATOMIC) X(acc_members, ATOMIC)                           \
-    X(acc_staleness, ATOMIC) X(round_applying, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
+    X(acc_staleness, ATOMIC) X(round_applying, ATOMIC) X(round_applied, ATOMIC) X(round_slot, ATOMIC)         \
+    X(round_head, ATOMIC) X(state, ATOMIC) X(server_pid, PID) X(server_start_time, PLAIN)                     \
     X(generation, ATOMIC) X(server_started_unix_ns, PLAIN) X(server_pid_ns, PLAIN) X(heartbeat_ns, ATOMIC)      \
     X(clock, ATOMIC) X(applied, ATOMIC) X(rejected, ATOMIC) X(retired_pushed, ATOMIC) X(staleness_sum, ATOMIC)  \
     X(staleness_max, ATOMIC) X(dropped, ATOMIC) X(reclaimed, ATOMIC) X(ignored, ATOMIC)                         \

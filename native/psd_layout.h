@@ -73,7 +73,8 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-/* 15: round_applying (a round whose update a killed server began is closed, not applied again);
+/* 15: round_applying, round_applied, round_slot, round_head (a round a killed server was finishing is
+ * finished by the next, neither lost nor applied again but for the update in flight);
  * 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and
  * node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap auto waits for
  * momentum too; 11: auto waits but for momentum at 2+ slots;
@@ -234,7 +235,8 @@ struct psd_header {
 
     /* -- optimizer progress, written only by the update loop (or by a server
      *    restoring a checkpoint before READY); in checkpoints, except
-     *    `acc_members`, `staleness_avg_bits` and `staleness_held_bits` (a resume starts them at 0). */
+     *    `acc_members`, `staleness_avg_bits`, `staleness_held_bits` (a resume starts them at 0), `round_slot`
+     *    and `round_head` (the rings do not survive a resume). */
     alignas(PSD_CACHELINE) _Atomic uint64_t opt_steps; /* updates applied to the weights (Adam's t) */
     _Atomic uint64_t lr_bits;       /* double: scheduled lr of the last update (weight prediction reads it) */
     _Atomic uint64_t rounds;        /* bsp / kasync: rounds completed (signalled on sync_cond) */
@@ -246,11 +248,16 @@ struct psd_header {
     _Atomic uint64_t staleness_held_bits; /* double: the running mean when the job last lost a learner, decaying
                                            * over ~PSD_STALENESS_HOLD updates, 0 once one arrives; the
                                            * momentum rule reads the larger of the two (psd_rule_staleness) */
-    _Atomic uint64_t round_applying; /* bsp / kasync: rounds + 1 of the round whose update the loop is applying,
-                                      * 0 between rounds: a server killed inside that update leaves it set, and
-                                      * its successor closes the round instead of applying its sum again
-                                      * (update.c close_interrupted_round). Not in checkpoints (taken between
-                                      * updates, where it is 0). */
+    /* bsp / kasync: where a round's finish stands, for a server that takes over after one died in it
+     * (update.c recover_round). `round_applying`: rounds + 1 of the round being finished (stored before its
+     * update writes a weight; 0 once the round is closed and the entry that finished it handed back);
+     * `round_applied`: the same mark once its update is whole (before a hold, where a snapshot may be
+     * taken); `round_slot`: 1 + the slot whose entry, at `round_head`, finished it (kasync; 0: none). The
+     * first two are in checkpoints (a snapshot of a dead server's arena, or of one held in a round). */
+    _Atomic uint64_t round_applying;
+    _Atomic uint64_t round_applied;
+    _Atomic uint64_t round_slot;
+    _Atomic uint64_t round_head;
 
     /* -- --async-momentum auto's steering (psd/gain.py), written by the server:
      *    level 0 and all of the damping at the arena's creation and when a

@@ -313,13 +313,16 @@ static int restore_evicted(Arena *a, PyObject *records) {
 }
 
 static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"clock", "generation", "ranks", "opt_steps", "rounds", "acc_count", "acc_staleness",
-                             "lr_now", "evicted", NULL};
+    static char *kwlist[] = {"clock",         "generation",     "ranks",         "opt_steps",
+                             "rounds",        "acc_count",      "acc_staleness", "lr_now",
+                             "evicted",       "round_applying", "round_applied", NULL};
     unsigned long long clock, generation, opt_steps = 0, rounds = 0, acc_count = 0, acc_staleness = 0;
+    unsigned long long round_applying = 0, round_applied = 0;
     double lr_now = 0;
     PyObject *ranks, *evicted = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKO|KKKKdO", kwlist, &clock, &generation, &ranks, &opt_steps,
-                                     &rounds, &acc_count, &acc_staleness, &lr_now, &evicted) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKO|KKKKdOKK", kwlist, &clock, &generation, &ranks, &opt_steps,
+                                     &rounds, &acc_count, &acc_staleness, &lr_now, &evicted, &round_applying,
+                                     &round_applied) ||
         check_open(a))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
@@ -346,6 +349,12 @@ static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
     PSD_STORE_RLX(&h->acc_count, acc_count);
     PSD_STORE_RLX(&h->acc_staleness, acc_staleness);
     PSD_STORE_RLX(&h->acc_members, 0);
+    /* A round the snapshot's server was finishing: the loop finishes it (update.c recover_round). The entry that
+     * finished it went with the rings. */
+    PSD_STORE_RLX(&h->round_applied, round_applied);
+    PSD_STORE_RLX(&h->round_slot, 0);
+    PSD_STORE_RLX(&h->round_head, 0);
+    PSD_STORE_RLX(&h->round_applying, round_applying);
     uint64_t lr_bits;
     memcpy(&lr_bits, &lr_now, sizeof lr_bits);
     PSD_STORE_RLX(&h->lr_bits, lr_bits);
@@ -417,7 +426,8 @@ PyMethodDef py_server_methods[] = {
      "Server side: the weights were written outside an update; learners' next pulls copy them all."},
     {"beat", (PyCFunction)arena_beat, METH_NOARGS, "Server: store a heartbeat now."},
     {"restore", (PyCFunction)(void (*)(void))arena_restore, METH_VARARGS | METH_KEYWORDS,
-     "restore(clock, generation, ranks, ..., evicted=[(pid, start_time, pid_ns, rule, unix_ns, entries, rank)]): "
+     "restore(clock, generation, ranks, ..., evicted=[(pid, start_time, pid_ns, rule, unix_ns, entries, rank)], "
+     "round_applying=0, round_applied=0): "
      "server, before READY: continue from a checkpoint"},
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},

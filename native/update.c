@@ -52,7 +52,8 @@ struct psd_loop {
     double *moved;
     uint64_t buffers_set; /* leading buffer elements an entry sets; the rest it adds to */
     uint64_t clock;       /* the weights clock: the loop's own, stored out after each update */
-    uint64_t crash_in_round; /* PSD_TEST_CRASH_IN_ROUND (a test hook), 0: none */
+    uint64_t crash_round;    /* PSD_TEST_CRASH_IN_ROUND (a test hook): the round, 0: none */
+    uint32_t crash_stage;    /* and where in its finish (enum crash_stage) */
     /* Per slot, the head this loop stored last (0 for a free slot): the loop never takes a head
      * back from shared memory, and a slot whose head another process moved is evicted. */
     uint64_t *heads;
@@ -227,7 +228,8 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
  * (divided by the staleness with --staleness-lr; the momentum less asynchrony's implicit momentum
  * with --async-momentum auto, and Adagrad's young updates damped: psd_adagrad_start_factor); advances the
  * clock. */
-static void update_weights(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double staleness) {
+static void update_weights(struct psd_loop *L, const float *g, const uint8_t *map, float gscale, double staleness,
+                           uint64_t round) {
     struct psd_map *m = L->m;
     struct psd_header *h = psd_hdr(m);
     uint64_t t = PSD_LOAD_RLX(&h->opt_steps) + 1; /* only this thread writes it */
@@ -257,6 +259,8 @@ static void update_weights(struct psd_loop *L, const float *g, const uint8_t *ma
     PSD_STORE_REL(&h->opt_steps, t);
     /* Pairs with the load-acquire of clock before a learner's pull. */
     PSD_STORE_REL(&h->clock, ++L->clock);
+    if (round) /* bsp / kasync: the round's update is whole (before the hold: a snapshot may be taken there) */
+        atomic_store(&h->round_applied, round);
     if (psd_loop_should_hold(m)) /* a node-link exchange point: stop here, before bsp's rounds moves */
         psd_loop_hold(m, &L->stop);
 }
@@ -348,59 +352,99 @@ static bool joined_this_round(const struct psd_header *h, struct psd_slot *s) {
 
 /* bsp: apply the average of the round's gradients (one per learner, as DDP's all-reduce); kasync: their
  * sum (each gradient one process's step at the lr, as asp applies it: the average made K times fewer
- * steps of the same size). Then start the next round. */
-/* Closes the round: its sum is in the weights (or partly, where a server died applying it). The next round
- * starts empty; learners waiting for the round go on. */
+ * steps of the same size). `mark`: the round's (rounds + 1). */
+static void apply_round(struct psd_loop *L, uint64_t mark) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    uint64_t count = PSD_LOAD_RLX(&h->acc_count);
+    if (!count) {
+        atomic_store(&h->round_applied, mark); /* nothing to apply */
+        return;
+    }
+    double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
+    for (uint64_t k = 0; k < L->n_pieces; k++)
+        L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
+    float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
+    if (squares_as_taken(&L->cfg))
+        L->cfg.cfg_flags |= PSD_CFG_LOOP_SQUARES_TAKEN;
+    update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness, mark);
+    L->cfg.cfg_flags &= ~PSD_CFG_LOOP_SQUARES_TAKEN;
+}
+
+/* Closes the round: the next one starts empty; learners waiting for the round go on. */
 static void close_round(struct psd_header *h) {
     PSD_STORE_RLX(&h->acc_count, 0);
     PSD_STORE_RLX(&h->acc_members, 0);
     PSD_STORE_RLX(&h->acc_staleness, 0);
     /* Pairs with the load-acquire of rounds in psd_wait_round. */
     atomic_store(&h->rounds, PSD_LOAD_RLX(&h->rounds) + 1);
-    /* After the round is closed (seq_cst, as the store of rounds): a server killed between the two finds
-     * round_applying behind rounds + 1 and only clears it. */
-    atomic_store(&h->round_applying, 0);
     psd_cond_broadcast_if_waiters(&h->sync_cond);
 }
 
-static void finish_round(struct psd_loop *L) {
-    struct psd_map *m = L->m;
-    struct psd_header *h = psd_hdr(m);
-    uint64_t count = PSD_LOAD_RLX(&h->acc_count);
-    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
-    if (count) {
-        double staleness = (double)PSD_LOAD_RLX(&h->acc_staleness) / (double)count;
-        for (uint64_t k = 0; k < L->n_pieces; k++)
-            L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
-        float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
-        if (squares_as_taken(&L->cfg))
-            L->cfg.cfg_flags |= PSD_CFG_LOOP_SQUARES_TAKEN;
-        /* seq_cst: stored before the update writes a weight (its kernels' threads start after it), so a server
-         * killed inside the update leaves it, and its successor closes the round instead of applying the sum
-         * again (close_interrupted_round). */
-        atomic_store(&h->round_applying, mark);
-        update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness);
-        L->cfg.cfg_flags &= ~PSD_CFG_LOOP_SQUARES_TAKEN;
-        if (L->crash_in_round == mark) /* PSD_TEST_CRASH_IN_ROUND: die as a server killed right here would */
-            raise(SIGKILL);
-    }
-    close_round(h);
+/* PSD_TEST_CRASH_IN_ROUND's stages: where in a round's finish the loop SIGKILLs its own process. */
+enum crash_stage { CRASH_BEFORE = 1, CRASH_AFTER = 2, CRASH_CLOSED = 3 };
+
+static void crash_if(const struct psd_loop *L, uint64_t mark, uint32_t stage) {
+    if (L->crash_round == mark && L->crash_stage == stage)
+        raise(SIGKILL); /* die as a server killed right here would */
 }
 
-/* A new server on an arena whose last server died applying a round's update (round_applying is that round's
- * mark): the sum is in the weights, wholly or partly, so it is not applied again (which, with the entry being
- * taken when the server died taken again, added the round twice and that entry three times). The round is
- * closed; the entry, at its ring's head still, starts the next round: applied twice, as an entry being applied
- * at a crash under asp is. A mark behind rounds + 1: the round was closed, only the mark was left. */
-static void close_interrupted_round(struct psd_loop *L) {
+/* Finish the round: apply it and close it, leaving where it stands in the header for a server that takes
+ * over should this one die meanwhile (recover_round). `slot1`: 1 + the slot whose entry at `head` finished
+ * it (kasync: taken, counted and in the sum, not yet handed back), 0 for none (bsp). The caller clears
+ * round_applying once that entry is handed back (end_round). */
+static void finish_round(struct psd_loop *L, uint32_t slot1, uint64_t head) {
     struct psd_header *h = psd_hdr(L->m);
-    uint64_t mark = PSD_LOAD_RLX(&h->round_applying);
-    if (!mark)
+    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
+    PSD_STORE_RLX(&h->round_slot, slot1);
+    PSD_STORE_RLX(&h->round_head, head);
+    /* seq_cst, after the two above and before the update writes a weight (its kernels' threads start after
+     * it): a successor that reads the mark reads them too, and knows the round's sum may be in the weights. */
+    atomic_store(&h->round_applying, mark);
+    crash_if(L, mark, CRASH_BEFORE);
+    apply_round(L, mark);
+    crash_if(L, mark, CRASH_AFTER);
+    close_round(h);
+    crash_if(L, mark, CRASH_CLOSED);
+}
+
+/* The round and the entry that finished it are done with (after its hand-back). */
+static void end_round(struct psd_header *h) {
+    atomic_store(&h->round_applying, 0);
+}
+
+static void hand_back(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint64_t head);
+
+/* A new server on an arena whose last server died finishing a round (round_applying set). The round's update
+ * begun but not whole: applied again, whole (the part already done twice, as the entry being applied at a crash
+ * under asp); whole: not again. The round is closed, if it was not. The kasync entry that finished it (counted,
+ * in the round's sum) is handed back, if its ring's head is still at it: taken again, it was counted again and
+ * went into the round twice, which was then applied again (that round twice, that entry three times). */
+static void recover_round(struct psd_loop *L) {
+    struct psd_map *m = L->m;
+    struct psd_header *h = psd_hdr(m);
+    uint64_t applying = atomic_load(&h->round_applying);
+    if (!applying)
         return;
-    if (mark == PSD_LOAD_RLX(&h->rounds) + 1)
+    uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
+    if (applying == mark) {
+        if (atomic_load(&h->round_applied) != mark)
+            apply_round(L, mark);
         close_round(h);
-    else
-        atomic_store(&h->round_applying, 0);
+    }
+    uint64_t slot1 = PSD_LOAD_RLX(&h->round_slot), head = PSD_LOAD_RLX(&h->round_head);
+    if (slot1 && slot1 <= m->g.n_slots && L->heads[slot1 - 1] == head) {
+        uint32_t i = (uint32_t)(slot1 - 1);
+        struct psd_slot *s = psd_slot_at(m, i);
+        uint32_t st = PSD_LOAD_ACQ(&s->state);
+        if (st == PSD_SLOT_ACTIVE || st == PSD_SLOT_DRAINING) {
+            struct psd_entry *e = psd_entry_at(m, i, head);
+            e->applied_clock = L->clock;
+            e->outcome = PSD_OUTCOME_APPLIED;
+            hand_back(L, i, s, head);
+        }
+    }
+    end_round(h);
 }
 
 /* Consume the entry at `head` of slot i, whose header `eh` (the loop's copy) and piece map
@@ -481,7 +525,7 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
          * backward, say) is taken, and counts as the learner's step, but is no update: the clock does
          * not move, and it is no kasync gradient (bsp: the learner has joined the round, with nothing). */
     } else if (!summed) {
-        update_weights(L, g, map, 1.0f, stale);
+        update_weights(L, g, map, 1.0f, stale, 0);
     } else {
         accumulate(L, g, map);
         PSD_ADD_RLX(&h->acc_staleness, staleness);
@@ -525,11 +569,14 @@ static void take_entry(struct psd_loop *L, uint32_t i, struct psd_slot *s, uint6
     }
     /* kasync: the K-th gradient completes the round before its entry is handed
      * back, so a learner whose ring drained sees the update. */
-    if (L->cfg.sync_mode == PSD_SYNC_KASYNC && PSD_LOAD_RLX(&h->acc_count) >= L->cfg.sync_param)
-        finish_round(L);
+    bool rounded = L->cfg.sync_mode == PSD_SYNC_KASYNC && PSD_LOAD_RLX(&h->acc_count) >= L->cfg.sync_param;
+    if (rounded)
+        finish_round(L, i + 1, head);
     e->applied_clock = clock;
     e->outcome = outcome;
     hand_back(L, i, s, head);
+    if (rounded)
+        end_round(h);
     if (nonfinite)
         evict(L, i, s, PSD_RULE_VALUES);
 }
@@ -680,7 +727,8 @@ static uint32_t round_robin(struct psd_loop *L, uint32_t *busy) {
         }
     }
     if (bsp && round_complete(m)) {
-        finish_round(L);
+        finish_round(L, 0, 0);
+        end_round(h);
         applied++;
     }
     return applied;
@@ -773,6 +821,7 @@ static void *loop_main(void *arg) {
      * gap_ewma); spin_from: when the current spin began. */
     uint64_t now = psd_now_ns(), last_work = now, spin_from = now, gap_ewma = 0;
     uint32_t busy = 0;
+    recover_round(L); /* before anything is taken: the last server may have died finishing a round */
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
         if (psd_loop_should_pause(L->m)) {
             psd_loop_pause(L->m, &L->stop);
@@ -887,11 +936,15 @@ int psd_loop_start(struct psd_map *m, uint32_t threads, uint32_t spin_us, const 
         return EINVAL;
     }
     L->clock = PSD_LOAD_RLX(&psd_hdr(m)->clock); /* restored before READY, or the last server's */
-    close_interrupted_round(L);
-    /* A test hook (tests/test_sync.py): the loop SIGKILLs its own process right after the update of round N, before
-     * it closes the round, where a crash leaves the most to recover. Unset or 0 in any real job. */
+    /* A test hook (tests/test_sync.py), as PSD_TEST_CRASH_AFTER: PSD_TEST_CRASH_IN_ROUND=N[:before|after|closed]
+     * makes the loop SIGKILL its own process in round N's finish: before its update, after it (the default),
+     * or once the round is closed, before the entry that finished it is handed back. Unset in a real job. */
     const char *crash = getenv("PSD_TEST_CRASH_IN_ROUND");
-    L->crash_in_round = crash ? strtoull(crash, NULL, 10) : 0;
+    if (crash) {
+        char *rest;
+        L->crash_round = strtoull(crash, &rest, 10);
+        L->crash_stage = !strcmp(rest, ":before") ? CRASH_BEFORE : !strcmp(rest, ":closed") ? CRASH_CLOSED : CRASH_AFTER;
+    }
     L->log = (struct psd_rowlog_writer){L->m, PSD_LOAD_RLX(&psd_hdr(m)->rowlog_head)};
     /* A new server starts each ring where the last one left it (a free slot's head is 0). The
      * load-acquire of state pairs with its store-release in claim / release / reap / free_slot. */

@@ -386,9 +386,12 @@ class Server:
             evicted = [tuple(r[k] for k in EVICTED_FIELDS) for r in ckpt.evicted]
             if restore_optimizer_state(self.arena, ckpt):
                 o = ckpt.optim
+                # A round its last server was finishing (a snapshot of a dead server's arena, or of one held in
+                # a round) is finished by this one's loop (update.c recover_round); older checkpoints hold none.
                 self.arena.restore(ckpt.clock, self.generation, ckpt.ranks, opt_steps=o["opt_steps"],
                                    rounds=o["rounds"], acc_count=o["acc_count"], acc_staleness=o["acc_staleness"],
-                                   lr_now=o["lr_now"], evicted=evicted)
+                                   lr_now=o["lr_now"], evicted=evicted, round_applying=o.get("round_applying", 0),
+                                   round_applied=o.get("round_applied", 0))
             else:
                 self.arena.restore(ckpt.clock, self.generation, ckpt.ranks, evicted=evicted)
                 if self.config.state_vectors() or ckpt.optim.get("opt_steps"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -16,9 +17,9 @@ import forked
 import pytest
 import torch
 
-from conftest import HELPERS, child_env, finish, kill, read_line, spawn, wait_until
+from conftest import HELPERS, arena_header, child_env, finish, kill, read_line, spawn, wait_until
 from psd import _native, learner
-from psd.arena import open_job
+from psd.arena import open_job, shm_path
 
 
 def header(job: str) -> dict:
@@ -338,44 +339,78 @@ def test_a_round_without_its_first_squares_steps_within_the_lr(job, serve):
     second.stop()
 
 
+@pytest.mark.parametrize("stage", ["before", "after", "closed"])
 @pytest.mark.parametrize("sync", ["kasync:2", "bsp"])
-def test_a_server_killed_inside_a_rounds_update_applies_the_round_once(job, serve, monkeypatch, sync):
-    """A server SIGKILLed inside a round's update (PSD_TEST_CRASH_IN_ROUND: after the update, before the round is
-    closed; round_applying set): its successor closes the round, where it applied the round's sum again. One
-    learner pushes gradients 1, 2, 4, 8, 16 (each its own power of two, so the weights say which were applied how
-    often) under sgd at lr 1. kasync:2: rounds {1, 2}, {4, 8}, then the entry being taken at the crash (8) is
-    taken again with 16: the weights move by 3 + 12 + 24 = 39 (the sum applied again made it 35: {4, 8} twice,
-    8 three times), and the rank counts 8 twice. bsp (a round a step, averaged over one learner): 1, 2, 4 and
-    16 once each, 8 too (its entry was handed back before the round's update): 31, nothing counted twice."""
+def test_a_server_killed_finishing_a_round_applies_it_once(job, serve, monkeypatch, sync, stage):
+    """A server SIGKILLed while it finishes a round (PSD_TEST_CRASH_IN_ROUND, a test hook: before the round's
+    update, after it, or once the round is closed, before the entry that finished it is handed back): its
+    successor finishes the round (update.c recover_round), neither losing it nor applying it again. One learner
+    pushes gradients of powers of two under sgd at lr 1, so the weights say which were applied how often.
+    kasync:2, 1, 2, 4, 8, 16, 32, the server killed finishing round 2 ({4, 8}): every gradient once, 63 (the
+    successor took 8 again into the applied round and applied it again: 83, 8 counted twice). bsp, one
+    learner (a round a step), 1, 2, 4, 8, 16, killed finishing round 4 ({8}): 31 (the round's members had
+    joined, so it was applied again: 39)."""
+    grads = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0) if sync == "kasync:2" else (1.0, 2.0, 4.0, 8.0, 16.0)
     args = ("--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "8", "--sync", sync)
-    monkeypatch.setenv("PSD_TEST_CRASH_IN_ROUND", "2" if sync == "kasync:2" else "4")
+    monkeypatch.setenv("PSD_TEST_CRASH_IN_ROUND", f"{2 if sync == 'kasync:2' else 4}:{stage}")
     first = serve(job, *args)
     monkeypatch.delenv("PSD_TEST_CRASH_IN_ROUND")
-    second = []
+    second, failed = [], []
     model = torch.nn.Linear(4, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
 
     def take_over() -> None:  # the watchdog's part: a new server once the first died
-        first.proc.wait(timeout=120)
-        second.append(serve(job, *args))
+        try:
+            first.proc.wait(timeout=60)
+            second.append(serve(job, *args))
+        except BaseException as e:  # said by the assertion below, not lost in this thread
+            failed.append(repr(e))
 
     taker = threading.Thread(target=take_over)
     taker.start()
-    with learner.attach(model, job=job, reconnect_timeout=120) as ps:
-        for g in (1.0, 2.0, 4.0, 8.0, 16.0):  # a bsp step waits for its round: the fourth, for the second server
+    with learner.attach(model, job=job, reconnect_timeout=90) as ps:
+        for g in grads:  # a bsp step waits for its round: the fourth, for the second server
             model.weight.grad = torch.full((1, 4), g)
             ps.step()
         ps.flush()
         taker.join(timeout=120)
-        assert first.proc.returncode == -signal.SIGKILL and second, "the first server did not die in the round"
-        ps.pull()
-        w = learner.pull_state_dict(job)["weight"]
+        assert not failed and second and first.proc.returncode == -signal.SIGKILL, ("no crash in the round", failed)
         counters = ps._arena.counters()
-    twice = sync == "kasync:2"
-    assert torch.equal(w, torch.full((1, 4), -39.0 if twice else -31.0)), w
-    assert ps.pushed == 5 and counters["applied"] == 5 + twice and counters["pending"] == 0, counters
+    w = learner.pull_state_dict(job)["weight"]
+    assert torch.equal(w, torch.full((1, 4), -sum(grads))), w
+    assert ps.pushed == len(grads) and counters["applied"] == len(grads) and counters["pending"] == 0, counters
     second[0].stop()
+
+
+def test_a_round_a_dead_server_was_finishing_is_finished_from_its_checkpoint(job, serve, monkeypatch, tmp_path):
+    """A snapshot of a dead server's arena (`psd checkpoint`, no watchdog alive) taken while it was finishing a kasync
+    round, before the round's update: the checkpoint carries round_applying, and the server that resumes from it
+    finishes the round. Four gradients of ones at lr 1 under kasync:2: round 1 applied (-2), round 2 begun;
+    resumed, -4 (without the marks -2, the round's sum left open as the next round's start)."""
+    args = ("--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "8", "--sync", "kasync:2")
+    monkeypatch.setenv("PSD_TEST_CRASH_IN_ROUND", "2:before")
+    first = serve(job, *args)
+    monkeypatch.delenv("PSD_TEST_CRASH_IN_ROUND")
+    p = spawn("pusher.py", job, "--n", "8", "--count", "4", "--fill")
+    try:
+        assert read_line(p) == "ready"
+        first.proc.wait(timeout=60)
+        assert first.proc.returncode == -signal.SIGKILL
+    finally:
+        kill(p)
+    assert arena_header(job)["round_applying"] == 2
+    for cmd in (["checkpoint", "--job", job, "--checkpoint-dir", str(tmp_path)], ["clean"]):
+        subprocess.run([sys.executable, "-m", "psd.cli", *cmd], env=child_env(), check=True, capture_output=True,
+                       timeout=60)
+    assert not os.path.exists(shm_path(job)), "psd clean left the dead job's arena: the resume would take it over"
+    served = serve(job, *args, "--resume", str(tmp_path))
+    wait_until(lambda: arena_header(job)["state"] == _native.ARENA_READY and arena_header(job)["round_applying"] == 0,
+               what="the resumed server to finish the round")
+    h = arena_header(job)
+    assert (h["rounds"], h["acc_count"], h["clock"]) == (2, 0, 2)
+    assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((8,), -4.0))
+    served.stop()
 
 
 @pytest.mark.parametrize("flags", [["--sync", "kasync:3"], ["--sync", "asp"], ["--sync", "bsp"]])

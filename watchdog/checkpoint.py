@@ -90,7 +90,8 @@ class Checkpoint:
     job: str = ""
     created_unix_ns: int = 0
     path: Path | None = None
-    # Optimizer progress (optimizer, sync, opt_steps, rounds, acc_count, acc_staleness, lr_now) and its
+    # Optimizer progress (optimizer, sync, opt_steps, rounds, acc_count, acc_staleness, lr_now, and where a round's
+    # finish stood: round_applying, round_applied, 0 but in a snapshot taken inside one) and its
     # state: the arena's state vectors (momentum; Adam's m, v; the bsp/kasync accumulator), each n_train long.
     optim: dict = field(default_factory=dict)
     optstate: torch.Tensor | None = None
@@ -179,7 +180,7 @@ def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
 
     h = arena.header()
     optim = dict(arena.training(), **{k: h[k] for k in ("opt_steps", "rounds", "acc_count", "acc_staleness",
-                                                         "lr_now")})
+                                                         "lr_now", "round_applying", "round_applied")})
     views = _state_views(arena, h)
     return optim, torch.stack([v.clone() for v in views]) if views else None
 
