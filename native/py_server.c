@@ -95,6 +95,10 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
         atomic_fetch_add(&h->server_restarts, 1);
         /* The last server may have died inside an update, its weights written and not logged. */
         atomic_fetch_add_explicit(&h->weights_epoch, 1, memory_order_release);
+        /* Or paused (a snapshot) or held (a node link): its loop's flags, which a pauser or holder takes for this
+         * server's. Left set, a snapshot would copy the weights while this server's loop writes them. */
+        atomic_store(&h->paused, 0);
+        atomic_store(&h->held, 0);
     }
     return PyLong_FromUnsignedLongLong(gen);
 }

@@ -429,7 +429,9 @@ static void recover_round(struct psd_loop *L) {
     uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
     if (applying == mark) {
         if (atomic_load(&h->round_applied) != mark)
-            apply_round(L, mark);
+            apply_round(L, mark); /* holds at its end, as any update, where a node link asks */
+        else if (psd_loop_should_hold(m)) /* the last server died held after the update: hold before rounds moves */
+            psd_loop_hold(m, &L->stop);
         close_round(h);
     }
     uint64_t slot1 = PSD_LOAD_RLX(&h->round_slot), head = PSD_LOAD_RLX(&h->round_head);

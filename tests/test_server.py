@@ -313,3 +313,38 @@ def test_an_arena_watch_follows_the_job_from_server_to_server(job, serve):
     for n in Backoff.every(0.01).tries(time.monotonic() + 0.05):  # noqa: B007
         pass
     assert 0.05 <= time.monotonic() - t0 < 2 and 1 <= n <= 7
+
+
+def test_a_server_killed_while_paused_leaves_its_successor_unpaused(job, serve):
+    """A server SIGKILLed while its loop was paused for a snapshot leaves `paused` set in the arena. The server that
+    takes over clears it (become_server): its loop is not paused, and a pauser that took the dead loop's flag for
+    the new one's would copy weights the new loop is writing."""
+    from psd import _native
+    from psd.arena import open_job
+
+    args = ("--no-watchdog", "--learners", "1")
+    first = serve(job, *args)
+    pusher = subprocess.Popen([sys.executable, str(HELPERS / "pusher.py"), job, "--forever"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=child_env())
+    a = open_job(job)
+    try:
+        wait_until(lambda: arena_header(job)["applied"] > 0, what="updates")
+        me = os.getpid()
+        a.pause(me, _native.proc_start_time(me), 10.0)
+        assert arena_header(job)["paused"] == 1
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=30)
+        a.resume()  # the snapshot is over; the dead loop's flag stays
+        assert arena_header(job)["paused"] == 1
+        second = serve(job, *args)
+        assert arena_header(job)["paused"] == 0
+        applied = arena_header(job)["applied"]
+        wait_until(lambda: arena_header(job)["applied"] > applied, what="the new loop to apply the pusher's gradients")
+        a.pause(me, _native.proc_start_time(me), 10.0)  # now waits for the new loop to pause
+        assert arena_header(job)["paused"] == 1
+        a.resume()
+    finally:
+        a.close()
+        pusher.kill()
+        pusher.wait()
+    second.stop()

@@ -413,6 +413,39 @@ def test_a_round_a_dead_server_was_finishing_is_finished_from_its_checkpoint(job
     served.stop()
 
 
+def test_a_round_held_by_a_node_link_when_its_server_died_stays_held(job, serve):
+    """A node link holds the loop at a clock (psd_hold: right after the update that reaches it, before bsp's or
+    kasync's round moves on). A server SIGKILLed while held inside a round's finish: its successor finishes the
+    round (update.c recover_round) only once the hold is let go, so learners waiting for the round do not take
+    weights the link is still writing. Four gradients of ones, kasync:2, held at clock 2 (round 2's update)."""
+    args = ("--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "8", "--sync", "kasync:2")
+    first = serve(job, *args)
+    me = os.getpid()
+    a = open_job(job)
+    p = spawn("pusher.py", job, "--n", "8", "--count", "4", "--fill")
+    try:
+        a.hold(me, _native.proc_start_time(me), 2)
+        assert read_line(p) == "ready"
+        wait_until(lambda: arena_header(job)["held"] == 1, what="the loop to hold in round 2")
+        h = arena_header(job)
+        assert (h["rounds"], h["clock"], h["round_applying"], h["round_applied"]) == (1, 2, 2, 2)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(timeout=30)
+        second = serve(job, *args)
+        wait_until(lambda: arena_header(job)["held"] == 1, what="the next server's loop to hold")
+        h = arena_header(job)
+        assert (h["rounds"], h["clock"], h["round_applying"]) == (1, 2, 2), "the round moved on under the hold"
+        a.hold(me, _native.proc_start_time(me), -1)  # the link is done
+        wait_until(lambda: arena_header(job)["round_applying"] == 0, what="the round's finish")
+        h = arena_header(job)
+        assert (h["rounds"], h["clock"], h["acc_count"]) == (2, 2, 0)
+        assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((8,), -4.0))
+    finally:
+        a.close()
+        kill(p)
+    second.stop()
+
+
 @pytest.mark.parametrize("flags", [["--sync", "kasync:3"], ["--sync", "asp"], ["--sync", "bsp"]])
 def test_a_step_without_gradients_is_no_update(job, serve, flags):
     """A step that carries no gradient (every p.grad None: a framework's step after a skipped backward) is no

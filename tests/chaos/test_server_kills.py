@@ -12,6 +12,9 @@ closed round by its two gradients (the last round's one may be pending), a whole
 in [2 R, 2 R + 2K] for R rounds (an entry taken again adds one, a round applied again after a kill inside its
 update two); under bsp each round by the mean of its gradients, 1, in [R, R + K], with R at least P / 2 (not
 always whole: an entry taken again after a kill inside its own take is in its round's sum twice, in part).
+These bounds catch a loss; a round applied again after a kill (+1 under bsp, +3 under kasync:2 before
+update.c recover_round) fits them, and tests/test_sync.py's test_a_server_killed_finishing_a_round_applies_it_once
+catches it at each point of a round's finish.
 """
 
 from __future__ import annotations
