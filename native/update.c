@@ -823,7 +823,7 @@ static void *loop_main(void *arg) {
      * gap_ewma); spin_from: when the current spin began. */
     uint64_t now = psd_now_ns(), last_work = now, spin_from = now, gap_ewma = 0;
     uint32_t busy = 0;
-    recover_round(L); /* before anything is taken: the last server may have died finishing a round */
+    bool recovered = false;
     while (!atomic_load_explicit(&L->stop, memory_order_acquire)) {
         if (psd_loop_should_pause(L->m)) {
             psd_loop_pause(L->m, &L->stop);
@@ -831,6 +831,12 @@ static void *loop_main(void *arg) {
         }
         if (psd_loop_should_hold(L->m)) { /* a hold at the current clock: apply nothing until it moves */
             psd_loop_hold(L->m, &L->stop);
+            continue;
+        }
+        if (!recovered) { /* before anything is taken, after a snapshot or hold in progress: the last server may
+                           * have died finishing a round */
+            recover_round(L);
+            recovered = true;
             continue;
         }
         uint32_t applied = psd_admit(L->m) + round_robin(L, &busy);

@@ -413,6 +413,38 @@ def test_a_round_a_dead_server_was_finishing_is_finished_from_its_checkpoint(job
     served.stop()
 
 
+def test_a_snapshot_begun_on_a_dead_server_is_not_written_under_by_its_successor(job, serve, monkeypatch):
+    """A pause (a snapshot: the watchdog's, `psd checkpoint`) asked for while the server lies dead inside a round's
+    finish holds the next server's loop before its recovery (update.c recover_round) writes the round into the
+    weights the snapshot is copying; once resumed, the round is finished. Four gradients of ones, kasync:2, the
+    server killed before round 2's update: -2 while paused, -4 after."""
+    args = ("--no-watchdog", "--learners", "1", "--lr", "1", "--ring-depth", "8", "--sync", "kasync:2")
+    monkeypatch.setenv("PSD_TEST_CRASH_IN_ROUND", "2:before")
+    first = serve(job, *args)
+    monkeypatch.delenv("PSD_TEST_CRASH_IN_ROUND")
+    me = os.getpid()
+    a = open_job(job)
+    p = spawn("pusher.py", job, "--n", "8", "--count", "4", "--fill")
+    try:
+        assert read_line(p) == "ready"
+        first.proc.wait(timeout=60)
+        assert first.proc.returncode == -signal.SIGKILL
+        a.pause(me, _native.proc_start_time(me), 10.0)  # no loop runs: returns at once, the request stays
+        second = serve(job, *args)
+        wait_until(lambda: arena_header(job)["paused"] == 1, what="the next server's loop to pause")
+        h = arena_header(job)
+        assert (h["rounds"], h["round_applying"]) == (1, 2), "the round was finished under the snapshot"
+        assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((8,), -2.0))
+        a.resume()
+        wait_until(lambda: arena_header(job)["round_applying"] == 0, what="the round's finish")
+        assert arena_header(job)["rounds"] == 2
+        assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((8,), -4.0))
+    finally:
+        a.close()
+        kill(p)
+    second.stop()
+
+
 def test_a_round_held_by_a_node_link_when_its_server_died_stays_held(job, serve):
     """A node link holds the loop at a clock (psd_hold: right after the update that reaches it, before bsp's or
     kasync's round moves on). A server SIGKILLed while held inside a round's finish: its successor finishes the
