@@ -428,10 +428,10 @@ static void recover_round(struct psd_loop *L) {
         return;
     uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
     if (applying == mark) {
+        /* A hold the last server died in is honoured before this runs (loop_main), and apply_round's update
+         * holds at its end, as any update, where a node link asks: rounds moves after either. */
         if (atomic_load(&h->round_applied) != mark)
-            apply_round(L, mark); /* holds at its end, as any update, where a node link asks */
-        else if (psd_loop_should_hold(m)) /* the last server died held after the update: hold before rounds moves */
-            psd_loop_hold(m, &L->stop);
+            apply_round(L, mark);
         close_round(h);
     }
     uint64_t slot1 = PSD_LOAD_RLX(&h->round_slot), head = PSD_LOAD_RLX(&h->round_head);
