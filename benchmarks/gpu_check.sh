@@ -10,9 +10,11 @@
 #
 # Steps: tests (tests/test_device.py alone on the machine, then its no-wait step test OVERLAP_RUNS more times
 # for a median), stages (the pipeline-stage and example tests with a GPU present: test_partial.py,
-# test_stages.py, test_examples.py; the two-GPU pipeline test needs two GPUs), register, job, bench, suite.
+# test_stages.py, test_examples.py; the two-GPU pipeline test needs two GPUs), register, job, bench, kernels
+# (benchmarks/optim_kernels.py on the GPU host's cores: the server's update bounds a one-learner GPU job; sizes
+# KERNEL_SIZES, default 1e7,1e8, threads KERNEL_THREADS, default 1,4,all), suite.
 set -u
-STEPS=" ${STEPS:-tests stages register job bench suite} "
+STEPS=" ${STEPS:-tests stages register job bench kernels suite} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/psd-gpu-check}
 PY=${PY:-python3}
@@ -112,6 +114,13 @@ step "psd bench: the GPU round trip"
 timeout 120 "$PY" -m psd.cli bench --sizes 1000000 10000000 --learners 1 2 4 8 --no-peers --no-training --reps 1 \
     --pull-modes copy --grad-dtypes float32 --json > "$OUT/results/bench.json" 2> "$OUT/bench.log"
 grep -E "gpu round trip|host" "$OUT/bench.log"
+
+fi
+if want kernels; then
+step "the server's optimizer kernels against torch fused on this host's cores"
+timeout 200 "$PY" benchmarks/optim_kernels.py --sizes "${KERNEL_SIZES:-1e7,1e8}" --threads "${KERNEL_THREADS:-1,4,all}" \
+    --rounds 3 --reps 5 --no-plot --out "$OUT/results" 2> "$OUT/kernels.log"
+grep -E "Worst|rror" "$OUT/kernels.log"; cat "$OUT/results/optim_kernels.md" 2>/dev/null | grep -E "^\| [a-z]"
 
 fi
 if want suite; then
