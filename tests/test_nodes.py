@@ -67,7 +67,8 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
     as one node of 4 learners taking both nodes' steps); then the whole job, resumed with --resume on both
     nodes and --outer-optimizer avg, goes on from the agreed state as if it had never stopped, at lr (avg:
     the nodes' mean step). Both outer steps in one job: avg from a fresh start was a third start of both
-    nodes for the same check."""
+    nodes for the same check. In the first phase each step takes 1.2 s, so each link waits over a second for
+    its clock (1,200 polls): no link may die of it (it did, of OverflowError in its poll's back-off)."""
     sys.path.insert(0, str(HELPERS))
     from safetensors import safe_open
     from sync_learner import exact_problem
@@ -86,7 +87,8 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
         port = free_port()
         procs = [node(job, r, port, tmp_path, "--learners", "2", "--sync", "bsp", "--lr", repr(lr),
                       "--max-node-lag", "0", "--outer-optimizer", outer, "--node-timeout", "20",
-                      *(["--resume"] if phase else []), learner=("--steps", str(steps))) for r in range(2)]
+                      *(["--resume"] if phase else []),
+                      learner=("--steps", str(steps), "--step-s", "0" if phase else "1.2")) for r in range(2)]
         for r, p in enumerate(procs):
             assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
         for r in range(2):
@@ -94,6 +96,7 @@ def test_two_nodes_in_lockstep_equal_one_process_with_the_combined_batch(job, tm
             outs = [json.loads(line) for line in (tmp_path / f"node{r}.out").read_text().splitlines()
                     if line[:1] == "["]
             assert len(outs) == 2, logs
+            assert "restarting it" not in logs, logs  # no link (nor server) died and was restarted
             for out in outs:
                 assert torch.allclose(torch.tensor(out), ref, atol=1e-6), \
                     f"{outer}, node {r}: {out} != {ref.tolist()}\n{logs}"

@@ -269,3 +269,16 @@ def test_a_backoff_of_no_interval_tries_again_at_once_until_stopped():
             stop.set()
     assert tries == [0, 1, 2, 3, 4]
     assert Backoff.every(0.0).delay(7) == 0.0
+
+
+@pytest.mark.parametrize("backoff", [(0.001, 0.001), (0.0, 0.0), (0.1, 10.0), (1e-300, 5.0)])
+def test_a_backoff_tried_past_float_range_keeps_its_cap(backoff):
+    """A poll (``Backoff.every(0.001)``: the node link's wait for the clock) that runs past try 1,024 asks for
+    ``base * 2**1024``, which no float holds: the delay must stay the cap, not raise OverflowError and kill the
+    waiter (the node link died so whenever a round took more than about a second)."""
+    from psd.watchdog.restarts import Backoff
+
+    b = Backoff(*backoff)
+    for n in (1024, 1025, 1100, 10**6):
+        assert b.delay(n) == b.cap
+    assert b.delay(1) == b.base

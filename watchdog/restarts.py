@@ -26,7 +26,11 @@ class Backoff:
 
     def delay(self, n: int) -> float:
         """Seconds to wait before restarting after the ``n``-th counted failure (0: none counted, no wait)."""
-        return 0.0 if n <= 0 else min(self.cap, self.base * 2 ** (n - 1))
+        if n <= 0:
+            return 0.0
+        # The doubling stops at 2**1000: a float holds no power of two past 2**1023, and a poll's try 1,025
+        # (``every``'s, a little over a second at 1 ms) would raise OverflowError. Any base reaches its cap first.
+        return min(self.cap, self.base * 2.0 ** min(n - 1, 1000))
 
     @classmethod
     def every(cls, interval: float) -> Backoff:

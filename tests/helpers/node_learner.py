@@ -2,7 +2,8 @@
 
 Learner g = node_rank * learners + rank trains on its own rows of sync_learner's exact problem; it
 waits until its node link has formed (so no step is taken on weights the nodes have not agreed on),
-then takes --steps steps and prints its final weights as JSON. --forever: train until killed.
+then takes --steps steps and prints its final weights as JSON. --forever: train until killed. --step-s S: each
+step's gradient takes S seconds more to compute (a slow model's), so its node link waits that long for the clock.
 """
 
 import argparse
@@ -22,6 +23,7 @@ from psd.nodelink import read_state
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--forever", action="store_true")
+p.add_argument("--step-s", type=float, default=0.0)
 args = p.parse_args()
 job, rank = os.environ["PSD_JOB"], int(os.environ["PSD_RANK"])
 world, node, nnodes = int(os.environ["PSD_WORLD"]), int(os.environ["PSD_NODE_RANK"]), int(os.environ["PSD_NNODES"])
@@ -41,6 +43,8 @@ with learner.attach(model, job=job) as ps:
     step = 0
     while args.forever or step < args.steps:
         torch.nn.functional.mse_loss(model(xs), ys).backward()
+        if args.step_s:
+            time.sleep(args.step_s)  # the compute of a slower model, not synchronisation
         ps.step()
         step += 1
     os.write(1, (json.dumps(model.weight.detach().reshape(-1).tolist()) + "\n").encode())
