@@ -70,7 +70,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="a job's arena header, field by field, and its learner slots")
     add_flags(ins, "inspect")
 
-    c = sub.add_parser("clean", help="remove arenas whose server is dead")
+    c = sub.add_parser("clean", help="remove arenas whose server is dead (--job: that job's alone)")
     add_flags(c, "clean")
 
     b = sub.add_parser("bench", help="measure psd on this machine, beside Hogwild and DDP over gloo",
@@ -419,7 +419,11 @@ def _mapped_by(path: str) -> list[int]:
 
 def _clean(args: argparse.Namespace) -> int:
     removed = 0
-    for job in list_jobs():
+    if args.job and not os.path.exists(shm_path(args.job)):
+        print(f"nothing to remove: job {args.job!r} has no arena ({shm_path(args.job)})")
+    for job in [args.job] if args.job else list_jobs():
+        if not os.path.exists(shm_path(job)):
+            continue
         try:
             a = open_job(job)
         except Error as e:

@@ -325,7 +325,7 @@ def _build() -> tuple[Flag, ...]:
              "virtual worker must land on K different GPUs)", "", commands=(RUN,), metavar="LIST", readme_default=""),
         Flag("--quiet", "log warnings and errors only", False, switch=True, short="-q", readme_default="off"),
         # -- the other commands
-        Flag("--job", "job name (default: every job on the machine)", None, commands=("status", "top")),
+        Flag("--job", "job name (default: every job on the machine)", None, commands=("status", "top", "clean")),
         Flag("--job", "job name", default_job, commands=("stop", "checkpoint", "inspect")),
         Flag("--json", "machine-readable output (strict JSON)", False, switch=True,
              commands=("status", "inspect", "doctor")),

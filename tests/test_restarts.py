@@ -155,7 +155,8 @@ def test_a_lost_arena_without_a_checkpoint_stops_the_job_instead_of_starting_it_
     assert "no valid checkpoint" in out and "the trained weights are gone" in out, out
     assert "waiting for a model" not in out and "`psd clean`" in out
     assert not checkpoint.list_checkpoints(ck)
-    subprocess.run([sys.executable, "-m", "psd.cli", "clean"], env=child_env(), check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], env=child_env(), check=True,
+                   capture_output=True)
     assert not os.path.exists(shm_path(job))
 
 

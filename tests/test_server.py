@@ -106,11 +106,25 @@ def test_clean_removes_arenas_of_dead_servers_only(job, serve):
     dead.proc.send_signal(signal.SIGKILL)
     dead.proc.wait(timeout=30)
     assert os.path.exists(shm_path(dead_job))
-    out = subprocess.run([sys.executable, "-m", "psd.cli", "clean"], capture_output=True, text=True,
-                         env=child_env(), timeout=60, check=True).stdout
-    assert f"removing {shm_path(dead_job)}: its server (pid {dead.proc.pid}) is dead" in out
+
+    def clean(*flags: str) -> str:
+        return subprocess.run([sys.executable, "-m", "psd.cli", "clean", *flags], capture_output=True, text=True,
+                              env=child_env(), timeout=60, check=True).stdout
+
+    # Every job on the machine, as a dry run: a removal here would take other tests' dead arenas (pytest -n).
+    out = clean("--dry-run")
+    assert f"would remove {shm_path(dead_job)}: its server (pid {dead.proc.pid}) is dead" in out, out
+    assert f"keeping {shm_path(job)}: its server (pid {arena_header(job)['server_pid']}) is alive" in out, out
+    assert os.path.exists(shm_path(dead_job))
+    out = clean("--job", job)
+    assert f"keeping {shm_path(job)}" in out and "removed 0 arena(s)" in out, out
+    out = clean("--job", dead_job)
+    assert f"removing {shm_path(dead_job)}: its server (pid {dead.proc.pid}) is dead" in out, out
+    assert "removed 1 arena(s)" in out and f"{shm_path(job)}:" not in out, out
     assert not os.path.exists(shm_path(dead_job))
     assert os.path.exists(shm_path(job)), "a live job's arena must be kept"
+    out = clean("--job", dead_job)
+    assert f"nothing to remove: job {dead_job!r} has no arena" in out and "removed 0 arena(s)" in out, out
     live.stop()
 
 
@@ -134,7 +148,8 @@ def test_clean_keeps_an_arena_it_cannot_read_while_a_process_maps_it(job, serve)
         assert holder.stdout.readline().strip() == "ready"
 
         def clean() -> str:
-            return subprocess.run([sys.executable, "-m", "psd.cli", "clean"], capture_output=True, text=True,
+            return subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job + "-other"],
+                                  capture_output=True, text=True,
                                   env=child_env(), timeout=60, check=True).stdout
 
         out = clean()
@@ -328,7 +343,7 @@ def test_a_server_killed_while_paused_leaves_its_successor_unpaused(job, serve):
                               stderr=subprocess.PIPE, text=True, env=child_env())
     a = open_job(job)
     try:
-        wait_until(lambda: arena_header(job)["applied"] > 0, what="updates")
+        wait_until(lambda: arena_header(job)["applied"] > 0, timeout=60, what="updates")  # the pusher imports torch
         me = os.getpid()
         a.pause(me, _native.proc_start_time(me), 10.0)
         assert arena_header(job)["paused"] == 1

@@ -400,7 +400,7 @@ def test_a_round_a_dead_server_was_finishing_is_finished_from_its_checkpoint(job
     finally:
         kill(p)
     assert arena_header(job)["round_applying"] == 2
-    for cmd in (["checkpoint", "--job", job, "--checkpoint-dir", str(tmp_path)], ["clean"]):
+    for cmd in (["checkpoint", "--job", job, "--checkpoint-dir", str(tmp_path)], ["clean", "--job", job]):
         subprocess.run([sys.executable, "-m", "psd.cli", *cmd], env=child_env(), check=True, capture_output=True,
                        timeout=60)
     assert not os.path.exists(shm_path(job)), "psd clean left the dead job's arena: the resume would take it over"
