@@ -12,9 +12,11 @@
 # for a median), stages (the pipeline-stage and example tests with a GPU present: test_partial.py,
 # test_stages.py, test_examples.py; the two-GPU pipeline test needs two GPUs), register, job, bench, kernels
 # (benchmarks/optim_kernels.py on the GPU host's cores: the server's update bounds a one-learner GPU job; sizes
-# KERNEL_SIZES, default 1e7,1e8, threads KERNEL_THREADS, default 1,4,all), suite.
+# KERNEL_SIZES, default 1e7,1e8, threads KERNEL_THREADS, default 1,4,all), cpubench (psd bench's CPU round
+# trips and training against Hogwild with a copy, 2 and 8 learners, on cores enough for a learner each and
+# the update loop: the 2-core VM has them share), suite.
 set -u
-STEPS=" ${STEPS:-tests stages register job bench kernels suite} "
+STEPS=" ${STEPS:-tests stages register job bench kernels cpubench suite} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/psd-gpu-check}
 PY=${PY:-python3}
@@ -121,6 +123,13 @@ step "the server's optimizer kernels against torch fused on this host's cores"
 timeout 200 "$PY" benchmarks/optim_kernels.py --sizes "${KERNEL_SIZES:-1e7,1e8}" --threads "${KERNEL_THREADS:-1,4,all}" \
     --rounds 3 --reps 5 --no-plot --out "$OUT/results" 2> "$OUT/kernels.log"
 grep -E "Worst|rror" "$OUT/kernels.log"; cat "$OUT/results/optim_kernels.md" 2>/dev/null | grep -E "^\| [a-z]"
+
+fi
+if want cpubench; then
+step "psd bench on the host's cores: round trips and training against Hogwild, 2 and 8 learners"
+timeout 300 "$PY" -m psd.cli bench --sizes 10000 1000000 10000000 --learners 2 8 --batches 1 8 --pull-modes copy \
+    --grad-dtypes float32 --reps 3 --json > "$OUT/results/cpu_bench.json" 2> "$OUT/cpu_bench.log"
+grep -E "^(round trip|training|limit|idle)" "$OUT/cpu_bench.log"
 
 fi
 if want suite; then
