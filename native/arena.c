@@ -142,12 +142,29 @@ int psd_arena_adopt(struct psd_map *m) {
     return rc;
 }
 
-static int reserve(int fd, uint64_t size) {
+/* A grow reserves and clears the arena this many bytes at a time, storing the heartbeat after each:
+ * several GB take seconds (4 GB/s here), and the watchdog restarts a server that has not beaten for
+ * its --heartbeat-timeout (2 s). */
+#define GROW_CHUNK (256ull << 20)
+
+static void beat(struct psd_header *h) {
+    if (h)
+        PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* read by psd_server_alive, the watchdog */
+}
+
+/* Reserve [0, size) of the file; `h` (NULL: none yet) beats after each chunk. */
+static int reserve(int fd, uint64_t size, struct psd_header *h) {
     if (ftruncate(fd, (off_t)size) != 0)
         return errno;
-    /* posix_fallocate returns the error instead of setting errno. */
-    int rc = posix_fallocate(fd, 0, (off_t)size);
-    return rc == EINVAL ? 0 : rc; /* EINVAL: filesystem cannot reserve; ftruncate stands */
+    for (uint64_t off = 0; off < size; off += GROW_CHUNK) {
+        uint64_t len = size - off < GROW_CHUNK ? size - off : GROW_CHUNK;
+        /* posix_fallocate returns the error instead of setting errno. */
+        int rc = posix_fallocate(fd, (off_t)off, (off_t)len);
+        if (rc)
+            return rc == EINVAL ? 0 : rc; /* EINVAL: filesystem cannot reserve; ftruncate stands */
+        beat(h);
+    }
+    return 0;
 }
 
 static void map_init(struct psd_map *m) {
@@ -236,7 +253,7 @@ int psd_arena_create(struct psd_map *m, const char *shm_name, mode_t mode, uint3
     int fd = shm_open(shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd < 0)
         return errno;
-    if (fchmod(fd, mode) != 0 || (rc = reserve(fd, size)) != 0) {
+    if (fchmod(fd, mode) != 0 || (rc = reserve(fd, size, NULL)) != 0) {
         rc = rc ? rc : errno;
         close(fd);
         shm_unlink(shm_name);
@@ -443,7 +460,7 @@ int psd_arena_grow(struct psd_map *m) {
     int rc = psd_geometry(m->g.n_slots, m->g.ring_k, m->g.spec_cap, &model, vectors, &g);
     if (rc)
         return rc;
-    if ((rc = reserve(m->fd, g.total_size)) != 0) {
+    if ((rc = reserve(m->fd, g.total_size, h)) != 0) {
         /* Give back whatever was reserved: the arena stays header-sized. */
         if (ftruncate(m->fd, (off_t)m->size) != 0) {
             /* nothing more to do: the size check before the next grow repeats */
@@ -456,7 +473,11 @@ int psd_arena_grow(struct psd_map *m) {
         return PSD_EGEOMETRY; /* shrunk under us since it was reserved */
     h = psd_hdr(m);
     if (h->weights_off != 0) /* a regrow after a reset starts clean; fresh pages are zero */
-        memset(m->base + g.weights_off, 0, (size_t)(g.total_size - g.weights_off));
+        for (uint64_t off = g.weights_off; off < g.total_size; off += GROW_CHUNK) {
+            uint64_t len = g.total_size - off < GROW_CHUNK ? g.total_size - off : GROW_CHUNK;
+            memset(m->base + off, 0, (size_t)len);
+            beat(h);
+        }
     m->g = g;
     h->n_params = g.n_params;
     h->n_train = g.n_train;

@@ -180,3 +180,18 @@ def test_psd_run_restarts_one_learner_and_finishes(job, tmp_path):
     assert final.weights["w"][:3].tolist() == [-3000.0] * 3
     assert final.ranks[:3] == [3000] * 3
     assert not os.path.exists(shm_path(job))
+
+
+def test_a_large_model_admitted_keeps_the_server_beating(job, serve):
+    """Growing the arena for a large model takes seconds (fallocate and zeroing of many GB, at about 4 GB/s); the
+    server beats all the while (native/arena.c, after each 256 MiB), so its watchdog does not take the grow for a
+    hang and restart it. Here a 3.9 GB arena under a 0.5 s heartbeat timeout (the default 2 s is a 10-15 GB one:
+    100M parameters were restarted so)."""
+    s = serve(job, "--learners", "4", "--ring-depth", "16", "--heartbeat-timeout", "0.5")
+    wait_until(lambda: arena_header(job)["server_pid"] != s.proc.pid, what="the watchdog's server")
+    server = arena_header(job)["server_pid"]
+    p = spawn("pusher.py", job, "--n", str(15_000_000), "--count", "2")
+    assert finish(p, timeout=120).split()[-2:] == ["done", "2"]
+    assert arena_header(job)["server_pid"] == server, "the watchdog restarted the server while it grew the arena"
+    log = s.stop()
+    assert "has not beaten" not in log, log
