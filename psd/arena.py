@@ -35,6 +35,7 @@ __all__ = [
     "HEADER_DERIVED",
     "SET_BUFFER_DTYPES",
     "SHM_DIR",
+    "WEIGHTLESS",
     "ArenaWatch",
     "Header",
     "HeaderView",
@@ -64,6 +65,9 @@ _PREFIX = "psd."
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _MIB = 1 << 20
 _PAGE = 4096  # PSD_PAGE
+# The states of an arena that holds no model's weights yet (enum psd_arena_state): nothing trained is in it, and
+# a server or checkpoint that takes one for the job's model takes whatever a learner brings next.
+WEIGHTLESS = (_native.ARENA_WAITING_SPEC, _native.ARENA_SPEC_OFFERED, _native.ARENA_INIT_WEIGHTS)
 # What the update loop found in a learner's memory when it evicted it: enum psd_rule (psd_layout.h).
 EVICTION_RULES = {1: "its ring's tail ran more than the ring's depth ahead of the head",
                   2: "a ring entry's sequence number was not the index it was published at",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 from psd import __version__, _native, gain
 from psd.arena import (
     EVICTION_RULES,
+    WEIGHTLESS,
     HeaderView,
     ParamSpec,
     arena_spec,
@@ -259,11 +261,27 @@ class Server:
                             f"with --resume DIR to continue from the last checkpoint") from None
             log.warning("job %r: the arena is damaged (%s); starting over from the last checkpoint", cfg.job, e)
             _native.unlink(shm_name(cfg.job))
+        if self.arena is not None and (cfg.resume or spec is not None) and not self.arena.server_alive() and \
+                self.arena.state in WEIGHTLESS:
+            # A server killed before its arena held the job's weights (while it wrote those of --init or the
+            # checkpoint, or before a learner wrote its model's): taken over, the arena would wait for the next
+            # learner's model and make that the job's, --init or the checkpoint ignored. Start over from them.
+            if spec is None:
+                ckpt = self._latest_checkpoint()
+                if ckpt is not None:
+                    spec, tensors = ckpt.spec, ckpt.weights
+            if spec is not None:
+                log.warning("job %r: the arena of dead server pid %d never held the job's weights; starting over "
+                            "from %s", cfg.job, HeaderView(self.arena).server_pid,
+                            cfg.init or "the checkpoint")
+                self.arena.close()
+                self.arena = None
+                _native.unlink(shm_name(cfg.job))
         took_over = self.arena is not None
         if took_over:
             self._take_over(spec)
         else:
-            if cfg.resume and spec is None:
+            if cfg.resume and spec is None and ckpt is None:
                 ckpt = self._latest_checkpoint()
                 if ckpt is not None:
                     spec, tensors = ckpt.spec, ckpt.weights
@@ -297,9 +315,20 @@ class Server:
         st = self.arena.state
         if spec is not None and (st == _native.ARENA_WAITING_SPEC or (
                 st == _native.ARENA_SPEC_OFFERED and HeaderView(self.arena).offer_pid == os.getpid())):
+            self._test_crash_before_weights()
             self._load_weights(spec, tensors, ckpt)
         elif self.arena.state == _native.ARENA_WAITING_SPEC:
             log.info("job %r: waiting for the first learner to bring its model", cfg.job)
+
+    @staticmethod
+    def _test_crash_before_weights() -> None:
+        """PSD_TEST_CRASH_BEFORE_WEIGHTS=FILE: a test's server SIGKILLs itself once (while FILE does not exist: it
+        creates it first) with its arena made and claimed and the weights it loaded not yet written, as a server
+        killed while it writes a large checkpoint's weights is left."""
+        marker = os.environ.get("PSD_TEST_CRASH_BEFORE_WEIGHTS")
+        if marker and not os.path.exists(marker):
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _create(self, spec: list[ParamSpec] | None) -> None:
         cfg = self.config

@@ -195,3 +195,51 @@ def test_a_large_model_admitted_keeps_the_server_beating(job, serve):
     assert arena_header(job)["server_pid"] == server, "the watchdog restarted the server while it grew the arena"
     log = s.stop()
     assert "has not beaten" not in log, log
+
+
+@pytest.mark.parametrize("source", ["resume", "init"])
+def test_a_server_killed_before_its_first_weights_were_written_starts_over_from_them(job, tmp_path, monkeypatch,
+                                                                                    source):
+    """A server that loads the job's weights itself (--resume's checkpoint, or --init) is SIGKILLed with its arena
+    made and claimed but those weights not yet written (a large checkpoint takes seconds). Its watchdog starts
+    the next server from them again: taking the weightless arena over, that server would wait for the next
+    learner's model and make it the job's. And the stop writes a checkpoint of the job's weights."""
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "ck"
+    w = torch.arange(8.0)
+    if source == "resume":
+        checkpoint.write(checkpoint.Checkpoint({"w": w}, [checkpoint.ParamSpec("w", (8,))], clock=123, generation=4,
+                                               ranks=[7, 9], job=job, created_unix_ns=1), ck)
+        flags = ["--resume", str(ck)]
+    else:
+        save_file({"w": w}, str(tmp_path / "init.safetensors"))
+        flags = ["--init", str(tmp_path / "init.safetensors")]
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("PSD_TEST_CRASH_BEFORE_WEIGHTS", str(crashed))
+    s = Served(job, "--learners", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "0", *flags)
+    try:
+        wait_until(lambda: crashed.exists() and os.path.exists(shm_path(job))
+                   and arena_header(job)["state"] == _native.ARENA_READY, timeout=60,
+                   what="the next server to load the weights")
+        assert torch.equal(learner.pull_state_dict(job)["w"], w)
+        assert arena_header(job)["clock"] == (123 if source == "resume" else 0)
+    finally:
+        log = s.stop()
+    assert "restarting it" in log and "never held the job's weights; starting over" in log, log
+    last = checkpoint.latest(ck)
+    assert last is not None and torch.equal(last.weights["w"], w), log
+
+
+def test_a_stop_before_the_job_held_a_model_writes_no_checkpoint(job, serve, tmp_path):
+    """A learner offered its model and was killed before it wrote the weights: the server waits for another, and
+    a stop then leaves an arena with the model's sizes and zeros for weights. No checkpoint of it is written:
+    the next --resume would take those zeros for the job's model."""
+    s = serve(job, "--learners", "2", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0")
+    p = spawn("offerer.py", job)
+    assert read_line(p) == "ready"
+    kill(p)
+    wait_until(lambda: arena_header(job)["state"] == _native.ARENA_WAITING_SPEC, what="the server to wait again")
+    log = s.stop()
+    assert "died before writing its initial weights" in log, log
+    assert checkpoint.list_checkpoints(tmp_path) == [], log

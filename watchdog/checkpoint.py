@@ -34,6 +34,7 @@ __all__ = [
     "Checkpoint",
     "CorruptCheckpoint",
     "default_dir",
+    "holds_model",
     "latest",
     "list_checkpoints",
     "load",
@@ -142,11 +143,24 @@ def save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
     _fsync_dir(path.parent)
 
 
-def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_timeout: float = 2.0) -> Checkpoint:
+def holds_model(arena: _native.Arena, seen_ready: bool) -> bool:
+    """Whether ``arena`` holds a model's weights to checkpoint: READY, or STOPPED after it held them (the caller
+    saw it READY, ``seen_ready``, or updates were applied to them). A server stopped while its arena waited for
+    a model's weights (a learner offered one and died before writing it) leaves it STOPPED with the model's
+    sizes and zeros for weights: a checkpoint of those would be the next ``--resume``'s model."""
+    if not HeaderView(arena).n_params:
+        return False
+    st = arena.state
+    return st == _native.ARENA_READY or (st == _native.ARENA_STOPPED and (seen_ready or arena.clock() > 0))
+
+
+def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_timeout: float = 30.0) -> Checkpoint:
     """Copy the arena's weights consistently: pause the update loop, copy, resume.
 
     Learners keep computing meanwhile (each waits at its next push: for ring space, or, where --overlap says
-    so, for the update); the pause lasts one memory copy of the weights.
+    so, for the update); the pause lasts one memory copy of the weights. The loop pauses between gradients:
+    ``pause_timeout`` is how long one update may take (a large model's Adam, a loaded machine) before this
+    gives up; a loop that stopped beating (hung) or none running is no wait at all (native/pause.c).
     """
     from psd.state import buffers_view, pieces_view, split, weights_view
 

@@ -408,7 +408,8 @@ class Launcher:
 
     def _arena_or_none(self) -> _native.Arena | None:
         a = self._watch.current()
-        if a is not None and a.state == _native.ARENA_READY:
+        held = a is not None and a.state == _native.ARENA_READY  # the job held its model when the stop began
+        if held:
             a.remap()
         return a
 
@@ -497,7 +498,8 @@ class Launcher:
         if self._forks is not None:
             self._forks.close()
         a = self._watch.release()  # our mapping outlives the arena's name
-        if a is not None and a.state == _native.ARENA_READY:
+        held = a is not None and a.state == _native.ARENA_READY  # the job held its model when the stop began
+        if held:
             a.remap()
         clean = False
         if self.watchdog is not None:
@@ -511,9 +513,9 @@ class Launcher:
             server, start, n_params = h.server_pid, h.server_start_time, h.n_params  # before the server stops
             if _native.owner_alive(server, start):
                 terminate(server, deadline=10.0)  # it applies what is pending, then stops
-            if not clean and n_params and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
-                from psd.watchdog import checkpoint
+            from psd.watchdog import checkpoint
 
+            if not clean and n_params and checkpoint.holds_model(a, held):
                 snap = checkpoint.snapshot(a, self.job, {"learners": self.n})
                 path = checkpoint.write(snap, self.config.ckpt_dir, self.config.keep)
                 del snap

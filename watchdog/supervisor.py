@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, ArenaWatch, HeaderView, open_job, shm_name, shm_path
+from psd.arena import ARENA_LOST_EXIT, WEIGHTLESS, ArenaWatch, HeaderView, open_job, shm_name, shm_path
 from psd.errors import Error
 from psd.events import EventLog
 from psd.server import ServeConfig
@@ -181,7 +181,7 @@ class Watchdog:
     def _server_argv(self, resume: bool) -> list[str]:
         s = self.config.serve
         argv = [sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", *s.argv()]
-        if s.init and self.restarts == 0:
+        if s.init and not self._had_model:  # until the job holds a model, its first weights are --init's
             argv += ["--init", s.init]
         if resume:
             argv += ["--resume", str(self.config.ckpt_dir)]
@@ -291,8 +291,10 @@ class Watchdog:
                              fail_msg="")
             return
         self.restarts += 1
-        # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint.
-        self._spawn(resume=a is None)
+        # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint; and
+        # where a resuming job's server died before its arena held the checkpoint's weights, the checkpoint
+        # again (the server starts over from it rather than wait for a learner's model).
+        self._spawn(resume=a is None or (self._resume_first and a.state in WEIGHTLESS))
 
     def _give_up(self, why: str) -> None:
         """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
@@ -429,7 +431,7 @@ class Watchdog:
         self.checkpoint_requested.clear()
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
         a = arena or self._open_arena()
-        if a is None or a.state not in (_native.ARENA_READY, _native.ARENA_STOPPED) or not HeaderView(a).n_params:
+        if a is None or not checkpoint.holds_model(a, self._had_model):
             return None
         a.remap()
         if not force and a.clock() == self._last_ckpt_clock:
@@ -466,6 +468,8 @@ class Watchdog:
             return
         failed = self.state == ServerState.FAILED
         a = self._open_arena() if not failed else None
+        if a is not None and a.state == _native.ARENA_READY:
+            self._had_model = True  # READY since the last poll: the stop's checkpoint is of the job's model
         self._stop_link()
         try:
             if self.proc is not None and self.proc.pid == self.server_pid:
