@@ -243,3 +243,22 @@ def test_a_stop_before_the_job_held_a_model_writes_no_checkpoint(job, serve, tmp
     log = s.stop()
     assert "died before writing its initial weights" in log, log
     assert checkpoint.list_checkpoints(tmp_path) == [], log
+
+
+def test_the_start_limit_allows_for_reading_what_the_server_loads(tmp_path):
+    """A server reads --resume's checkpoints (each of them, where the newest are torn) or --init's file before it
+    makes its arena; the watchdog's start limit (30 s) and `psd run`'s wait for the arena grow by their bytes at
+    100 MB/s, or a large checkpoint's load was killed as a hang, again after every restart."""
+    job = "allowance"
+    for clock in (1, 2):
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.zeros(250_000)}, [checkpoint.ParamSpec("w", (250_000,))],
+                                               clock=clock, generation=1, ranks=[0], job=job,
+                                               created_unix_ns=clock), tmp_path / "ck")
+    files = checkpoint.list_checkpoints(tmp_path / "ck")
+    assert len(files) == 2
+    size = sum(f.stat().st_size for f in files)
+    assert size > 2_000_000
+    assert checkpoint.load_allowance(tmp_path / "ck") == size / checkpoint.LOAD_RATE
+    assert checkpoint.load_allowance(files[0]) == files[0].stat().st_size / checkpoint.LOAD_RATE
+    assert checkpoint.load_allowance(tmp_path / "none") == 0.0
+    assert checkpoint.load_allowance(None) == 0.0

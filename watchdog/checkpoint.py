@@ -38,6 +38,7 @@ __all__ = [
     "latest",
     "list_checkpoints",
     "load",
+    "load_allowance",
     "save_atomic",
     "snapshot",
     "write",
@@ -141,6 +142,24 @@ def save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
+
+
+# The slowest read of a checkpoint or --init file a start allows for (a cold disk, network storage): 100 MB/s.
+LOAD_RATE = 100e6
+
+
+def load_allowance(source: str | os.PathLike | None) -> float:
+    """Seconds a server may take to read ``source`` (a checkpoint directory: every checkpoint in it, since a
+    torn or corrupt newest one makes the server read the next; or one file, --init's), beyond the start limit
+    of a server that loads nothing: their bytes at ``LOAD_RATE``. 0 where there is nothing to read."""
+    if not source:
+        return 0.0
+    path = Path(source)
+    try:
+        files = list_checkpoints(path) if path.is_dir() else [path]
+        return sum(f.stat().st_size for f in files) / LOAD_RATE
+    except OSError:
+        return 0.0
 
 
 def holds_model(arena: _native.Arena, seen_ready: bool) -> bool:

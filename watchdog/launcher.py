@@ -35,6 +35,7 @@ from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error
 from psd.events import EventLog
 from psd.signals import SignalFlag
+from psd.watchdog import checkpoint
 from psd.watchdog.forkserver import ForkServer, forkable
 from psd.watchdog.restarts import Backoff, RestartPolicy
 from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
@@ -451,7 +452,10 @@ class Launcher:
         interrupted = False
         try:
             self._start_watchdog()
-            wait_for_job(self.job, timeout=self.config.start_timeout, server_pid=self.watchdog.pid)
+            s = self.config.serve
+            # The first server reads --resume's checkpoints or --init's file before it makes its arena.
+            wait_for_job(self.job, timeout=self.config.start_timeout + checkpoint.load_allowance(s.resume)
+                         + checkpoint.load_allowance(s.init), server_pid=self.watchdog.pid)
             if self._forks is not None:
                 self._forks.start(dict(os.environ, OMP_NUM_THREADS=str(self.learner_threads),
                                        PSD_LEARNER_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1"))
@@ -513,8 +517,6 @@ class Launcher:
             server, start, n_params = h.server_pid, h.server_start_time, h.n_params  # before the server stops
             if _native.owner_alive(server, start):
                 terminate(server, deadline=10.0)  # it applies what is pending, then stops
-            from psd.watchdog import checkpoint
-
             if not clean and n_params and checkpoint.holds_model(a, held):
                 snap = checkpoint.snapshot(a, self.job, {"learners": self.n})
                 path = checkpoint.write(snap, self.config.ckpt_dir, self.config.keep)

@@ -150,6 +150,7 @@ class Watchdog:
         self.server_pid = 0
         self._server_start = 0
         self._started_at = 0.0
+        self._start_limit = config.start_timeout  # seconds a server may take to make its arena (_spawn)
         # The server's crash loop: restarts counted until forgiven by forgive_after s of healthy running, at most
         # max_restarts of them, the first at once, then backoff_base doubling to backoff_cap.
         self.server_policy = RestartPolicy(Backoff(config.backoff_base, config.backoff_cap),
@@ -190,10 +191,16 @@ class Watchdog:
 
     def _spawn(self, resume: bool) -> None:
         env = dict(os.environ, **self.config.extra_env)
-        self.proc = subprocess.Popen(self._server_argv(resume), env=env, start_new_session=True)
+        argv = self._server_argv(resume)
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
         self.server_pid = self.proc.pid
         self._server_start = _native.proc_start_time(self.proc.pid)
         self._started_at = time.monotonic()
+        # The server reads --resume's checkpoint or --init's file before it makes its arena: a large one takes
+        # longer than the start limit of a server that loads nothing.
+        s = self.config.serve
+        self._start_limit = self.config.start_timeout + checkpoint.load_allowance(
+            self.config.ckpt_dir if resume else None) + checkpoint.load_allowance(s.init if "--init" in argv else None)
         self.state = ServerState.STARTING
         log.info("job %r: started server pid %d%s", self.config.serve.job, self.proc.pid,
                  " (resuming from checkpoint)" if resume else "")
@@ -356,8 +363,8 @@ class Watchdog:
             return
         a = self._open_arena()
         if a is None:
-            if time.monotonic() - self._started_at > self.config.start_timeout:
-                self._restart("has no arena")
+            if time.monotonic() - self._started_at > self._start_limit:
+                self._restart(f"has no arena {self._start_limit:.0f} s after its start")
             return
         h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
         if h.state == _native.ARENA_READY and not self._had_model:
