@@ -212,16 +212,23 @@ def _top(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
+    from psd.watchdog.checkpoint import LOAD_RATE
     from psd.watchdog.supervisor import terminate
 
     a = open_job(args.job, role="reader")
     try:
         h = HeaderView(a)
         watchdog, server = (h.watchdog_pid, h.watchdog_start_time), (h.server_pid, h.server_start_time)
+        model_bytes = h.weights_bytes + h.optstate_bytes
     finally:
         a.close()
+    timeout = args.timeout
     if _native.owner_alive(*watchdog):
         who, pid = "watchdog", watchdog[0]
+        # The watchdog writes the last checkpoint after the server stopped, from the only copy left (the arena's
+        # name is gone by then): a SIGKILL meanwhile loses what was trained since the last one. Its bytes at the
+        # slowest write allowed for come on top of --timeout.
+        timeout += model_bytes / LOAD_RATE
     elif _native.owner_alive(*server):
         who, pid = "server", server[0]
     else:
@@ -229,11 +236,11 @@ def _stop(args: argparse.Namespace) -> int:
         print(f"job {args.job!r}: its server (pid {server[0]}) was already dead; removed {shm_path(args.job)}")
         return 0
     print(f"stopping job {args.job!r}: SIGTERM to its {who} (pid {pid})", flush=True)
-    terminate(pid, deadline=args.timeout)
-    deadline = time.monotonic() + args.timeout
+    terminate(pid, deadline=timeout)
+    deadline = time.monotonic() + timeout
     while os.path.exists(shm_path(args.job)):  # the watchdog removes it after its last checkpoint
         if time.monotonic() > deadline:
-            raise Timeout(f"job {args.job!r} did not stop within {args.timeout:g} s; `psd status --job "
+            raise Timeout(f"job {args.job!r} did not stop within {timeout:g} s; `psd status --job "
                           f"{args.job}` shows what is left")
         time.sleep(0.05)
     print(f"job {args.job!r} stopped")

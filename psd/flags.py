@@ -333,7 +333,8 @@ def _build() -> tuple[Flag, ...]:
              commands=("status",)),
         Flag("--interval", "seconds between refreshes", 1.0, type=float, commands=("top",)),
         Flag("--iterations", "stop after this many refreshes (0: never)", 0, type=int, commands=("top",)),
-        Flag("--timeout", "seconds to wait", 30.0, type=float, commands=("stop", "checkpoint")),
+        Flag("--timeout", "seconds to wait (psd stop: for the job to stop, plus the time its last checkpoint "
+             "takes at 100 MB/s)", 30.0, type=float, commands=("stop", "checkpoint")),
         Flag("--checkpoint-dir", "where to write it when the job has no watchdog (default: the job's checkpoint "
              "dir)", None, commands=("checkpoint",)),
         Flag("--dry-run", "only list what would be removed", False, switch=True, commands=("clean",)),

@@ -262,3 +262,42 @@ def test_the_start_limit_allows_for_reading_what_the_server_loads(tmp_path):
     assert checkpoint.load_allowance(files[0]) == files[0].stat().st_size / checkpoint.LOAD_RATE
     assert checkpoint.load_allowance(tmp_path / "none") == 0.0
     assert checkpoint.load_allowance(None) == 0.0
+
+
+def test_psd_stop_lets_the_watchdog_write_a_large_last_checkpoint(job, serve, tmp_path):
+    """`psd stop --timeout T` SIGKILLs a watchdog still running after T, and the watchdog writes the last checkpoint
+    only after the server stopped, from the one copy left: a large model's write outlasted T and was killed, the
+    work since the last checkpoint lost while `psd stop` reported success. The stop allows for the model's bytes
+    at 100 MB/s on top of T: here 600 MB (50M parameters with Adam's two vectors), about 2 s to write, under a
+    --timeout of 0.5 s."""
+    s = serve(job, "--learners", "1", "--ring-depth", "1", "--optimizer", "adam", "--checkpoint-dir", str(tmp_path),
+              "--checkpoint-every", "0")
+    p = spawn("pusher.py", job, "--n", str(50_000_000), "--count", "3")
+    assert finish(p, timeout=120).split()[-2:] == ["done", "3"]
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job, "--timeout", "0.5"],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0 and "stopped" in r.stdout, r.stdout + r.stderr
+    assert s.proc.wait(timeout=30) == 0, "the watchdog was killed"
+    last = checkpoint.latest(tmp_path)
+    assert last is not None and last.clock == 3
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")], "a temporary file was left"
+
+
+def test_a_checkpoint_write_removes_what_a_killed_writer_left(tmp_path):
+    """A writer killed mid-write leaves `.ckpt-....tmp-PID`; the next write removes those of dead writers (whose
+    files would otherwise fill the directory, one checkpoint's size each) and keeps a live writer's."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        tmp_path.mkdir(exist_ok=True)
+        stale = tmp_path / f".ckpt-00000000000000000001-c1.safetensors.tmp-{dead.pid}"
+        live = tmp_path / f".ckpt-00000000000000000002-c2.safetensors.tmp-{alive.pid}"
+        for f in (stale, live):
+            f.write_bytes(b"x" * 1000)
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.zeros(4)}, [checkpoint.ParamSpec("w", (4,))], clock=3,
+                                               generation=1, ranks=[0], job="tmp", created_unix_ns=3), tmp_path)
+        assert not stale.exists() and live.exists()
+    finally:
+        alive.stdin.close()
+        alive.wait()

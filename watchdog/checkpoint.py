@@ -281,6 +281,10 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
         tensors[PIECES] = ckpt.pieces.contiguous()
         meta["pieces_sha256"] = hashlib.sha256(ckpt.pieces.contiguous().numpy().tobytes()).hexdigest()
     save_atomic(tensors, d / name, meta)
+    for tmp in d.glob(f".ckpt-*{SUFFIX}.tmp-*"):  # a writer killed mid-write leaves its temporary file
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _native.proc_start_time(int(pid)):
+            tmp.unlink(missing_ok=True)
     for old in list_checkpoints(d)[keep:]:
         old.unlink(missing_ok=True)
     _fsync_dir(d)
