@@ -70,6 +70,9 @@ _ARENA_POLL = Backoff.every(0.05)  # the arena to hold weights (nothing announce
 _STORE_POLL = Backoff.every(0.02)  # node 0: the epoch's members at the rendezvous (the store announces nothing)
 _ENTER_RETRY = Backoff.every(0.0)  # a later epoch, at once: each try waits for node 0 in _form itself
 _ARENA_CHECK_S = 0.5  # how often the link looks whether its arena was replaced
+# How long the link waits for a beating update loop to stop at its hold: at least this, and at least
+# --node-timeout (one update of a large model, or a checkpoint's pause of the loop, can take seconds; a loop
+# that stopped beating is not waited for).
 _STOP_TIMEOUT_S = 5.0
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
 _STATE_EVERY_S = 0.2  # the state file (psd status) after an exchange, at most this often; at every change of state
@@ -213,13 +216,14 @@ class NodeLink:
                 a = link.arena
                 a.hold(link.me, link.me_start, a.clock())
                 h = HeaderView(a)
-                for _ in _CLOCK_POLL.tries(time.monotonic() + _STOP_TIMEOUT_S):
+                limit = max(_STOP_TIMEOUT_S, link.cfg.node_timeout)
+                for _ in _CLOCK_POLL.tries(time.monotonic() + limit):
                     # the loop announces its hold only in the header; no update loop runs: nothing writes
                     if h.held or not a.server_alive():
                         return
                 a.hold(link.me, link.me_start, link._bound)
-                raise Timeout(f"the update loop of job {link.cfg.job!r} did not stop within "
-                              f"{_STOP_TIMEOUT_S:g} s; see `psd status --job {link.cfg.job}`")
+                raise Timeout(f"the update loop of job {link.cfg.job!r} did not stop within {limit:g} s; see "
+                              f"`psd status --job {link.cfg.job}`")
 
             def __exit__(self, *exc):
                 link.arena.hold(link.me, link.me_start, link._bound)
