@@ -404,6 +404,25 @@ class Connection:
                 if self._watch.arena is not before:
                     return None  # a new arena: the old ring and what was in it are gone
 
+    def _wait_sync(self, call, what: str, *args) -> None:
+        """A bsp round or the ssp bound (``call``, one of the arena's sync waits, taking ``args`` and a timeout):
+        it waits for the slowest peer as long as that one lives. Each wait of ``timeout`` that ends with this
+        learner's arena and its server alive is logged and waited again, since a peer may be evaluating, saving
+        or restarting for minutes; a dead peer is reaped by the server and waited for no longer, and a server
+        gone is waited for by ``_with_server``. A server that stopped beating ends it with the Timeout."""
+        a = self._arena
+        waited = 0.0
+        while True:
+            try:
+                self._with_server(call, *args, self.timeout)
+                return
+            except Timeout:
+                if self._arena is not a or not a.server_alive():
+                    raise
+                waited += self.timeout
+                log.warning("job %r, rank %d: waited %.0f s for %s; a peer is slower (evaluating, saving or "
+                            "restarting?); waiting on", self.job, self.rank, waited, what)
+
     def wait_for_peers(self, n: int, timeout: float | None = None) -> None:
         """Wait until ``n`` learners (this one included) are attached, or training has started.
 

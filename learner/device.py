@@ -533,10 +533,10 @@ class DeviceLearner(Learner):
         if self.sync in ("bsp", "ssp"):
             pipe.drain(self.timeout)  # the server must see the gradient before anyone waits on it
             if self.sync == "bsp":
-                self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
+                self._wait_sync(a.wait_round, "the bsp round", self.slot, self._claim_token, rounds)
                 self.pull()
                 return
-            self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
+            self._wait_sync(a.wait_ssp, "the ssp bound", self.slot, self._claim_token)
         clock = pipe.maybe_swap()
         if clock is not None:
             self.clock = clock

@@ -90,9 +90,9 @@ class Pushing:
             if self._arena is not a:
                 return  # reattached to a new arena: weights pulled
         if self.sync == "bsp":
-            self._with_server(a.wait_round, self.slot, self._claim_token, rounds, self.timeout)
+            self._wait_sync(a.wait_round, "the bsp round", self.slot, self._claim_token, rounds)
         elif self.sync == "ssp":
-            self._with_server(a.wait_ssp, self.slot, self._claim_token, self.timeout)
+            self._wait_sync(a.wait_ssp, "the ssp bound", self.slot, self._claim_token)
         if own and self.waits_for_own and self._arena is a:  # the next gradient holds this one (--overlap)
             self._with_server(a.wait_drained, self.slot, self._claim_token, self.timeout)
         if self._arena is not a:

@@ -64,6 +64,34 @@ def test_bsp_equals_one_learner_with_the_combined_batch_bit_for_bit(job, serve):
     served.stop()
 
 
+@pytest.mark.parametrize("sync", ["bsp", "ssp:1"])
+def test_a_peer_slower_than_the_timeout_is_waited_for(job, serve, sync):
+    """A rank that pauses longer than attach's timeout (rank 0's evaluation, a save) before its step: the other
+    waits for it, logging, instead of failing its step with Timeout after the timeout (60 s by default; 1 s here,
+    a pause of 2.5 s). Under bsp the result is still one learner's with the combined batch, bit for bit."""
+    sys.path.insert(0, str(HELPERS))
+    from sync_learner import exact_problem
+
+    steps, lr = 4, 2.0 ** -4
+    model, x, y = exact_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ref = model.weight.detach().reshape(-1)
+    served = serve(job, "--no-watchdog", "--learners", "2", "--sync", sync, "--lr", repr(lr))
+    procs = [forked.start([sys.executable, str(HELPERS / "sync_learner.py"), "bsp", "--job", job, "--rank", str(r),
+                           "--world", "2", "--steps", str(steps), "--timeout", "1", "--pause-at", "2",
+                           "--pause", "2.5" if r == 1 else "0"], child_env()) for r in range(2)]
+    outs = [json.loads(finish(p).strip().splitlines()[-1]) for p in procs]
+    if sync == "bsp":
+        for out in outs:
+            assert torch.equal(torch.tensor(out), ref), f"bsp {out} != one learner {ref.tolist()}"
+    assert header(job)["counters"]["applied"] == 2 * steps
+    served.stop()
+
+
 def test_bsp_goes_on_when_a_learner_is_killed(job, serve):
     served = serve(job, "--no-watchdog", "--learners", "3", "--sync", "bsp")
     procs = [spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "400",

@@ -1,7 +1,8 @@
 """A learner for the sync-mode tests: `sync_learner.py MODE --job J ...`.
 
 Modes:
-  bsp    one shard of the exact (dyadic) regression problem; prints the final weights as a list
+  bsp    one shard of the exact (dyadic) regression problem; prints the final weights as a list (any sync mode;
+         --pause-at S --pause P: pause P seconds before step S, --timeout: attach's)
   pace   a tiny model stepping every --delay seconds; prints "started", then "done"
   drift  a constant gradient (loss = g . w) with --steps steps; records, for every gradient, the
          weights it was computed on, the clock they were pulled at and the clock the gradient met,
@@ -38,9 +39,11 @@ def exact_problem():
 def run_bsp(args) -> None:
     model, x, y = exact_problem()
     xs, ys = x[args.rank * 4:(args.rank + 1) * 4], y[args.rank * 4:(args.rank + 1) * 4]
-    with learner.attach(model, job=args.job) as ps:
+    with learner.attach(model, job=args.job, timeout=args.timeout) as ps:
         ps.wait_for_peers(args.world)
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if step == args.pause_at:
+                time.sleep(args.pause)  # an evaluation or a save on this rank alone, not synchronisation
             torch.nn.functional.mse_loss(model(xs), ys).backward()
             ps.step()
         ps.flush()
@@ -125,6 +128,9 @@ def main() -> int:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--compute-ms", type=float, default=0.0, help="drift: CPU time each step spends computing")
     p.add_argument("--then-job", help="then do it all again with this job")
+    p.add_argument("--timeout", type=float, default=60.0, help="bsp: attach's timeout (each wait's)")
+    p.add_argument("--pause-at", type=int, default=-1, help="bsp: before this step, pause --pause seconds")
+    p.add_argument("--pause", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     run = {"bsp": run_bsp, "pace": run_pace, "drift": run_drift}[args.mode]
