@@ -105,7 +105,7 @@ def _watchdog_config(args: argparse.Namespace):
         raise SystemExit(f"psd {args.command}: {e}") from None
     cfg = WatchdogConfig(serve, Path(ckpt_dir) if ckpt_dir else None, args.checkpoint_every, args.keep,
                          args.heartbeat_timeout, max_restarts=args.server_restarts, metrics_port=args.metrics_port,
-                         metrics_host=args.metrics_host)
+                         metrics_host=args.metrics_host, start_timeout=args.start_timeout)
     if serve.resume == "":
         serve.resume = str(cfg.ckpt_dir)
     return cfg

@@ -283,6 +283,9 @@ def _build() -> tuple[Flag, ...]:
         Flag("--keep", "checkpoints to keep", 3, type=int, metavar="N", **at_least(1)),
         Flag("--heartbeat-timeout", "restart a server whose heartbeat is older than this, in seconds", 2.0,
              type=float, metavar="S", **positive("positive")),
+        Flag("--start-timeout", "restart a server that has not made or taken over its arena and beaten within this "
+             "many seconds of its start (plus the checkpoint or --init file it reads, at 100 MB/s)", 30.0,
+             type=float, metavar="S", **positive("positive")),
         Flag("--server-restarts", "the watchdog gives up (and leaves the arena) when a restart would be the N+1-th "
              "counted; each counts until a server has run healthy for 300 s after it", 10, type=int, metavar="N",
              **at_least(0)),

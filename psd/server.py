@@ -279,6 +279,7 @@ class Server:
                 _native.unlink(shm_name(cfg.job))
         took_over = self.arena is not None
         if took_over:
+            self._test_hang_in_takeover()
             self._take_over(spec)
         else:
             if cfg.resume and spec is None and ckpt is None:
@@ -329,6 +330,16 @@ class Server:
         if marker and not os.path.exists(marker):
             Path(marker).touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @staticmethod
+    def _test_hang_in_takeover() -> None:
+        """PSD_TEST_HANG_IN_TAKEOVER=FILE: a test's server hangs once (while FILE does not exist: it creates it
+        first) as it begins to take a dead server's arena over, before its first heartbeat."""
+        marker = os.environ.get("PSD_TEST_HANG_IN_TAKEOVER")
+        if marker and not os.path.exists(marker):
+            Path(marker).touch()
+            while True:
+                time.sleep(60)  # hung: only its watchdog's SIGKILL ends it
 
     def _create(self, spec: list[ParamSpec] | None) -> None:
         cfg = self.config

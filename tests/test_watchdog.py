@@ -301,3 +301,25 @@ def test_a_checkpoint_write_removes_what_a_killed_writer_left(tmp_path):
     finally:
         alive.stdin.close()
         alive.wait()
+
+
+def test_a_server_hung_before_its_first_beat_is_restarted(job, tmp_path, monkeypatch):
+    """A server that hangs while it takes a dead server's arena over, before its first heartbeat, was waited for
+    without end (the start limit applied only while no arena existed). Now --start-timeout holds for it too: the
+    watchdog kills it and the next server takes the arena over, nothing lost."""
+    hung = tmp_path / "hung"
+    monkeypatch.setenv("PSD_TEST_HANG_IN_TAKEOVER", str(hung))
+    s = Served(job, "--learners", "1", "--lr", "1", "--start-timeout", "3", "--checkpoint-every", "0",
+               "--checkpoint-dir", str(tmp_path / "ck"))
+    try:
+        assert finish(spawn("pusher.py", job, "--count", "5")).split()[-2:] == ["done", "5"]
+        first = arena_header(job)["server_pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: hung.exists(), timeout=30, what="the next server to hang in its takeover")
+        wait_until(lambda: arena_header(job)["server_pid"] != first and _native.owner_alive(
+            arena_header(job)["server_pid"], arena_header(job)["server_start_time"]), timeout=60,
+            what="a third server to take the arena over")
+        assert learner.pull_state_dict(job)["w"][0] == -5.0
+    finally:
+        log = s.stop()
+    assert "has not taken over its arena and beaten 3 s after its start" in log, log

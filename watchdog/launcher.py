@@ -185,6 +185,7 @@ class Launcher:
         argv = [sys.executable, "-m", "psd.cli", "serve", *s.argv(), "--checkpoint-dir", str(c.ckpt_dir),
                 "--checkpoint-every",
                 str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout),
+                "--start-timeout", str(c.start_timeout),
                 "--server-restarts", str(c.max_restarts)]
         if s.init and self.watchdog_restarts == 0:
             argv += ["--init", s.init]

@@ -362,8 +362,9 @@ class Watchdog:
             self._restart("is gone")
             return
         a = self._open_arena()
+        late = self.state == ServerState.STARTING and time.monotonic() - self._started_at > self._start_limit
         if a is None:
-            if time.monotonic() - self._started_at > self._start_limit:
+            if late:
                 self._restart(f"has no arena {self._start_limit:.0f} s after its start")
             return
         h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
@@ -372,6 +373,11 @@ class Watchdog:
             log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
                      "checkpoint in %s, or the job stops", self.config.serve.job, h.n_params,
                      self.config.ckpt_dir)
+        fresh = h.server_pid == self.server_pid and 0 <= h.heartbeat_age_s < self.config.heartbeat_timeout
+        if self.state == ServerState.STARTING and late and not fresh:
+            # Stuck before its first beat (taking a dead server's arena over, or loading): no wait without end
+            self._restart(f"has not taken over its arena and beaten {self._start_limit:.0f} s after its start")
+            return
         if h.server_pid != self.server_pid:
             return  # not yet attached to its arena
         age = h.heartbeat_age_s
