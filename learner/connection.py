@@ -409,7 +409,8 @@ class Connection:
         it waits for the slowest peer as long as that one lives. Each wait of ``timeout`` that ends with this
         learner's arena and its server alive is logged and waited again, since a peer may be evaluating, saving
         or restarting for minutes; a dead peer is reaped by the server and waited for no longer, and a server
-        gone is waited for by ``_with_server``. A server that stopped beating ends it with the Timeout."""
+        gone is waited for by ``_with_server``. A server that has not beaten for ``timeout`` ends it with the
+        Timeout."""
         a = self._arena
         waited = 0.0
         while True:
@@ -417,11 +418,14 @@ class Connection:
                 self._with_server(call, *args, self.timeout)
                 return
             except Timeout:
-                if self._arena is not a or not a.server_alive():
+                # A server that has not beaten for the timeout is hung (its watchdog would have replaced it by
+                # then): that is no slow peer
+                if self._arena is not a or not a.server_alive(self.timeout):
                     raise
                 waited += self.timeout
-                log.warning("job %r, rank %d: waited %.0f s for %s; a peer is slower (evaluating, saving or "
-                            "restarting?); waiting on", self.job, self.rank, waited, what)
+                who = f"rank {self.rank}" if self.rank >= 0 else f"slot {self.slot}"
+                log.warning("job %r, %s: waited %.0f s for %s; a peer is slower (evaluating, saving or "
+                            "restarting?); waiting on", self.job, who, waited, what)
 
     def wait_for_peers(self, n: int, timeout: float | None = None) -> None:
         """Wait until ``n`` learners (this one included) are attached, or training has started.

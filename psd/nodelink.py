@@ -74,6 +74,7 @@ _ARENA_CHECK_S = 0.5  # how often the link looks whether its arena was replaced
 # --node-timeout (one update of a large model, or a checkpoint's pause of the loop, can take seconds; a loop
 # that stopped beating is not waited for).
 _STOP_TIMEOUT_S = 5.0
+_HUNG_S = 2.0  # a loop that has not beaten this long is hung (the watchdog's --heartbeat-timeout): nothing writes
 _SAVE_EVERY_S = 60.0  # the agreed state on disk; also at a clean stop
 _STATE_EVERY_S = 0.2  # the state file (psd status) after an exchange, at most this often; at every change of state
 
@@ -219,7 +220,7 @@ class NodeLink:
                 limit = max(_STOP_TIMEOUT_S, link.cfg.node_timeout)
                 for _ in _CLOCK_POLL.tries(time.monotonic() + limit):
                     # the loop announces its hold only in the header; no update loop runs: nothing writes
-                    if h.held or not a.server_alive():
+                    if h.held or not a.server_alive(_HUNG_S):
                         return
                 a.hold(link.me, link.me_start, link._bound)
                 raise Timeout(f"the update loop of job {link.cfg.job!r} did not stop within {limit:g} s; see "

@@ -16,11 +16,14 @@ damaged from the newest valid checkpoint instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -409,12 +412,44 @@ class Server:
                         f"first, then the learners")
 
     def _load_weights(self, spec: list[ParamSpec], tensors: dict, ckpt=None) -> None:
-        from psd.state import buffers_view, weights_view, write_state
-
         sizes = model_sizes(spec)
         if self.arena.state == _native.ARENA_WAITING_SPEC:
             self._offer_own(spec)
         self.arena.grow()
+        with self._beating():
+            self._write_loaded(spec, tensors, ckpt)
+        self.arena.set_state(_native.ARENA_READY)
+        self._evictions_seen |= self._evictions_kept()  # restored from the checkpoint: logged by the last server
+        log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, sizes[0], len(spec),
+                 ckpt.path if ckpt is not None else self.config.init)
+
+    @contextlib.contextmanager
+    def _beating(self) -> Iterator[None]:
+        """Beat the heartbeat every 0.1 s from a thread meanwhile: copying a large checkpoint's weights and
+        optimizer state into the arena takes seconds, with this server already its server, and its watchdog
+        restarts a server that does not beat for --heartbeat-timeout. Only around work that leaves the mapping
+        where it is (no grow: a grow moves it, and beats by itself)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(0.1):
+                self.arena.beat()
+
+        t = threading.Thread(target=beat, name="psd-load-beat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+
+    def _write_loaded(self, spec: list[ParamSpec], tensors: dict, ckpt) -> None:
+        """The weights (and, from a checkpoint, the optimizer state and progress) loaded, into the grown arena."""
+        from psd.state import buffers_view, weights_view, write_state
+
+        slow = float(os.environ.get("PSD_TEST_SLOW_LOAD") or 0)
+        if slow:
+            time.sleep(slow)  # a test's stand-in for the seconds a large checkpoint's copy takes
         h = self.arena.header()
         write_state(spec, tensors, weights_view(self.arena, h), buffers_view(self.arena, h))
         if ckpt is not None:
@@ -438,10 +473,6 @@ class Server:
                     log.warning("job %r: %s was written with --optimizer %s --sync %s; the optimizer state "
                                 "starts afresh", self.config.job, ckpt.path, ckpt.optim.get("optimizer", "sgd"),
                                 ckpt.optim.get("sync", "asp"))
-        self.arena.set_state(_native.ARENA_READY)
-        self._evictions_seen |= self._evictions_kept()  # restored from the checkpoint: logged by the last server
-        log.info("job %r: loaded %d parameters (%d tensors) from %s", self.config.job, sizes[0], len(spec),
-                 ckpt.path if ckpt is not None else self.config.init)
 
     def poll(self) -> None:
         """One supervision tick: admit a spec, start the loop, reap dead learners."""

@@ -92,6 +92,29 @@ def test_a_peer_slower_than_the_timeout_is_waited_for(job, serve, sync):
     served.stop()
 
 
+def test_a_round_waited_on_a_hung_server_ends_in_timeout(job, serve):
+    """Waiting past the timeout is for a slower live peer, not for a hung server: with the server stopped
+    (SIGSTOP, no watchdog to replace it) a learner's bsp wait ends in Timeout once the server has not beaten for
+    the timeout, where it would otherwise wait without end."""
+    served = serve(job, "--no-watchdog", "--learners", "2", "--sync", "bsp")
+    server = header(job)["server_pid"]
+    procs = [forked.start([sys.executable, str(HELPERS / "sync_learner.py"), "bsp", "--job", job, "--rank", str(r),
+                           "--world", "2", "--steps", "4", "--timeout", "1", "--pause-at", "2",
+                           "--pause", "30" if r == 1 else "0"], child_env()) for r in range(2)]
+    try:
+        wait_until(lambda: header(job)["rounds"] >= 2, what="two rounds")
+        os.kill(server, signal.SIGSTOP)
+        out, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode != 0 and "Timeout" in err, (out, err)
+    finally:
+        os.kill(server, signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    served.stop()
+
+
 def test_bsp_goes_on_when_a_learner_is_killed(job, serve):
     served = serve(job, "--no-watchdog", "--learners", "3", "--sync", "bsp")
     procs = [spawn("sync_learner.py", "pace", "--job", job, "--world", "3", "--steps", "400",

@@ -285,7 +285,11 @@ def test_psd_stop_lets_the_watchdog_write_a_large_last_checkpoint(job, serve, tm
 
 def test_a_checkpoint_write_removes_what_a_killed_writer_left(tmp_path):
     """A writer killed mid-write leaves `.ckpt-....tmp-PID`; the next write removes those of dead writers (whose
-    files would otherwise fill the directory, one checkpoint's size each) and keeps a live writer's."""
+    files would otherwise fill the directory, one checkpoint's size each), once untouched for 10 minutes. It
+    keeps a live writer's, and a fresh one whose pid is unknown here: another node's write in progress, in a
+    directory the nodes share (removing it failed that node's rename)."""
+    import time
+
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -293,11 +297,15 @@ def test_a_checkpoint_write_removes_what_a_killed_writer_left(tmp_path):
         tmp_path.mkdir(exist_ok=True)
         stale = tmp_path / f".ckpt-00000000000000000001-c1.safetensors.tmp-{dead.pid}"
         live = tmp_path / f".ckpt-00000000000000000002-c2.safetensors.tmp-{alive.pid}"
-        for f in (stale, live):
+        elsewhere = tmp_path / f".ckpt-00000000000000000004-c4.safetensors.tmp-{dead.pid}"
+        for f in (stale, live, elsewhere):
             f.write_bytes(b"x" * 1000)
+        old = time.time() - checkpoint.STALE_TMP_S - 60
+        for f in (stale, live):
+            os.utime(f, (old, old))
         checkpoint.write(checkpoint.Checkpoint({"w": torch.zeros(4)}, [checkpoint.ParamSpec("w", (4,))], clock=3,
                                                generation=1, ranks=[0], job="tmp", created_unix_ns=3), tmp_path)
-        assert not stale.exists() and live.exists()
+        assert not stale.exists() and live.exists() and elsewhere.exists()
     finally:
         alive.stdin.close()
         alive.wait()
@@ -323,3 +331,48 @@ def test_a_server_hung_before_its_first_beat_is_restarted(job, tmp_path, monkeyp
     finally:
         log = s.stop()
     assert "has not taken over its arena and beaten 3 s after its start" in log, log
+
+
+def test_a_server_loading_a_large_checkpoint_keeps_beating(job, tmp_path, monkeypatch):
+    """A server that loads the job's weights itself is the arena's server while it copies them in (seconds for a
+    large checkpoint, with its optimizer state); its grow beat, so its watchdog took it for RUNNING, and the copy
+    that followed did not: the watchdog restarted it as hung, and every next server the same way (a 3 GB
+    checkpoint under the default 2 s). It beats throughout now. PSD_TEST_SLOW_LOAD makes the copy take 2 s,
+    under --heartbeat-timeout 0.5."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(8.0)}, str(tmp_path / "init.safetensors"))
+    monkeypatch.setenv("PSD_TEST_SLOW_LOAD", "2")
+    s = Served(job, "--learners", "1", "--heartbeat-timeout", "0.5", "--checkpoint-every", "0", "--checkpoint-dir",
+               str(tmp_path / "ck"), "--init", str(tmp_path / "init.safetensors"))
+    try:
+        wait_until(lambda: arena_header(job)["state"] == _native.ARENA_READY, timeout=60, what="the weights")
+        assert torch.equal(learner.pull_state_dict(job)["w"], torch.arange(8.0))
+    finally:
+        log = s.stop()
+    assert "restarting it" not in log, log
+
+
+def test_a_server_restoring_a_lost_arena_killed_before_its_weights_starts_over_from_the_checkpoint(
+        job, serve, tmp_path, monkeypatch):
+    """The arena is lost with its server; the next server restores it from the checkpoint and is killed before it
+    wrote the weights (a large checkpoint takes seconds). The one after must start over from the checkpoint too:
+    taking the weightless arena over, it made the next learner's model the job's, and its next checkpoint the
+    newest. The job was not started with --resume: the watchdog's own restore is what is resumed."""
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("PSD_TEST_CRASH_BEFORE_WEIGHTS", str(crashed))
+    ck = tmp_path / "ck"
+    s = serve(job, "--learners", "1", "--lr", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "0")
+    assert finish(spawn("pusher.py", job, "--count", "5")).split()[-2:] == ["done", "5"]
+    s.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: checkpoint.list_checkpoints(ck), what="the checkpoint")
+    server = arena_header(job)["server_pid"]
+    _native.unlink(shm_name(job))  # the arena is lost ...
+    os.kill(server, signal.SIGKILL)  # ... with its server
+    wait_until(lambda: crashed.exists() and os.path.exists(shm_path(job))
+               and arena_header(job)["state"] == _native.ARENA_READY, timeout=60,
+               what="a server after the killed restorer to load the checkpoint")
+    assert learner.pull_state_dict(job)["w"][0] == -5.0 and arena_header(job)["clock"] == 5
+    log = s.stop()
+    assert "never held the job's weights; starting over from the checkpoint" in log, log
+    assert checkpoint.latest(ck).clock == 5

@@ -144,6 +144,9 @@ def save_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
     _fsync_dir(path.parent)
 
 
+# A checkpoint's temporary file untouched this long, its writer's pid gone, was left by a killed writer.
+STALE_TMP_S = 600.0
+
 # The slowest read of a checkpoint or --init file a start allows for (a cold disk, network storage): 100 MB/s.
 LOAD_RATE = 100e6
 
@@ -282,8 +285,14 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
         meta["pieces_sha256"] = hashlib.sha256(ckpt.pieces.contiguous().numpy().tobytes()).hexdigest()
     save_atomic(tensors, d / name, meta)
     for tmp in d.glob(f".ckpt-*{SUFFIX}.tmp-*"):  # a writer killed mid-write leaves its temporary file
+        # Untouched for STALE_TMP_S and its writer gone from here: a directory shared by several nodes holds
+        # other hosts' writes in progress, whose pids mean nothing here, but which a write keeps touching.
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _native.proc_start_time(int(pid)):
+        try:
+            old = time.time() - tmp.stat().st_mtime > STALE_TMP_S
+        except FileNotFoundError:
+            continue
+        if old and pid.isdigit() and int(pid) != os.getpid() and not _native.proc_start_time(int(pid)):
             tmp.unlink(missing_ok=True)
     for old in list_checkpoints(d)[keep:]:
         old.unlink(missing_ok=True)

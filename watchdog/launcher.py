@@ -508,7 +508,9 @@ class Launcher:
             a.remap()
         clean = False
         if self.watchdog is not None:
-            terminate(self.watchdog, deadline=60.0)
+            # It writes the last checkpoint after the server stopped: its bytes at the slowest rate allowed for
+            model = HeaderView(a).weights_bytes + HeaderView(a).optstate_bytes if held else 0
+            terminate(self.watchdog, deadline=60.0 + model / checkpoint.LOAD_RATE)
             clean = self.watchdog.returncode == 0
         self._reap_orphans()
         if a is None:

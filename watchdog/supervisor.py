@@ -168,6 +168,7 @@ class Watchdog:
         self._importing = False  # the import of what checkpoints need has been started
         self._resume_first = bool(config.serve.resume)
         self._had_model = False  # the job reached READY under this watchdog (its arena held weights)
+        self._ready_seen = False  # the arena mapped now was seen READY (a replaced arena starts unseen)
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
         self.link: subprocess.Popen | None = None  # the node link (--nnodes > 1), psd/nodelink.py
@@ -211,6 +212,8 @@ class Watchdog:
         A new mapping records this process as the arena's watchdog, unless ``announce`` is false.
         """
         a = self._watch.current()
+        if a is not None and self._watch.opened:
+            self._ready_seen = False  # another arena than the one seen: what it holds is not known yet
         if a is not None and self._watch.opened and announce:
             me = os.getpid()
             a.note_watchdog(me, _native.proc_start_time(me))
@@ -299,9 +302,10 @@ class Watchdog:
             return
         self.restarts += 1
         # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint; and
-        # where a resuming job's server died before its arena held the checkpoint's weights, the checkpoint
-        # again (the server starts over from it rather than wait for a learner's model).
-        self._spawn(resume=a is None or (self._resume_first and a.state in WEIGHTLESS))
+        # where a server died before its arena held the checkpoint's weights (a resuming job's first, or one
+        # restoring a lost arena), the checkpoint again: the server starts over from it rather than wait for
+        # a learner's model.
+        self._spawn(resume=a is None or ((self._resume_first or self._had_model) and a.state in WEIGHTLESS))
 
     def _give_up(self, why: str) -> None:
         """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
@@ -368,6 +372,8 @@ class Watchdog:
                 self._restart(f"has no arena {self._start_limit:.0f} s after its start")
             return
         h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
+        if h.state == _native.ARENA_READY:
+            self._ready_seen = True
         if h.state == _native.ARENA_READY and not self._had_model:
             self._had_model = True  # from now on, losing the arena loses trained weights
             log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
@@ -444,7 +450,7 @@ class Watchdog:
         self.checkpoint_requested.clear()
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
         a = arena or self._open_arena()
-        if a is None or not checkpoint.holds_model(a, self._had_model):
+        if a is None or not checkpoint.holds_model(a, self._ready_seen):
             return None
         a.remap()
         if not force and a.clock() == self._last_ckpt_clock:
@@ -482,7 +488,7 @@ class Watchdog:
         failed = self.state == ServerState.FAILED
         a = self._open_arena() if not failed else None
         if a is not None and a.state == _native.ARENA_READY:
-            self._had_model = True  # READY since the last poll: the stop's checkpoint is of the job's model
+            self._had_model = self._ready_seen = True  # READY since the last poll: the stop's checkpoint is of it
         self._stop_link()
         try:
             if self.proc is not None and self.proc.pid == self.server_pid:
