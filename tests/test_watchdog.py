@@ -376,3 +376,31 @@ def test_a_server_restoring_a_lost_arena_killed_before_its_weights_starts_over_f
     log = s.stop()
     assert "never held the job's weights; starting over from the checkpoint" in log, log
     assert checkpoint.latest(ck).clock == 5
+
+
+def test_a_stall_of_the_whole_machine_restarts_nothing(job, serve):
+    """The whole machine stalls (a paused VM, heavy swapping): the watchdog and its server both stop running for
+    3 s, over the 2 s heartbeat timeout, and wake one after the other. The server's heartbeat is then old, but
+    only because nothing ran: the watchdog gives a server the heartbeat timeout to beat again after its own stall
+    before it calls it hung (it restarted the healthy server). Here the server wakes 0.5 s after its watchdog."""
+    import time
+    from pathlib import Path
+
+    events = Path(child_env()["XDG_STATE_HOME"]) / f"{job}-events.jsonl"
+    s = serve(job, "--learners", "1", "--event-log", str(events))
+    wait_until(lambda: events.exists() and '"server_running"' in events.read_text(),
+               what="the watchdog to count its server running")
+    server = arena_header(job)["server_pid"]
+    for pid in (s.proc.pid, server):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.0)  # the stall itself, not synchronisation
+        os.kill(s.proc.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the server wakes later than its watchdog (the stall's end, staggered)
+    finally:
+        os.kill(s.proc.pid, signal.SIGCONT)
+        os.kill(server, signal.SIGCONT)
+    wait_until(lambda: 0 <= arena_header(job)["heartbeat_age_s"] < 0.5, what="the server to beat again")
+    assert arena_header(job)["server_pid"] == server
+    log = s.stop()
+    assert "has not beaten" not in log, log

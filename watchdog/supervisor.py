@@ -151,6 +151,8 @@ class Watchdog:
         self._server_start = 0
         self._started_at = 0.0
         self._start_limit = config.start_timeout  # seconds a server may take to make its arena (_spawn)
+        self._last_poll = 0.0  # monotonic time of the last poll
+        self._awake_since = 0.0  # when this watchdog last woke from a stall (a gap between polls)
         # The server's crash loop: restarts counted until forgiven by forgive_after s of healthy running, at most
         # max_restarts of them, the first at once, then backoff_base doubling to backoff_cap.
         self.server_policy = RestartPolicy(Backoff(config.backoff_base, config.backoff_cap),
@@ -348,6 +350,13 @@ class Watchdog:
         """One supervision tick."""
         if self.state in (ServerState.FAILED, ServerState.STOPPED):
             return
+        now = time.monotonic()
+        if self._last_poll and now - self._last_poll > self.config.heartbeat_timeout:
+            # This watchdog did not run for that long (the machine stalled: a paused VM, swapping, the job's
+            # processes stopped), and neither did its server: its heartbeat's age says nothing of a hang until
+            # it had --heartbeat-timeout to beat again (after a long checkpoint here, the verdict waits as long)
+            self._awake_since = now
+        self._last_poll = now
         self._supervise_link()
         if self.state == ServerState.RESTARTING:
             self._respawn()
@@ -392,7 +401,10 @@ class Watchdog:
             self.server_policy.healthy(time.monotonic())
             log.info("job %r: server pid %d running (%.2f s after its start)", self.config.serve.job,
                      self.server_pid, time.monotonic() - self._started_at)
-        elif self.state == ServerState.RUNNING and age > self.config.heartbeat_timeout:
+            self.events.emit("server_running", server_pid=self.server_pid,
+                             start_s=round(time.monotonic() - self._started_at, 3))
+        elif self.state == ServerState.RUNNING and age > self.config.heartbeat_timeout and \
+                now - self._awake_since > self.config.heartbeat_timeout:
             self._restart(f"has not beaten for {age:.1f} s")
             return
         elif self.state == ServerState.RUNNING and self.server_policy.forgive_due(time.monotonic()):
