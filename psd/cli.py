@@ -212,23 +212,23 @@ def _top(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
-    from psd.watchdog.checkpoint import LOAD_RATE
+    from psd.watchdog.checkpoint import write_allowance
     from psd.watchdog.supervisor import terminate
 
     a = open_job(args.job, role="reader")
     try:
         h = HeaderView(a)
         watchdog, server = (h.watchdog_pid, h.watchdog_start_time), (h.server_pid, h.server_start_time)
-        model_bytes = h.weights_bytes + h.optstate_bytes
+        last_checkpoint_s = write_allowance(h)
     finally:
         a.close()
     timeout = args.timeout
     if _native.owner_alive(*watchdog):
         who, pid = "watchdog", watchdog[0]
         # The watchdog writes the last checkpoint after the server stopped, from the only copy left (the arena's
-        # name is gone by then): a SIGKILL meanwhile loses what was trained since the last one. Its bytes at the
-        # slowest write allowed for come on top of --timeout.
-        timeout += model_bytes / LOAD_RATE
+        # name is gone by then): a SIGKILL meanwhile loses what was trained since the last one. Its write at the
+        # slowest rate allowed for comes on top of --timeout.
+        timeout += last_checkpoint_s
     elif _native.owner_alive(*server):
         who, pid = "server", server[0]
     else:

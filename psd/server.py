@@ -325,22 +325,26 @@ class Server:
             log.info("job %r: waiting for the first learner to bring its model", cfg.job)
 
     @staticmethod
-    def _test_crash_before_weights() -> None:
-        """PSD_TEST_CRASH_BEFORE_WEIGHTS=FILE: a test's server SIGKILLs itself once (while FILE does not exist: it
-        creates it first) with its arena made and claimed and the weights it loaded not yet written, as a server
-        killed while it writes a large checkpoint's weights is left."""
-        marker = os.environ.get("PSD_TEST_CRASH_BEFORE_WEIGHTS")
-        if marker and not os.path.exists(marker):
-            Path(marker).touch()
+    def _test_once(variable: str) -> bool:
+        """Whether the test hook ``variable`` (=FILE) fires in this server: once per FILE, the first server to
+        reach it creating FILE, so that the server restarted after it goes on."""
+        marker = os.environ.get(variable)
+        if not marker or os.path.exists(marker):
+            return False
+        Path(marker).touch()
+        return True
+
+    def _test_crash_before_weights(self) -> None:
+        """PSD_TEST_CRASH_BEFORE_WEIGHTS=FILE: a test's server SIGKILLs itself once with its arena made and claimed
+        and the weights it loaded not yet written, as a server killed while it writes a large checkpoint's weights
+        is left."""
+        if self._test_once("PSD_TEST_CRASH_BEFORE_WEIGHTS"):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    @staticmethod
-    def _test_hang_in_takeover() -> None:
-        """PSD_TEST_HANG_IN_TAKEOVER=FILE: a test's server hangs once (while FILE does not exist: it creates it
-        first) as it begins to take a dead server's arena over, before its first heartbeat."""
-        marker = os.environ.get("PSD_TEST_HANG_IN_TAKEOVER")
-        if marker and not os.path.exists(marker):
-            Path(marker).touch()
+    def _test_hang_in_takeover(self) -> None:
+        """PSD_TEST_HANG_IN_TAKEOVER=FILE: a test's server hangs once as it begins to take a dead server's arena
+        over, before its first heartbeat."""
+        if self._test_once("PSD_TEST_HANG_IN_TAKEOVER"):
             while True:
                 time.sleep(60)  # hung: only its watchdog's SIGKILL ends it
 

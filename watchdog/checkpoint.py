@@ -42,6 +42,7 @@ __all__ = [
     "save_atomic",
     "snapshot",
     "write",
+    "write_allowance",
 ]
 
 FORMAT = "psd-checkpoint/2"
@@ -163,6 +164,13 @@ def load_allowance(source: str | os.PathLike | None) -> float:
         return sum(f.stat().st_size for f in files) / LOAD_RATE
     except OSError:
         return 0.0
+
+
+def write_allowance(header: HeaderView) -> float:
+    """Seconds a checkpoint of the arena with this header may take to write, at the slowest rate allowed for
+    (``LOAD_RATE``): its weights and optimizer state. What a stop gives the watchdog's last checkpoint beyond
+    its own time limit."""
+    return (header.weights_bytes + header.optstate_bytes) / LOAD_RATE
 
 
 def holds_model(arena: _native.Arena, seen_ready: bool) -> bool:

@@ -508,9 +508,8 @@ class Launcher:
             a.remap()
         clean = False
         if self.watchdog is not None:
-            # It writes the last checkpoint after the server stopped: its bytes at the slowest rate allowed for
-            model = HeaderView(a).weights_bytes + HeaderView(a).optstate_bytes if held else 0
-            terminate(self.watchdog, deadline=60.0 + model / checkpoint.LOAD_RATE)
+            # It writes the last checkpoint after the server stopped: that write at the slowest rate allowed for
+            terminate(self.watchdog, deadline=60.0 + (checkpoint.write_allowance(HeaderView(a)) if held else 0.0))
             clean = self.watchdog.returncode == 0
         self._reap_orphans()
         if a is None:

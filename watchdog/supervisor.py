@@ -375,7 +375,7 @@ class Watchdog:
             self._restart("is gone")
             return
         a = self._open_arena()
-        late = self.state == ServerState.STARTING and time.monotonic() - self._started_at > self._start_limit
+        late = self.state == ServerState.STARTING and now - self._started_at > self._start_limit
         if a is None:
             if late:
                 self._restart(f"has no arena {self._start_limit:.0f} s after its start")
