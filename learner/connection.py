@@ -23,6 +23,7 @@ from psd.arena import (
     first_difference,
     model_sizes,
     open_job,
+    shm_path,
 )
 from psd.choices import ASYNC_MOMENTUM, OPTIMIZERS
 from psd.errors import (
@@ -43,11 +44,26 @@ __all__ = ["Connection"]
 log = logging.getLogger("psd.learner")
 
 
+class _Replaced(Exception):
+    """The job's file no longer holds the arena a learner waits on (a new server started over on a new one)."""
+
+
+def _check_held(arena: _native.Arena, job: str) -> None:
+    """Raise _Replaced where the job's file is gone or holds another arena than ``arena``: a server that starts
+    over from --init or a checkpoint unlinks a dead server's arena that never held the job's weights and makes
+    a new one (psd/server.py ``Server.start``); the old mapping never becomes READY."""
+    try:
+        st = os.stat(shm_path(job))
+    except FileNotFoundError:
+        raise _Replaced from None
+    if (st.st_dev, st.st_ino) != arena.identity():
+        raise _Replaced
+
+
 def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], params: list, buffers: list,
-                timeout: float) -> None:
+                deadline: _Deadline, timeout: float) -> None:
     """Bring the arena to READY: offer our spec if it has none, and if ours is taken, write our weights."""
     me = os.getpid()
-    deadline = _Deadline(timeout)
     while True:
         st = arena.state
         if st == _native.ARENA_READY:
@@ -80,6 +96,7 @@ def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], params: l
         if deadline.expired():
             raise Timeout(f"job {job!r} did not become ready within {timeout:g} s (state {st}); "
                           f"is its server running? (`psd status --job {job}`)")
+        _check_held(arena, job)
         arena.wait_state(st, min(deadline.left(), 0.5))
 
 
@@ -135,15 +152,11 @@ class Connection:
 
     def _connect(self, slot_timeout: float) -> None:
         """Open the job's arena, bring it to READY, claim a slot, map the ring, pull the weights."""
-        arena = open_job(self.job, role="learner")
+        arena = self._open_ready()
         try:
             if self.partial:
-                self._await_model(arena)
                 arena.remap()
                 self._layout(self._partial_state(arena_spec(arena)))
-            elif arena.state != _native.ARENA_READY:
-                buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
-                _wait_ready(arena, self.job, self._spec, self._params, buffers, self.timeout)
             arena.remap()
             theirs = arena_spec(arena)
             if self._spec != theirs and sorted(self._spec, key=_by_name) == sorted(theirs, key=_by_name):
@@ -193,9 +206,36 @@ class Connection:
         self._acc_sparse: dict[int, torch.Tensor] = {}
         self._map_buffers()
 
-    def _await_model(self, arena: _native.Arena) -> None:
-        """A partial attach: wait for the job's model to be declared (it never offers one itself)."""
+    def _open_ready(self) -> _native.Arena:
+        """The job's arena, brought to READY with this model (a partial attach: once the job's model is
+        declared), within the attach's timeout. A learner waiting on an arena its file no longer holds (a new
+        server started over on a new one) follows the file to the new arena."""
         deadline = _Deadline(self.timeout)
+        while True:
+            arena = open_job(self.job, role="learner")
+            try:
+                if self.partial:
+                    self._await_model(arena, deadline)
+                elif arena.state != _native.ARENA_READY:
+                    buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
+                    _wait_ready(arena, self.job, self._spec, self._params, buffers, deadline, self.timeout)
+                return arena
+            except _Replaced:
+                arena.close()
+            except BaseException:
+                arena.close()
+                raise
+            log.info("job %r: the arena this learner waited on was replaced (a new server); attaching to the new one",
+                     self.job)
+            while not os.path.exists(shm_path(self.job)):  # the new server unlinks, then creates: milliseconds
+                if deadline.expired():
+                    raise Timeout(f"job {self.job!r}: its arena was removed while this learner waited for it to "
+                                  f"become ready, and no new one came within {self.timeout:g} s; is its server "
+                                  f"running? (`psd status --job {self.job}`)")
+                time.sleep(0.01)
+
+    def _await_model(self, arena: _native.Arena, deadline: _Deadline) -> None:
+        """A partial attach: wait for the job's model to be declared (it never offers one itself)."""
         while (state := arena.state) != _native.ARENA_READY:
             if state == _native.ARENA_STOPPED:
                 raise Error(f"job {self.job!r} was stopped; start it again (`psd serve --job {self.job} --resume`) "
@@ -204,6 +244,7 @@ class Connection:
                 raise Timeout(f"job {self.job!r} has no model yet (state {state}) after {self.timeout:g} s: a "
                               f"partial attach takes part of the job's model, which a full attach "
                               f"(psd.learner.attach(model)), `psd serve --init` or `--resume` declares first")
+            _check_held(arena, self.job)
             arena.wait_state(state, min(deadline.left(), 0.1))  # until the state moves on
 
     def _partial_state(self, theirs: list[ParamSpec]) -> tuple:

@@ -271,7 +271,8 @@ def _build() -> tuple[Flag, ...]:
                "lives; its pushes and a native thread renew it", 5.0, type=float, metavar="S",
                **between(0.05, 3600, "0.05 to 3600 seconds")),
         # -- where the job starts from and what the watchdog does
-        _serve("--init", "start from these weights (.safetensors) instead of the first learner's", None,
+        _serve("--init", "start from these weights (.safetensors) instead of the first learner's (with --resume: "
+               "where DIR holds no checkpoint)", None,
                metavar="FILE"),
         _serve("--resume", "start from the newest valid checkpoint in DIR (bare --resume: the checkpoint dir)",
                None, nargs="?", const="", metavar="DIR"),

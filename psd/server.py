@@ -195,6 +195,12 @@ class ServeConfig:
             validate_nodes(self)
 
 
+def _unlink(name: str) -> None:
+    """Remove the arena's name (learners and the watchdog keep their mappings); gone already is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        _native.unlink(name)
+
+
 def _load_initial_weights(path: str) -> tuple[list[ParamSpec], dict]:
     from safetensors.torch import load_file
 
@@ -264,19 +270,26 @@ class Server:
                             f"with --resume DIR to continue from the last checkpoint") from None
             log.warning("job %r: the arena is damaged (%s); starting over from the last checkpoint", cfg.job, e)
             _native.unlink(shm_name(cfg.job))
+        looked = False  # for --resume's checkpoint, which wins over --init's weights where both are given
+
+        def resume_source() -> None:
+            nonlocal ckpt, spec, tensors, looked
+            if cfg.resume and not looked:
+                looked = True
+                ckpt = self._latest_checkpoint()
+                if ckpt is not None:
+                    spec, tensors = ckpt.spec, ckpt.weights
+
         if self.arena is not None and (cfg.resume or spec is not None) and not self.arena.server_alive() and \
                 self.arena.state in WEIGHTLESS:
             # A server killed before its arena held the job's weights (while it wrote those of --init or the
             # checkpoint, or before a learner wrote its model's): taken over, the arena would wait for the next
             # learner's model and make that the job's, --init or the checkpoint ignored. Start over from them.
-            if spec is None:
-                ckpt = self._latest_checkpoint()
-                if ckpt is not None:
-                    spec, tensors = ckpt.spec, ckpt.weights
+            resume_source()
             if spec is not None:
                 log.warning("job %r: the arena of dead server pid %d never held the job's weights; starting over "
                             "from %s", cfg.job, HeaderView(self.arena).server_pid,
-                            cfg.init or "the checkpoint")
+                            ckpt.path if ckpt is not None else cfg.init)
                 self.arena.close()
                 self.arena = None
                 _native.unlink(shm_name(cfg.job))
@@ -285,10 +298,7 @@ class Server:
             self._test_hang_in_takeover()
             self._take_over(spec)
         else:
-            if cfg.resume and spec is None and ckpt is None:
-                ckpt = self._latest_checkpoint()
-                if ckpt is not None:
-                    spec, tensors = ckpt.spec, ckpt.weights
+            resume_source()
             self._create(spec)
             if spec is not None:
                 # Claim the model at once: a learner attaching between the arena's creation and the load
@@ -341,6 +351,12 @@ class Server:
         if self._test_once("PSD_TEST_CRASH_BEFORE_WEIGHTS"):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def _test_crash_in_stop(self) -> None:
+        """PSD_TEST_CRASH_IN_STOP=FILE: a test's server SIGKILLs itself once in its stop, between marking the arena
+        STOPPED and unlinking it (in either order)."""
+        if self._test_once("PSD_TEST_CRASH_IN_STOP"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _test_hang_in_takeover(self) -> None:
         """PSD_TEST_HANG_IN_TAKEOVER=FILE: a test's server hangs once as it begins to take a dead server's arena
         over, before its first heartbeat."""
@@ -367,8 +383,8 @@ class Server:
 
         ckpt = checkpoint.latest(self.config.resume)
         if ckpt is None:
-            log.warning("job %r: no valid checkpoint in %s; starting without one", self.config.job,
-                        self.config.resume)
+            log.warning("job %r: no valid checkpoint in %s; starting %s", self.config.job, self.config.resume,
+                        f"from --init {self.config.init}" if self.config.init else "without one")
         else:
             log.info("job %r: resuming from %s (clock %d)", self.config.job, ckpt.path, ckpt.clock)
         return ckpt
@@ -733,11 +749,20 @@ class Server:
                      self.config.job, c["clock"], c["pending"])
             self.events.emit("server_handover", **c)
             return
-        a.set_state(_native.ARENA_STOPPED, "the server stopped")
-        try:
-            _native.unlink(a.name)
-        except FileNotFoundError:
-            pass
+        # A successor takes a STOPPED arena left by a server killed before its unlink as one that holds the
+        # job's model (it goes on where this one stopped). One that never held the weights (a learner's offer
+        # unwritten, --init or a checkpoint not yet loaded) is unlinked first: killed between the two, this
+        # server leaves no arena of zeros for the next to take as the job's weights.
+        weightless = a.state in WEIGHTLESS
+        if weightless:
+            _unlink(a.name)
+        else:
+            a.set_state(_native.ARENA_STOPPED, "the server stopped")
+        self._test_crash_in_stop()
+        if weightless:
+            a.set_state(_native.ARENA_STOPPED, "the server stopped")
+        else:
+            _unlink(a.name)
         a.close()
         if left:
             each = ", ".join(f"learner pid {x['pid']} (slot {x['slot']}, rank {x['rank']}): "

@@ -257,3 +257,50 @@ def test_fork_server_refuses_a_command_it_cannot_fork(job, tmp_path):
                         "on", "--checkpoint-dir", str(tmp_path), "--", "/bin/true"],
                        capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode != 0 and "COMMAND must be `python SCRIPT ...`" in r.stderr, r.stderr
+
+
+def test_a_watchdog_killed_with_its_server_loading_init_keeps_the_init_weights(job, tmp_path, monkeypatch):
+    """`psd run --init F`: the watchdog and its server are killed while the server loads F (a large file takes
+    seconds). The launcher's next watchdog was given --resume and not --init, and with no checkpoint yet its
+    server took the weightless arena over: the learner's own model became the job's, F ignored. Every watchdog
+    the launcher starts gets --init now; --resume's checkpoint, where one exists, wins over it. The next server
+    unlinks the weightless arena and makes a new one; the learner, waiting for READY on the old one, follows."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import arena_header
+    from psd.arena import WEIGHTLESS
+
+    init = tmp_path / "init.safetensors"
+    save_file({"weight": torch.full((8, 8), 5.0)}, str(init))
+    script = tmp_path / "own.py"
+    script.write_text(
+        "import torch\nfrom psd import learner\n"
+        "m = torch.nn.Linear(8, 8, bias=False)\ntorch.nn.init.constant_(m.weight, 7.0)\n"
+        "with learner.attach(m) as ps:\n"
+        "    ps.pull()\n"
+        "    print('weights sum', float(m.weight.sum()), flush=True)\n"
+    )
+    monkeypatch.setenv("PSD_TEST_SLOW_LOAD", "3")  # each server's copy of F takes 3 s
+    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--init",
+                            str(init), "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        def loading() -> dict | None:
+            if not os.path.exists(shm_path(job)):
+                return None
+            h = arena_header(job)
+            return h if h["state"] in WEIGHTLESS and h["server_pid"] and h["watchdog_pid"] else None
+
+        h = wait_until(loading, timeout=60, what="the server to load --init's weights")
+        os.kill(h["watchdog_pid"], signal.SIGKILL)
+        os.kill(h["server_pid"], signal.SIGKILL)
+        out, err = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err
+    assert "weights sum 320.0" in out, out + err  # 64 x 5.0, --init's; the learner's own would be 448
+    # The learner waiting on the dead server's arena follows the new server's (it waited out its 60 s attach
+    # timeout on the old mapping, and the launcher restarted it).
+    assert "restarted" not in err and "did not become ready" not in err, err

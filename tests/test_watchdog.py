@@ -245,6 +245,65 @@ def test_a_stop_before_the_job_held_a_model_writes_no_checkpoint(job, serve, tmp
     assert checkpoint.list_checkpoints(tmp_path) == [], log
 
 
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_resume_and_init_together_start_from_the_checkpoint_where_one_exists(job, serve, tmp_path, checkpointed):
+    """`--init F --resume DIR` (what `psd run --init F` gives every watchdog after its first, and a user restarting
+    a job with the command that started it): the job's newest checkpoint where DIR has one, its clock with it;
+    F where it has none. F won over the checkpoint: the work since the job began was lost at each restart."""
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "ck"
+    save_file({"w": torch.full((8,), 5.0)}, str(tmp_path / "init.safetensors"))
+    if checkpointed:
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.arange(8.0)}, [checkpoint.ParamSpec("w", (8,))],
+                                               clock=42, generation=2, ranks=[0], job=job, created_unix_ns=1), ck)
+    s = serve(job, "--learners", "1", "--init", str(tmp_path / "init.safetensors"), "--resume", str(ck))
+    wait_until(lambda: arena_header(job)["state"] == _native.ARENA_READY, timeout=60, what="the weights")
+    w = learner.pull_state_dict(job)["w"]
+    if checkpointed:
+        assert torch.equal(w, torch.arange(8.0)) and arena_header(job)["clock"] == 42
+    else:
+        assert torch.equal(w, torch.full((8,), 5.0)) and arena_header(job)["clock"] == 0
+    s.stop()
+
+
+OWN_MODEL = """
+import sys, torch
+from psd import learner
+model = torch.nn.Linear(8, 8, bias=False)
+torch.nn.init.constant_(model.weight, 7.0)
+with learner.attach(model, job=sys.argv[1]) as ps:
+    print(float(learner.pull_state_dict(sys.argv[1])["weight"].sum()), flush=True)
+"""
+
+
+def test_a_server_killed_in_its_stop_before_the_job_held_a_model_leaves_no_model_of_zeros(job, serve, tmp_path,
+                                                                                         monkeypatch):
+    """A server stopped while a learner's offered model had no weights yet, and killed in its stop between marking
+    the arena STOPPED and unlinking it, left a STOPPED arena with the model's sizes and zeros for weights; the next
+    server took it over as READY ("go on where it stopped"), and the next learner got those zeros as the job's
+    model in place of its own. Such an arena is now unlinked before it is marked: the next learner's model is the
+    job's. Without a watchdog, as under an outside supervisor (a watchdog's stop removes a dead server's arena
+    itself)."""
+    monkeypatch.setenv("PSD_TEST_CRASH_IN_STOP", str(tmp_path / "crashed"))
+    s = serve(job, "--learners", "2", "--no-watchdog")
+    p = spawn("offerer.py", job)
+    try:
+        assert read_line(p) == "ready"
+        assert arena_header(job)["state"] == _native.ARENA_INIT_WEIGHTS
+        s.proc.send_signal(signal.SIGTERM)
+        out, _ = s.proc.communicate(timeout=60)
+    finally:
+        kill(p)
+    assert (tmp_path / "crashed").exists(), out
+    assert not os.path.exists(shm_path(job)) or arena_header(job)["state"] != _native.ARENA_STOPPED, out
+    serve(job, "--learners", "2", "--no-watchdog")
+    r = subprocess.run([sys.executable, "-c", OWN_MODEL, job], capture_output=True, text=True, env=child_env(),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.split()[-1]) == 7.0 * 64, "the job's model is not the learner's: " + r.stdout + r.stderr
+
+
 def test_the_start_limit_allows_for_reading_what_the_server_loads(tmp_path):
     """A server reads --resume's checkpoints (each of them, where the newest are torn) or --init's file before it
     makes its arena; the watchdog's start limit (30 s) and `psd run`'s wait for the arena grow by their bytes at
@@ -374,7 +433,7 @@ def test_a_server_restoring_a_lost_arena_killed_before_its_weights_starts_over_f
                what="a server after the killed restorer to load the checkpoint")
     assert learner.pull_state_dict(job)["w"][0] == -5.0 and arena_header(job)["clock"] == 5
     log = s.stop()
-    assert "never held the job's weights; starting over from the checkpoint" in log, log
+    assert "never held the job's weights; starting over from " + str(ck) in log, log
     assert checkpoint.latest(ck).clock == 5
 
 

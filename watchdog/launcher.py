@@ -32,7 +32,7 @@ from pathlib import Path
 from psd import _native
 from psd.arena import ARENA_LOST_EXIT, ArenaWatch, Header, HeaderView, SlotInfo, shm_name, wait_for_job
 from psd.choices import LEARNER_SCHED_CHOICES
-from psd.errors import Error
+from psd.errors import Error, JobNotFound
 from psd.events import EventLog
 from psd.signals import SignalFlag
 from psd.watchdog import checkpoint
@@ -187,7 +187,10 @@ class Launcher:
                 str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout),
                 "--start-timeout", str(c.start_timeout),
                 "--server-restarts", str(c.max_restarts)]
-        if s.init and self.watchdog_restarts == 0:
+        if s.init:
+            # Every watchdog: one restarted while the job's first weights were still loading (a large file) must
+            # load them again, not let the next learner's model become the job's. Where the job held a model, the
+            # arena it left (taken over) or --resume's checkpoint (which wins over --init) comes first.
             argv += ["--init", s.init]
         if self.watchdog_restarts:
             # The new watchdog adopts the running server, or restarts it on the surviving arena;
@@ -454,9 +457,16 @@ class Launcher:
         try:
             self._start_watchdog()
             s = self.config.serve
-            # The first server reads --resume's checkpoints or --init's file before it makes its arena.
-            wait_for_job(self.job, timeout=self.config.start_timeout + checkpoint.load_allowance(s.resume)
-                         + checkpoint.load_allowance(s.init), server_pid=self.watchdog.pid)
+            while True:
+                # The first server reads --resume's checkpoints or --init's file before it makes its arena.
+                try:
+                    wait_for_job(self.job, timeout=self.config.start_timeout + checkpoint.load_allowance(s.resume)
+                                 + checkpoint.load_allowance(s.init), server_pid=self.watchdog.pid)
+                    break
+                except JobNotFound:
+                    if self.watchdog.poll() is None:
+                        raise
+                    self._supervise_watchdog()  # a watchdog killed as it started is restarted, as later
             if self._forks is not None:
                 self._forks.start(dict(os.environ, OMP_NUM_THREADS=str(self.learner_threads),
                                        PSD_LEARNER_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1"))
