@@ -46,6 +46,7 @@ const char *psd_strerror(int code);
 #define PSD_WAIT_SLICE_NS (50ull * 1000 * 1000) /* longest single futex sleep */
 #define PSD_LOCK_TIMEOUT_S 5                    /* longest wait for a robust mutex */
 #define PSD_HUNG_NS (1000ull * 1000 * 1000)     /* a loop that has not beaten for this long is hung */
+#define PSD_REAP_STALL_MIN_NS (1000ull * 1000 * 1000) /* the least gap between reaps taken for a stall */
 
 /* How a process maps an arena (psd_arena_open_as): what it may write. */
 enum psd_role {
@@ -84,6 +85,7 @@ struct psd_map {
     _Atomic uint64_t *held;  /* per slot, the claim token this mapping holds (0: none); its slots
                               * are mapped writable and renewed by its lease thread */
     struct psd_lease *lease; /* the lease thread, started at the first claim */
+    uint64_t reap_last_ns;   /* the server: when its last psd_reap ran (0: none yet), for a stall of the machine */
     /* learner, a partial attach (push_buf_partial): the real-valued buffers its pushes set,
      * [push_buf_lo, push_buf_hi) of the job's; otherwise all of them */
     uint32_t push_buf_partial, push_buf_lo, push_buf_hi;

@@ -7,7 +7,9 @@ the slot's current claim is never applied, only counted.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -80,6 +82,54 @@ def test_an_idle_learner_keeps_its_slot_and_a_killed_one_loses_it(job, serve, ho
     assert h["reclaimed"] == 1 and h["applied"] == 2
     if how != "proc":  # /proc could not tell: the lease had to run out (its last renewal came < 0.1 s before)
         assert took >= 0.8 * LEASE, f"freed after {took:.2f} s, before the {LEASE} s lease ran out"
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_of_the_whole_machine_takes_no_live_learners_slot(job, serve):
+    """The whole machine stalls for 3 leases (a paused VM, heavy swapping): watchdog, server and a learner known
+    only by its lease (--liveness lease) all stop running, and wake one after the other, the learner 0.3 s after
+    its server (and stopped 0.3 s before it). Its beat stood still only because nothing ran: the reaper starts
+    every lease over after a gap in its own runs (it took the live learner's slot, which then failed at its next
+    push)."""
+    serve(job, "--learners", "2", "--lr", "1", "--lease", str(LEASE), "--liveness", "lease")
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "idler.py"), job], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        line = read_line(proc)
+        assert line.startswith("ready slot "), line
+        slot = int(line.split()[-1])
+        wait_until(lambda: _slot(job, slot)["liveness"] == _native.LIVE_BY_LEASE, what="the reaper's judgement")
+        h = arena_header(job)
+        stalled = [h["watchdog_pid"], h["server_pid"], proc.pid]
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            # The stall's start, staggered: the learner stops 0.3 s before its server, whose reaper (every 0.1 s)
+            # so sees its last beat before the stall; had it not, the beat moving since its last look would
+            # start the lease over at the wake, and the old reaper too would keep the slot.
+            time.sleep(0.3)
+            for pid in stalled[:2]:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(3 * LEASE)  # the stall itself, not synchronisation
+            for pid in stalled[:2]:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.3)  # the learner wakes later than its server (the stall's end, staggered)
+        finally:
+            for pid in stalled:
+                os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: 0 <= arena_header(job)["heartbeat_age_s"] < 0.5, what="the server to beat again")
+        # Two leases more, its lease thread renewing it: the slot is still the learner's, and it pushes on.
+        end = time.monotonic() + 2 * LEASE
+        while time.monotonic() < end:
+            assert _slot(job, slot)["state"] == _native.SLOT_ACTIVE, "the live learner's slot was taken back"
+            time.sleep(0.05)
+        proc.stdin.write("push\n")
+        proc.stdin.flush()
+        assert read_line(proc) == "pushed 2"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert arena_header(job)["reclaimed"] == 0
 
 
 @pytest.mark.timeout(120)
