@@ -26,7 +26,8 @@ epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
 - ``curv``: psd/gain.py's level between ``auto`` and ``keep``, from the sharpness measured here every
   ``--every`` updates, margin ``--margin``: the Hessian's largest eigenvalue (8 power iterations on
   autograd's Hessian-vector products; ``--along top``) or the curvature along the mini-batch's gradient
-  (one product; ``--along grad``, what psd's learners measure now), held as a maximum halving over
+  (one product; ``--along grad``, what psd's learners measure now), or along the update (the momentum
+  buffer; ``--along update``, screened and dropped: benchmarks/results/matrix/README.md), held as a maximum halving over
   ``--half-life`` updates (0: each reading as it comes);
 - ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then);
   ``--dc LAMBDA`` adds the same compensation, g + LAMBDA g * g * (w_now - w_then), to any rule.
@@ -92,7 +93,7 @@ class Watch:
         return self.fast - self.slow > self.log_ratio
 
 
-def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> float:
+def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8, update: list | None = None) -> float:
     """The largest eigenvalue of the mini-batch loss's Hessian (power iteration on autograd's
     Hessian-vector products); with ``OPTS["along"]`` "grad", the curvature along the mini-batch's
     gradient instead (its Rayleigh quotient g.Hg / g.g: one product)."""
@@ -101,6 +102,11 @@ def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> flo
     if OPTS["along"] == "grad":
         iters = 1
         v = [g.detach() for g in grads]
+    elif OPTS["along"] == "update":  # along the update the optimizer makes: its momentum buffer
+        iters = 1
+        v = [u.to_dense() if u.is_sparse else u.clone() for u in update]
+        if not sum(float((x * x).sum()) for x in v) > 0:
+            return math.nan
     else:
         v = [torch.randn_like(p) for p in params]
     lam = 0.0
@@ -110,7 +116,7 @@ def sharpness(model: torch.nn.Module, loss: torch.Tensor, iters: int = 8) -> flo
         hv = torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
         lam = sum(float((a * b).sum()) for a, b in zip(hv, v, strict=True))
         v = [h.detach() for h in hv]
-    if OPTS["along"] == "grad":
+    if OPTS["along"] in ("grad", "update"):
         return lam if lam > 0 else math.nan  # no curvature up along the gradient: no reading
     return abs(lam)
 
@@ -162,7 +168,8 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
         if rule == "curv" and tau and t % OPTS["every"] == 0:
             model.train()
             saved = [b.clone() for b in model.buffers()]  # the measurement leaves BatchNorm's statistics
-            now = lr * sharpness(model, cl.loss_of(workload, model, data.x_train[idx], data.y_train[idx]))
+            now = lr * sharpness(model, cl.loss_of(workload, model, data.x_train[idx], data.y_train[idx]),
+                                 update=bufs)
             if OPTS["half_life"]:  # the server's decaying maximum of the readings
                 held = lam_lr[0] * 0.5 ** (OPTS["every"] / OPTS["half_life"])
                 lam_lr[0] = max(now, held) if math.isfinite(now) else held
@@ -270,8 +277,9 @@ def main() -> int:
     p.add_argument("--cap", type=float, default=0.0, help="the probe's lr factor at most this (0: keep's)")
     p.add_argument("--margin", type=float, default=1.5, help="curv: the edge at least this x lr x sharpness")
     p.add_argument("--every", type=int, default=20, help="curv: the sharpness measured every N updates")
-    p.add_argument("--along", choices=("top", "grad"), default="top",
-                   help="curv: the curvature measured: the Hessian's largest eigenvalue, or along the gradient")
+    p.add_argument("--along", choices=("top", "grad", "update"), default="top",
+                   help="curv: the curvature measured: the Hessian's largest eigenvalue, along the gradient, or "
+                        "along the update (the momentum buffer)")
     p.add_argument("--half-life", type=float, default=0,
                    help="curv: hold the largest reading, halving over this many updates (0: each as it comes)")
     p.add_argument("--progress", type=float, default=0.0,

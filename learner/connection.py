@@ -29,6 +29,7 @@ from psd.choices import ASYNC_MOMENTUM, OPTIMIZERS
 from psd.errors import (
     Error,
     Evicted,
+    JobNotFound,
     NoFreeSlot,
     OutOfSharedMemory,
     ServerGone,
@@ -209,30 +210,46 @@ class Connection:
     def _open_ready(self) -> _native.Arena:
         """The job's arena, brought to READY with this model (a partial attach: once the job's model is
         declared), within the attach's timeout. A learner waiting on an arena its file no longer holds (a new
-        server started over on a new one) follows the file to the new arena."""
+        server started over on a new one) follows the file to the new arena; one whose arena is marked STOPPED
+        meanwhile (a stop unlinks a weightless arena first) is told the job stopped."""
         deadline = _Deadline(self.timeout)
-        while True:
-            arena = open_job(self.job, role="learner")
-            try:
-                if self.partial:
-                    self._await_model(arena, deadline)
-                elif arena.state != _native.ARENA_READY:
-                    buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
-                    _wait_ready(arena, self.job, self._spec, self._params, buffers, deadline, self.timeout)
-                return arena
-            except _Replaced:
-                arena.close()
-            except BaseException:
-                arena.close()
-                raise
-            log.info("job %r: the arena this learner waited on was replaced (a new server); attaching to the new one",
-                     self.job)
-            while not os.path.exists(shm_path(self.job)):  # the new server unlinks, then creates: milliseconds
-                if deadline.expired():
-                    raise Timeout(f"job {self.job!r}: its arena was removed while this learner waited for it to "
-                                  f"become ready, and no new one came within {self.timeout:g} s; is its server "
-                                  f"running? (`psd status --job {self.job}`)")
-                time.sleep(0.01)
+        left = None  # the mapping the file no longer holds, kept until the file holds another
+        try:
+            while True:
+                try:
+                    arena = open_job(self.job, role="learner")
+                except JobNotFound:
+                    if left is None:
+                        raise
+                    if left.state == _native.ARENA_STOPPED:
+                        raise Error(f"job {self.job!r} is stopping; start its server again with "
+                                    f"`psd serve --job {self.job}`") from None
+                    if deadline.expired():
+                        raise Timeout(f"job {self.job!r}: its arena was removed while this learner waited for it "
+                                      f"to become ready, and no new one came within {self.timeout:g} s; is its "
+                                      f"server running? (`psd status --job {self.job}`)") from None
+                    time.sleep(0.01)  # the new server unlinks, then creates: milliseconds
+                    continue
+                if left is not None:
+                    left.close()
+                    left = None
+                try:
+                    if self.partial:
+                        self._await_model(arena, deadline)
+                    elif arena.state != _native.ARENA_READY:
+                        buffers = [self._bcur[lo:hi] for lo, hi, _ in self._bgroups]
+                        _wait_ready(arena, self.job, self._spec, self._params, buffers, deadline, self.timeout)
+                    return arena
+                except _Replaced:
+                    left = arena
+                    log.info("job %r: the arena this learner waited on was replaced (a new server); attaching to "
+                             "the new one", self.job)
+                except BaseException:
+                    arena.close()
+                    raise
+        finally:
+            if left is not None:
+                left.close()
 
     def _await_model(self, arena: _native.Arena, deadline: _Deadline) -> None:
         """A partial attach: wait for the job's model to be declared (it never offers one itself)."""

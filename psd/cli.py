@@ -95,7 +95,8 @@ def _watchdog_config(args: argparse.Namespace):
 
     ckpt_dir = args.checkpoint_dir or args.resume or None
     values = {f.field: getattr(args, f.dest) for f in serve_fields()}
-    values.update(betas=tuple(args.betas), resume=None if args.resume is None else (ckpt_dir or ""),
+    # --resume DIR is where the job starts from, --checkpoint-dir where its checkpoints go (DIR unless given)
+    values.update(betas=tuple(args.betas), resume=None if args.resume is None else (args.resume or ckpt_dir or ""),
                   event_log=str(events.default_path(args.job)) if args.event_log is None else args.event_log)
     serve = ServeConfig(**values)
     try:

@@ -201,19 +201,36 @@ def _unlink(name: str) -> None:
         _native.unlink(name)
 
 
-def _load_initial_weights(path: str) -> tuple[list[ParamSpec], dict]:
-    from safetensors.torch import load_file
+def _initial_spec(path: str) -> list[ParamSpec]:
+    """The model of --init's file, from its header alone (no tensor read): float32 parameters only."""
+    from safetensors import safe_open
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"--init {path}: no such file (give a .safetensors file of the weights)")
-    tensors = load_file(path)
     spec = []
-    for name, t in tensors.items():
-        if str(t.dtype) != "torch.float32":
-            raise SpecError(f"--init {path}: tensor {name!r} is {t.dtype}; --init takes the float32 parameters of "
-                            f"a model without buffers (for any other model, let its first learner bring it)")
-        spec.append(ParamSpec(name, tuple(t.shape)))
-    return spec, tensors
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            piece = f.get_slice(name)
+            if piece.get_dtype() != "F32":
+                raise SpecError(f"--init {path}: tensor {name!r} is {piece.get_dtype()}; --init takes the float32 "
+                                f"parameters of a model without buffers (for any other model, let its first learner "
+                                f"bring it)")
+            spec.append(ParamSpec(name, tuple(piece.get_shape())))
+    return spec
+
+
+def _load_initial_weights(path: str) -> tuple[list[ParamSpec], dict]:
+    from safetensors.torch import load_file
+
+    _initial_spec(path)  # checked as it is read alone
+    tensors = load_file(path)
+    return [ParamSpec(name, tuple(t.shape)) for name, t in tensors.items()], tensors
+
+
+def _by_name(spec: list[ParamSpec], params_only: bool = False) -> list[ParamSpec]:
+    """A model's tensors sorted by name (a file lists them so, a module in its own order); with ``params_only``,
+    its parameters alone (what an --init file holds)."""
+    return sorted((p for p in spec if not params_only or p.kind == "param"), key=lambda p: p.name)
 
 
 # While an --async-momentum auto job waits for its first measured gain level: the server looks this often
@@ -257,9 +274,10 @@ class Server:
     def start(self) -> None:
         """Create the arena, or take over the one a dead server left; load initial weights if given."""
         cfg = self.config
+        if self._test_once("PSD_TEST_CRASH_AT_START"):
+            os.kill(os.getpid(), signal.SIGKILL)  # a test's server killed before its arena (an OOM kill as it reads)
         spec = tensors = ckpt = None
-        if cfg.init:
-            spec, tensors = _load_initial_weights(cfg.init)
+        init_spec = _initial_spec(cfg.init) if cfg.init else None  # its header only: a bad file fails at once
         try:
             self.arena = open_job(cfg.job)
         except FileNotFoundError:
@@ -270,22 +288,29 @@ class Server:
                             f"with --resume DIR to continue from the last checkpoint") from None
             log.warning("job %r: the arena is damaged (%s); starting over from the last checkpoint", cfg.job, e)
             _native.unlink(shm_name(cfg.job))
-        looked = False  # for --resume's checkpoint, which wins over --init's weights where both are given
 
-        def resume_source() -> None:
-            nonlocal ckpt, spec, tensors, looked
-            if cfg.resume and not looked:
-                looked = True
+        def load_source() -> None:
+            """The job's first weights, where this server loads them itself: --resume's newest checkpoint, else
+            --init's file (so one command starts a job and restarts it)."""
+            nonlocal ckpt, spec, tensors
+            if cfg.resume:
                 ckpt = self._latest_checkpoint()
                 if ckpt is not None:
+                    if init_spec is not None and _by_name(ckpt.spec, params_only=True) != _by_name(init_spec):
+                        raise Error(f"job {cfg.job!r}: the newest checkpoint in {cfg.resume} ({ckpt.path.name}) holds "
+                                    f"another model than --init {cfg.init}: a checkpoint of another run? Move it "
+                                    f"away, or give --checkpoint-dir / --resume a directory of this job's own")
                     spec, tensors = ckpt.spec, ckpt.weights
+                    return
+            if cfg.init:
+                spec, tensors = _load_initial_weights(cfg.init)
 
-        if self.arena is not None and (cfg.resume or spec is not None) and not self.arena.server_alive() and \
+        if self.arena is not None and (cfg.resume or cfg.init) and not self.arena.server_alive() and \
                 self.arena.state in WEIGHTLESS:
             # A server killed before its arena held the job's weights (while it wrote those of --init or the
             # checkpoint, or before a learner wrote its model's): taken over, the arena would wait for the next
             # learner's model and make that the job's, --init or the checkpoint ignored. Start over from them.
-            resume_source()
+            load_source()
             if spec is not None:
                 log.warning("job %r: the arena of dead server pid %d never held the job's weights; starting over "
                             "from %s", cfg.job, HeaderView(self.arena).server_pid,
@@ -296,9 +321,11 @@ class Server:
         took_over = self.arena is not None
         if took_over:
             self._test_hang_in_takeover()
-            self._take_over(spec)
+            # The arena holds the job's model: it is newer than --init's file, which must be of the same model, and
+            # than any checkpoint (with --resume, the file may be the model the job started from long ago).
+            self._take_over(None if cfg.resume else init_spec)
         else:
-            resume_source()
+            load_source()
             self._create(spec)
             if spec is not None:
                 # Claim the model at once: a learner attaching between the arena's creation and the load
@@ -407,11 +434,11 @@ class Server:
                 raise Error(f"job {cfg.job!r} has an arena left by a dead server that trained with --optimizer "
                             f"{made['optimizer']} --sync {made['sync']}; start with those to recover it (its "
                             f"optimizer state is in the arena), or remove it with `psd clean`")
+            a.remap()
             if spec is not None and h["state"] >= _native.ARENA_INIT_WEIGHTS and \
-                    encode_spec(spec)[1] != h["spec_hash"]:
+                    _by_name(arena_spec(a)) != _by_name(spec):  # the same tensors in another order: the same model
                 raise Error(f"job {cfg.job!r} has an arena left by a dead server with another model than "
                             f"{cfg.init}; remove it with `psd clean` to start over")
-            a.remap()
         except BaseException:
             a.close()
             self.arena = None

@@ -259,40 +259,61 @@ def test_fork_server_refuses_a_command_it_cannot_fork(job, tmp_path):
     assert r.returncode != 0 and "COMMAND must be `python SCRIPT ...`" in r.stderr, r.stderr
 
 
-def test_a_watchdog_killed_with_its_server_loading_init_keeps_the_init_weights(job, tmp_path, monkeypatch):
-    """`psd run --init F`: the watchdog and its server are killed while the server loads F (a large file takes
-    seconds). The launcher's next watchdog was given --resume and not --init, and with no checkpoint yet its
-    server took the weightless arena over: the learner's own model became the job's, F ignored. Every watchdog
-    the launcher starts gets --init now; --resume's checkpoint, where one exists, wins over it. The next server
-    unlinks the weightless arena and makes a new one; the learner, waiting for READY on the old one, follows."""
-    import torch
-    from safetensors.torch import save_file
+OWN_MODEL = (
+    "import os, sys, time, torch\nfrom psd import learner\n"
+    "m = torch.nn.Linear(8, 8, bias=False)\ntorch.nn.init.constant_(m.weight, 7.0)\n"
+    "with learner.attach(m) as ps:\n"
+    "    ps.pull()\n"
+    "    print('weights sum', float(m.weight.detach().sum()), flush=True)\n"
+    "    while len(sys.argv) > 1 and not os.path.exists(sys.argv[1]):  # the test's go-ahead\n"
+    "        time.sleep(0.05)\n"
+    "    for _ in range(3):\n"
+    "        m.weight.grad = torch.ones(8, 8)\n"
+    "        ps.step()\n"
+)
 
+
+def _loading(job: str) -> dict | None:
+    """The arena's header while a server loads the job's weights into it (with its watchdog known)."""
     from conftest import arena_header
     from psd.arena import WEIGHTLESS
 
-    init = tmp_path / "init.safetensors"
-    save_file({"weight": torch.full((8, 8), 5.0)}, str(init))
-    script = tmp_path / "own.py"
-    script.write_text(
-        "import torch\nfrom psd import learner\n"
-        "m = torch.nn.Linear(8, 8, bias=False)\ntorch.nn.init.constant_(m.weight, 7.0)\n"
-        "with learner.attach(m) as ps:\n"
-        "    ps.pull()\n"
-        "    print('weights sum', float(m.weight.sum()), flush=True)\n"
-    )
-    monkeypatch.setenv("PSD_TEST_SLOW_LOAD", "3")  # each server's copy of F takes 3 s
-    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--init",
-                            str(init), "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script)],
+    if not os.path.exists(shm_path(job)):
+        return None
+    h = arena_header(job)
+    return h if h["state"] in WEIGHTLESS and h["server_pid"] and h["watchdog_pid"] else None
+
+
+@pytest.mark.parametrize("source", ["init", "resume"])
+def test_a_watchdog_killed_with_its_server_loading_the_first_weights_loads_them_again(job, tmp_path, monkeypatch,
+                                                                                      source):
+    """`psd run --init F` (or `--resume DIR` with the job's own checkpoints elsewhere, `--checkpoint-dir`): the
+    watchdog and its server are killed while the server loads those weights (a large file takes seconds). The
+    launcher's next watchdog was given --resume of its own checkpoint directory and not --init or DIR, and with
+    no checkpoint there yet its server took the weightless arena over: the learner's own model became the
+    job's. Until the job held a model, every watchdog the launcher starts gets --init F (and --resume DIR until
+    the job wrote a checkpoint of its own). The next server unlinks the weightless arena and makes a new one;
+    the learner, waiting for READY on the old one, follows (it waited out its 60 s attach timeout)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from psd.watchdog import checkpoint
+
+    if source == "init":
+        save_file({"weight": torch.full((8, 8), 5.0)}, str(tmp_path / "init.safetensors"))
+        flags = ["--init", str(tmp_path / "init.safetensors")]
+    else:
+        checkpoint.write(checkpoint.Checkpoint({"weight": torch.full((8, 8), 5.0)},
+                                               [checkpoint.ParamSpec("weight", (8, 8))], clock=7, generation=1,
+                                               ranks=[0], job=job, created_unix_ns=1), tmp_path / "earlier")
+        flags = ["--resume", str(tmp_path / "earlier")]
+    (tmp_path / "own.py").write_text(OWN_MODEL)
+    monkeypatch.setenv("PSD_TEST_SLOW_LOAD", "3")  # each server's copy of the weights takes 3 s
+    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", *flags,
+                            "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(tmp_path / "own.py")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        def loading() -> dict | None:
-            if not os.path.exists(shm_path(job)):
-                return None
-            h = arena_header(job)
-            return h if h["state"] in WEIGHTLESS and h["server_pid"] and h["watchdog_pid"] else None
-
-        h = wait_until(loading, timeout=60, what="the server to load --init's weights")
+        h = wait_until(lambda: _loading(job), timeout=60, what="the server to load the weights")
         os.kill(h["watchdog_pid"], signal.SIGKILL)
         os.kill(h["server_pid"], signal.SIGKILL)
         out, err = run.communicate(timeout=180)
@@ -300,7 +321,70 @@ def test_a_watchdog_killed_with_its_server_loading_init_keeps_the_init_weights(j
         if run.poll() is None:
             run.kill()
     assert run.returncode == 0, err
-    assert "weights sum 320.0" in out, out + err  # 64 x 5.0, --init's; the learner's own would be 448
-    # The learner waiting on the dead server's arena follows the new server's (it waited out its 60 s attach
-    # timeout on the old mapping, and the launcher restarted it).
+    assert "weights sum 320.0" in out, out + err  # 64 x 5.0, the job's first weights; the learner's own: 448
     assert "restarted" not in err and "did not become ready" not in err, err
+
+
+def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_again(job, tmp_path):
+    """`psd run --init F`, the job running: F is gone (a temporary file, a moved dataset), and the watchdog and its
+    server are killed. The next watchdog must take the arena over: it was given --init F too, and every server
+    it started failed reading F while the launcher restarted watchdogs without end."""
+    import torch
+    from safetensors.torch import save_file
+
+    from conftest import arena_header, read_line
+    from psd import _native
+    from psd.watchdog import checkpoint
+
+    init = tmp_path / "init.safetensors"
+    save_file({"weight": torch.full((8, 8), 5.0)}, str(init))
+    (tmp_path / "own.py").write_text(OWN_MODEL)
+    go = tmp_path / "go"
+    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--lr", "1",
+                            "--init", str(init), "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable,
+                            str(tmp_path / "own.py"), str(go)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert read_line(run, timeout=60) == "weights sum 320.0"  # attached; it waits for the go-ahead
+        assert arena_header(job)["state"] == _native.ARENA_READY
+        init.unlink()
+        h = arena_header(job)
+        os.kill(h["watchdog_pid"], signal.SIGKILL)
+        os.kill(h["server_pid"], signal.SIGKILL)
+        wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["server_pid"] not in (
+            0, h["server_pid"]) and arena_header(job)["generation"] > h["generation"], timeout=60,
+            what="a new server on the job's arena")
+        go.touch()
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err
+    assert "no such file" not in err, err
+    last = checkpoint.latest(tmp_path / "ck")
+    assert last is not None and last.clock == 3 and torch.equal(last.weights["weight"], torch.full((8, 8), 2.0))
+
+
+def test_a_job_whose_server_cannot_take_its_arena_over_fails_at_once_and_keeps_the_arena(job, tmp_path):
+    """A dead server left the job's arena, made for 2 learners; `psd run --learners 1` cannot take it over (its
+    server says to start with --learners 2). The start fails with that, promptly, and the arena stays for the
+    server the error asks for (psd run restarted the watchdog without end, deaf to SIGTERM, and removed it)."""
+    import time
+
+    from conftest import Served
+
+    s = Served(job, "--learners", "2", "--no-watchdog")
+    s.proc.kill()
+    s.proc.wait()
+    assert os.path.exists(shm_path(job))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--checkpoint-dir",
+                        str(tmp_path / "ck"), "--", sys.executable, "-c", "pass"],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode != 0 and "--learners 2" in r.stderr and "could not start" in r.stderr, r.stderr
+    assert r.stderr.count("restarting it") == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    assert os.path.exists(shm_path(job)), "the arena left for its recovery was removed"
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], capture_output=True, text=True,
+                       env=child_env(), timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -267,6 +267,70 @@ def test_resume_and_init_together_start_from_the_checkpoint_where_one_exists(job
     s.stop()
 
 
+def test_resume_and_init_restarted_take_the_arena_over(job, tmp_path):
+    """`psd serve --init F --resume DIR` started from DIR's checkpoint (a module's order: w, then b) and its server
+    was SIGKILLed: the same command takes the arena over. It compared the arena's model with F's (safetensors
+    lists tensors by name: b, then w) and refused "another model than F"; the arena is newer than both anyway."""
+    from safetensors.torch import save_file
+
+    spec = [checkpoint.ParamSpec("w", (4,)), checkpoint.ParamSpec("b", (2,))]
+    checkpoint.write(checkpoint.Checkpoint({"w": torch.full((4,), 3.0), "b": torch.full((2,), 3.0)}, spec, clock=9,
+                                           generation=1, ranks=[0], job=job, created_unix_ns=1), tmp_path / "ck")
+    save_file({"w": torch.zeros(4), "b": torch.zeros(2)}, str(tmp_path / "init.safetensors"))
+    flags = ["--learners", "1", "--no-watchdog", "--init", str(tmp_path / "init.safetensors"), "--resume",
+             str(tmp_path / "ck")]
+    first = Served(job, *flags)
+    wait_until(lambda: arena_header(job)["state"] == _native.ARENA_READY, timeout=60, what="the checkpoint loaded")
+    first.proc.kill()
+    first.proc.wait()
+    second = Served(job, *flags)
+    try:
+        assert arena_header(job)["clock"] == 9 and arena_header(job)["server_pid"] == second.proc.pid
+        assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((4,), 3.0))
+    finally:
+        log = second.stop()
+    assert "taking over the arena of dead server" in log, log
+
+
+def test_a_checkpoint_of_another_model_than_init_is_refused(job, tmp_path):
+    """`--init F --resume DIR` where DIR's newest checkpoint holds another model than F (another run's, under the
+    same job name): a clear error, not a job silently started from the wrong model."""
+    from safetensors.torch import save_file
+
+    checkpoint.write(checkpoint.Checkpoint({"v": torch.ones(3)}, [checkpoint.ParamSpec("v", (3,))], clock=5,
+                                           generation=1, ranks=[0], job=job, created_unix_ns=1), tmp_path / "ck")
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "init.safetensors"))
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--learners", "1", "--no-watchdog",
+                        "--init", str(tmp_path / "init.safetensors"), "--resume", str(tmp_path / "ck")],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode != 0 and "holds another model than --init" in r.stderr, r.stderr
+    assert not os.path.exists(shm_path(job))
+
+
+def test_a_server_killed_before_its_arena_restarts_from_init_not_an_older_checkpoint(job, tmp_path, monkeypatch):
+    """`psd serve --init F` (no --resume), its first server killed before it made the arena (an OOM kill while it
+    reads a large F): the next one was started with --resume too, and a checkpoint an earlier run of the job left
+    in the checkpoint directory won over F. A job that never held a model starts again as it first did."""
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "ck"
+    checkpoint.write(checkpoint.Checkpoint({"w": torch.ones(8)}, [checkpoint.ParamSpec("w", (8,))], clock=99,
+                                           generation=3, ranks=[0], job=job, created_unix_ns=1), ck)
+    save_file({"w": torch.full((8,), 5.0)}, str(tmp_path / "init.safetensors"))
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("PSD_TEST_CRASH_AT_START", str(crashed))
+    s = Served(job, "--learners", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "0", "--init",
+               str(tmp_path / "init.safetensors"))
+    try:
+        wait_until(lambda: arena_header(job)["state"] == _native.ARENA_READY, timeout=60, what="the weights")
+        assert crashed.exists()
+        assert torch.equal(learner.pull_state_dict(job)["w"], torch.full((8,), 5.0))
+        assert arena_header(job)["clock"] == 0
+    finally:
+        log = s.stop()
+    assert "restarting it" in log, log
+
+
 OWN_MODEL = """
 import sys, torch
 from psd import learner

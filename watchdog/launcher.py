@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, ArenaWatch, Header, HeaderView, SlotInfo, shm_name, wait_for_job
+from psd.arena import ARENA_LOST_EXIT, ArenaWatch, Header, HeaderView, SlotInfo, shm_name, shm_path, wait_for_job
 from psd.choices import LEARNER_SCHED_CHOICES
 from psd.errors import Error, JobNotFound
 from psd.events import EventLog
@@ -43,6 +43,10 @@ from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 __all__ = ["Launcher", "WorkerState"]
 
 LEARNER_BACKOFF = Backoff(0.1, 10.0)  # a learner's (or virtual worker's) restarts
+# The watchdog's crash loop: a watchdog that lived over WATCHDOG_FRESH_AFTER seconds starts the count over; more
+# than WATCHDOG_RESTARTS in a row and psd run gives up (it restarted one that failed at every start, without end).
+WATCHDOG_RESTARTS = 10
+WATCHDOG_FRESH_AFTER = 60.0
 log = logging.getLogger("psd.run")
 
 _PR_SET_PDEATHSIG = 1
@@ -160,6 +164,11 @@ class Launcher:
         self.watchdog: subprocess.Popen | None = None
         self.watchdog_restarts = 0
         self._gave_up = False  # the watchdog exited GIVE_UP_EXIT: keep the arena at the end
+        self._had_model = False  # the job's arena was seen READY (_note_model)
+        self._found_arena = False  # the job's arena existed before this run started its watchdog
+        self._watchdog_policy = RestartPolicy(Backoff(0.1, 10.0), limit=WATCHDOG_RESTARTS, first_step=0,
+                                              fresh_after=WATCHDOG_FRESH_AFTER)
+        self._watchdog_due: float | None = None  # a dead watchdog's restart, after its back-off
         self._stop = SignalFlag()  # SIGINT/SIGTERM's handler sets it
         self._tty = sys.stderr.isatty()
         self._progress_every = progress_every if progress_every is not None else (1.0 if self._tty else 10.0)
@@ -187,15 +196,18 @@ class Launcher:
                 str(c.checkpoint_every), "--keep", str(c.keep), "--heartbeat-timeout", str(c.heartbeat_timeout),
                 "--start-timeout", str(c.start_timeout),
                 "--server-restarts", str(c.max_restarts)]
-        if s.init:
-            # Every watchdog: one restarted while the job's first weights were still loading (a large file) must
-            # load them again, not let the next learner's model become the job's. Where the job held a model, the
-            # arena it left (taken over) or --resume's checkpoint (which wins over --init) comes first.
+        self._note_model()
+        if s.init and not self._had_model:
+            # Until the job held a model, every watchdog: one restarted while the job's first weights were still
+            # loading (a large file) must load them again, not let the next learner's model become the job's.
+            # Once it held one, the arena (taken over) or the last checkpoint is the job's, and the file is not
+            # read again (nor needed: it may be gone).
             argv += ["--init", s.init]
         if self.watchdog_restarts:
-            # The new watchdog adopts the running server, or restarts it on the surviving arena;
-            # only if the arena is gone does the server start from the last checkpoint.
-            argv += ["--resume", str(c.ckpt_dir)]
+            # The new watchdog adopts the running server, or restarts it on the surviving arena; only if the
+            # arena is gone or never held the weights does the server load a checkpoint: the job's own, or
+            # until it wrote one, those it was started from (--resume DIR).
+            argv += ["--resume", str(checkpoint.resume_dir(c.ckpt_dir, None if self._had_model else s.resume))]
         elif s.resume:
             argv += ["--resume", s.resume]
         argv += ["--event-log", s.event_log or ""]
@@ -206,7 +218,26 @@ class Launcher:
     def _start_watchdog(self) -> None:
         self.watchdog = subprocess.Popen(self._watchdog_argv(), start_new_session=True,
                                          preexec_fn=_die_with_launcher)
+        self._watchdog_policy.started(time.monotonic())
         log.info("job %r: watchdog pid %d", self.job, self.watchdog.pid)
+
+    def _watchdog_died(self, code: int) -> float:
+        """Count the watchdog's death (exit status ``code``) in its crash loop; the seconds to wait before its
+        restart, or raise Error where the loop is too long."""
+        how = f"exit {code}" if code >= 0 else signal.Signals(-code).name
+        n = self._watchdog_policy.failed(time.monotonic())
+        if self._watchdog_policy.exhausted:
+            raise Error(f"psd run: the watchdog of job {self.job!r} died {n} times in a row, each within "
+                        f"{WATCHDOG_FRESH_AFTER:g} s of its start (the last: {how}); its log is above")
+        delay = self._watchdog_policy.delay()
+        log.warning("job %r: watchdog pid %d died (%s); restarting it%s", self.job, self.watchdog.pid, how,
+                    f" in {delay:g} s" if delay else "")
+        return delay
+
+    def _restart_watchdog(self) -> None:
+        self.watchdog_restarts += 1
+        self.events.emit("watchdog_restart", watchdog_pid=self.watchdog.pid)
+        self._start_watchdog()
 
     def _start_worker(self, w: Worker) -> None:
         resumed = self._resume_file(w)
@@ -262,21 +293,63 @@ class Launcher:
 
     # -- supervision --------------------------------------------------------
 
+    def _await_arena(self) -> None:
+        """Wait for the job's arena and its live server (the first server reads --resume's checkpoints or --init's
+        file before it makes the arena), or for a stop. A watchdog killed by a signal meanwhile is restarted, up
+        to WATCHDOG_RESTARTS times in a row; one that exits with an error fails the start, as a server that
+        cannot start (bad flags, another job's arena) makes its watchdog do."""
+        s = self.config.serve
+        allowance = self.config.start_timeout + checkpoint.load_allowance(s.resume) + checkpoint.load_allowance(s.init)
+        deadline = time.monotonic() + allowance
+        while not self._stop.is_set():
+            try:
+                wait_for_job(self.job, timeout=min(0.2, max(0.0, deadline - time.monotonic())),
+                             server_pid=self.watchdog.pid)
+                return
+            except JobNotFound:
+                pass
+            code = self.watchdog.poll()
+            if code is None:
+                if time.monotonic() > deadline:
+                    raise Error(f"psd run: the server of job {self.job!r} did not make its arena within "
+                                f"{allowance:g} s; see above")
+                continue
+            if code >= 0:
+                # The arena of an earlier life of the job, which this one could not take over, stays for the
+                # server the error above asks for (or `psd clean`); one this start made goes.
+                self._gave_up = code == GIVE_UP_EXIT or self._found_arena
+                raise Error(f"psd run: the server of job {self.job!r} could not start (its watchdog exited "
+                            f"{code}); see above")
+            if self._stop.wait(self._watchdog_died(code)):
+                return
+            self._restart_watchdog()
+            deadline = time.monotonic() + allowance
+
+    def _note_model(self) -> None:
+        """Note whether the job has held its model (its arena seen READY), which a restarted watchdog's flags
+        follow."""
+        if not self._had_model:
+            a = self._arena_or_none()
+            self._had_model = a is not None and a.state == _native.ARENA_READY
+
     def _supervise_watchdog(self) -> None:
-        code = self.watchdog.poll()
-        if code is None:
-            return
-        if code == GIVE_UP_EXIT:
-            self._gave_up = True
-            raise Error(f"psd run: the watchdog gave up restarting the server of job {self.job!r} (its last error "
-                        f"is above); its arena is left for `psd inspect --job {self.job}`")
-        if code > 0 and self.watchdog_restarts == 0 and self._arena_or_none() is None:
-            raise Error(f"psd run: the server of job {self.job!r} could not start (exit {code}); see above")
-        self.watchdog_restarts += 1
-        log.warning("job %r: watchdog pid %d died (%s); restarting it", self.job, self.watchdog.pid,
-                    f"exit {code}" if code >= 0 else signal.Signals(-code).name)
-        self.events.emit("watchdog_restart", watchdog_pid=self.watchdog.pid)
-        self._start_watchdog()
+        self._note_model()
+        now = time.monotonic()
+        if self._watchdog_due is None:
+            code = self.watchdog.poll()
+            if code is None:
+                return
+            if code == GIVE_UP_EXIT:
+                self._gave_up = True
+                raise Error(f"psd run: the watchdog gave up restarting the server of job {self.job!r} (its last "
+                            f"error is above); its arena is left for `psd inspect --job {self.job}`")
+            if code > 0 and self.watchdog_restarts == 0 and self._arena_or_none() is None:
+                raise Error(f"psd run: the server of job {self.job!r} could not start (exit {code}); see above")
+            self._watchdog_due = now + self._watchdog_died(code)
+        if now < self._watchdog_due:
+            return  # its back-off; the learners are supervised meanwhile
+        self._watchdog_due = None
+        self._restart_watchdog()
 
     def _vw_members(self, vw: int) -> list[Worker]:
         return self.workers[vw * self.stages:(vw + 1) * self.stages]
@@ -454,19 +527,12 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: self._stop.set())
         interrupted = False
+        self._found_arena = os.path.exists(shm_path(self.job))  # an earlier life's, left by a dead server
         try:
             self._start_watchdog()
-            s = self.config.serve
-            while True:
-                # The first server reads --resume's checkpoints or --init's file before it makes its arena.
-                try:
-                    wait_for_job(self.job, timeout=self.config.start_timeout + checkpoint.load_allowance(s.resume)
-                                 + checkpoint.load_allowance(s.init), server_pid=self.watchdog.pid)
-                    break
-                except JobNotFound:
-                    if self.watchdog.poll() is None:
-                        raise
-                    self._supervise_watchdog()  # a watchdog killed as it started is restarted, as later
+            self._await_arena()
+            if self._stop.is_set():
+                return 130  # stopped (Ctrl-C, SIGTERM) while the job started: the finally below stops the watchdog
             if self._forks is not None:
                 self._forks.start(dict(os.environ, OMP_NUM_THREADS=str(self.learner_threads),
                                        PSD_LEARNER_THREADS=str(self.learner_threads), PYTHONUNBUFFERED="1"))

@@ -188,7 +188,9 @@ class Watchdog:
         if s.init and not self._had_model:  # until the job holds a model, its first weights are --init's
             argv += ["--init", s.init]
         if resume:
-            argv += ["--resume", str(self.config.ckpt_dir)]
+            # Once the job held a model, only its own checkpoints are newer than the arena it lost.
+            asked = None if self._had_model else s.resume
+            argv += ["--resume", str(checkpoint.resume_dir(self.config.ckpt_dir, asked))]
         argv += ["--event-log", s.event_log or ""]
         return argv
 
@@ -203,7 +205,8 @@ class Watchdog:
         # longer than the start limit of a server that loads nothing.
         s = self.config.serve
         self._start_limit = self.config.start_timeout + checkpoint.load_allowance(
-            self.config.ckpt_dir if resume else None) + checkpoint.load_allowance(s.init if "--init" in argv else None)
+            argv[argv.index("--resume") + 1] if resume else None) + checkpoint.load_allowance(
+            s.init if "--init" in argv else None)
         self.state = ServerState.STARTING
         log.info("job %r: started server pid %d%s", self.config.serve.job, self.proc.pid,
                  " (resuming from checkpoint)" if resume else "")
@@ -303,11 +306,12 @@ class Watchdog:
                              fail_msg="")
             return
         self.restarts += 1
-        # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint; and
-        # where a server died before its arena held the checkpoint's weights (a resuming job's first, or one
-        # restoring a lost arena), the checkpoint again: the server starts over from it rather than wait for
-        # a learner's model.
-        self._spawn(resume=a is None or ((self._resume_first or self._had_model) and a.state in WEIGHTLESS))
+        # The arena survived: the new server takes it over. Gone, damaged or lost: the last checkpoint, where the
+        # job resumed or held a model (one that did neither starts as it first did: a checkpoint there is another
+        # run's, which would win over --init's weights); and where a server died before its arena held the
+        # checkpoint's weights (a resuming job's first, or one restoring a lost arena), the checkpoint again: the
+        # server starts over from it rather than wait for a learner's model.
+        self._spawn(resume=(self._resume_first or self._had_model) and (a is None or a.state in WEIGHTLESS))
 
     def _give_up(self, why: str) -> None:
         """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
