@@ -74,13 +74,16 @@ def _wait_ready(arena: _native.Arena, job: str, spec: list[ParamSpec], params: l
         if st == _native.ARENA_WAITING_SPEC:
             data, digest = encode_spec(spec)
             if arena.set_spec(data, digest, model_sizes(spec), me, _native.proc_start_time(me)):
-                arena.wait_state(_native.ARENA_SPEC_OFFERED, deadline.left())
+                while arena.state == _native.ARENA_SPEC_OFFERED and not deadline.expired():
+                    _check_held(arena, job)  # the server that takes the offer may be another's, on a new arena
+                    arena.wait_state(_native.ARENA_SPEC_OFFERED, min(deadline.left(), 0.5))
                 if arena.state == _native.ARENA_WAITING_SPEC:
                     msg = arena.header()["fail_msg"]
                     raise (OutOfSharedMemory if "shared memory" in msg else SpecError)(
                         f"job {job!r} refused this model: {msg}")
                 continue
         elif st == _native.ARENA_INIT_WEIGHTS and arena.header()["offer_pid"] == me:
+            _check_held(arena, job)  # not the weights of an arena a new server has replaced
             arena.remap()
             h = arena.header()
             arena.offer_window(True)  # the weights, the buffers and the state: writable only meanwhile

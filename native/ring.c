@@ -968,11 +968,15 @@ int psd_wait_round(struct psd_map *m, uint32_t slot, uint64_t claim, uint64_t ro
  * server that takes over goes on from it. */
 static uint32_t owner_gone(const struct psd_header *h, struct psd_slot *s, struct psd_lslot *l, pid_t pid,
                            uint64_t start_time, uint64_t pid_ns, uint64_t now, uint64_t lease_ns, bool owner,
-                           bool stalled) {
+                           uint64_t stall_ns) {
     uint64_t claim = PSD_LOAD_RLX(&s->claims), beat = PSD_LOAD_RLX(&l->lease_beat);
     bool fresh = PSD_LOAD_RLX(&s->lease_claim) != claim || PSD_LOAD_RLX(&s->lease_seen_ns) == 0;
-    if (stalled && !fresh)
-        PSD_STORE_RLX(&s->lease_seen_ns, now); /* the beat stood still while nothing ran: the lease starts over */
+    if (stall_ns && !fresh) {
+        /* The beat stood still while nothing ran: the stall does not count against the lease (the silence
+         * before it still does, so a dead owner's lease runs out between stalls too). */
+        uint64_t seen = PSD_LOAD_RLX(&s->lease_seen_ns);
+        PSD_STORE_RLX(&s->lease_seen_ns, now - seen > stall_ns ? seen + stall_ns : now);
+    }
     if (fresh || PSD_LOAD_RLX(&s->lease_seen) != beat) {
         if (!fresh && owner)
             PSD_STORE_RLX(&s->lease_moved, 1); /* the owner's lease thread runs: it took the slot */
@@ -1005,10 +1009,10 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
     /* A gap between this reaper's own runs longer than its stall allowance (half a lease, at least
      * PSD_REAP_STALL_MIN_NS past the server's polls every 0.1 s) is a stall of the whole machine: a
      * paused VM, swapping. The learners' lease threads did not run either, so the beats that stood
-     * still meanwhile say nothing: every lease starts over from now, as the watchdog gives a server
-     * after its own stall (watchdog/supervisor.py). */
+     * still meanwhile say nothing: every lease is extended by the gap, as the watchdog gives a server
+     * time after its own stall (watchdog/supervisor.py). */
     uint64_t allowance = lease_ns / 2 > PSD_REAP_STALL_MIN_NS ? lease_ns / 2 : PSD_REAP_STALL_MIN_NS;
-    bool stalled = last != 0 && now > last && now - last > allowance;
+    uint64_t stall_ns = last != 0 && now > last && now - last > allowance ? now - last : 0;
     bool freed = false;
     for (uint32_t i = 0; i < m->g.n_slots; i++) {
         struct psd_slot *s = psd_slot_at(m, i);
@@ -1017,7 +1021,7 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
         if (st == PSD_SLOT_EVICTED) {
             /* Quarantined while the evicted process lives: it may still write into the ring. */
             if (owner_gone(h, s, l, PSD_LOAD_RLX(&s->evicted_pid), PSD_LOAD_RLX(&s->evicted_start_time),
-                           PSD_LOAD_RLX(&s->evicted_pid_ns), now, lease_ns, false, stalled) != PSD_REAP_NONE) {
+                           PSD_LOAD_RLX(&s->evicted_pid_ns), now, lease_ns, false, stall_ns) != PSD_REAP_NONE) {
                 /* Nothing it left in its request line is a request (no claimer takes the line of a
                  * slot that is not FREE, so nobody is writing it now). Only the reaper moves an
                  * EVICTED slot. */
@@ -1033,7 +1037,7 @@ int psd_reap(struct psd_map *m, int32_t *pids, uint32_t max, uint32_t *n) {
         uint64_t claim = PSD_LOAD_RLX(&s->claims);
         if (st != PSD_SLOT_ACTIVE || PSD_LOAD_RLX(&s->reap_claim) == claim ||
             (why = owner_gone(h, s, l, PSD_LOAD_ACQ(&s->pid), PSD_LOAD_ACQ(&s->start_time), PSD_LOAD_ACQ(&s->pid_ns),
-                              now, lease_ns, true, stalled)) == PSD_REAP_NONE)
+                              now, lease_ns, true, stall_ns)) == PSD_REAP_NONE)
             continue;
         /* The identity judged must be `claim`'s: the slot may have been released, freed (identity
          * cleared) or handed on while it was read. The identity's load-acquires pair with its

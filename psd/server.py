@@ -208,14 +208,23 @@ def _initial_spec(path: str) -> list[ParamSpec]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"--init {path}: no such file (give a .safetensors file of the weights)")
     spec = []
-    with safe_open(path, framework="pt") as f:
-        for name in f.keys():
-            piece = f.get_slice(name)
-            if piece.get_dtype() != "F32":
-                raise SpecError(f"--init {path}: tensor {name!r} is {piece.get_dtype()}; --init takes the float32 "
-                                f"parameters of a model without buffers (for any other model, let its first learner "
-                                f"bring it)")
-            spec.append(ParamSpec(name, tuple(piece.get_shape())))
+    try:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                if piece.get_dtype() != "F32":
+                    raise SpecError(f"--init {path}: tensor {name!r} is {piece.get_dtype()}; --init takes the float32 "
+                                    f"parameters of a model without buffers (for any other model, let its first "
+                                    f"learner bring it)")
+                spec.append(ParamSpec(name, tuple(piece.get_shape())))
+    except SpecError:
+        raise
+    except Exception as e:  # safetensors' own error (a truncated or foreign file) is no public class
+        raise SpecError(f"--init {path} is not a readable .safetensors file ({e}); write it with "
+                        f"safetensors.torch.save_file(model.state_dict(), path)") from None
+    if not spec:
+        raise SpecError(f"--init {path} holds no tensors; write the model's parameters into it with "
+                        f"safetensors.torch.save_file(model.state_dict(), path)")
     return spec
 
 
@@ -277,7 +286,7 @@ class Server:
         if self._test_once("PSD_TEST_CRASH_AT_START"):
             os.kill(os.getpid(), signal.SIGKILL)  # a test's server killed before its arena (an OOM kill as it reads)
         spec = tensors = ckpt = None
-        init_spec = _initial_spec(cfg.init) if cfg.init else None  # its header only: a bad file fails at once
+        looked = False  # load_source ran: it reads a checkpoint or the file once
         try:
             self.arena = open_job(cfg.job)
         except FileNotFoundError:
@@ -292,11 +301,16 @@ class Server:
         def load_source() -> None:
             """The job's first weights, where this server loads them itself: --resume's newest checkpoint, else
             --init's file (so one command starts a job and restarts it)."""
-            nonlocal ckpt, spec, tensors
+            nonlocal ckpt, spec, tensors, looked
+            if looked:
+                return
+            looked = True
             if cfg.resume:
                 ckpt = self._latest_checkpoint()
                 if ckpt is not None:
-                    if init_spec is not None and _by_name(ckpt.spec, params_only=True) != _by_name(init_spec):
+                    # (a file gone since the job began is no matter: the checkpoint is newer)
+                    if cfg.init and Path(cfg.init).is_file() and \
+                            _by_name(ckpt.spec, params_only=True) != _by_name(_initial_spec(cfg.init)):
                         raise Error(f"job {cfg.job!r}: the newest checkpoint in {cfg.resume} ({ckpt.path.name}) holds "
                                     f"another model than --init {cfg.init}: a checkpoint of another run? Move it "
                                     f"away, or give --checkpoint-dir / --resume a directory of this job's own")
@@ -322,8 +336,8 @@ class Server:
         if took_over:
             self._test_hang_in_takeover()
             # The arena holds the job's model: it is newer than --init's file, which must be of the same model, and
-            # than any checkpoint (with --resume, the file may be the model the job started from long ago).
-            self._take_over(None if cfg.resume else init_spec)
+            # than any checkpoint (with --resume, the file may be the model the job started from long ago, or gone).
+            self._take_over(_initial_spec(cfg.init) if cfg.init and not cfg.resume else None)
         else:
             load_source()
             self._create(spec)

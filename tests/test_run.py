@@ -284,7 +284,7 @@ def _loading(job: str) -> dict | None:
     return h if h["state"] in WEIGHTLESS and h["server_pid"] and h["watchdog_pid"] else None
 
 
-@pytest.mark.parametrize("source", ["init", "resume"])
+@pytest.mark.parametrize("source", ["init", "init-after-an-earlier-run", "resume"])
 def test_a_watchdog_killed_with_its_server_loading_the_first_weights_loads_them_again(job, tmp_path, monkeypatch,
                                                                                       source):
     """`psd run --init F` (or `--resume DIR` with the job's own checkpoints elsewhere, `--checkpoint-dir`): the
@@ -292,16 +292,21 @@ def test_a_watchdog_killed_with_its_server_loading_the_first_weights_loads_them_
     launcher's next watchdog was given --resume of its own checkpoint directory and not --init or DIR, and with
     no checkpoint there yet its server took the weightless arena over: the learner's own model became the
     job's. Until the job held a model, every watchdog the launcher starts gets --init F (and --resume DIR until
-    the job wrote a checkpoint of its own). The next server unlinks the weightless arena and makes a new one;
+    the job wrote a checkpoint of its own; without --resume, none: an earlier run's checkpoint in the job's
+    directory won over F). The next server unlinks the weightless arena and makes a new one;
     the learner, waiting for READY on the old one, follows (it waited out its 60 s attach timeout)."""
     import torch
     from safetensors.torch import save_file
 
     from psd.watchdog import checkpoint
 
-    if source == "init":
+    if source.startswith("init"):
         save_file({"weight": torch.full((8, 8), 5.0)}, str(tmp_path / "init.safetensors"))
         flags = ["--init", str(tmp_path / "init.safetensors")]
+        if source == "init-after-an-earlier-run":  # its checkpoint in the job's directory must not win over F
+            checkpoint.write(checkpoint.Checkpoint({"weight": torch.full((8, 8), 9.0)},
+                                                   [checkpoint.ParamSpec("weight", (8, 8))], clock=77, generation=1,
+                                                   ranks=[0], job=job, created_unix_ns=1), tmp_path / "ck")
     else:
         checkpoint.write(checkpoint.Checkpoint({"weight": torch.full((8, 8), 5.0)},
                                                [checkpoint.ParamSpec("weight", (8, 8))], clock=7, generation=1,
@@ -388,3 +393,43 @@ def test_a_job_whose_server_cannot_take_its_arena_over_fails_at_once_and_keeps_t
     r = subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], capture_output=True, text=True,
                        env=child_env(), timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_psd_chaos_killing_the_watchdog_again_and_again_fails_no_healthy_job(job, tmp_path):
+    """`psd chaos --target watchdog` kills the job's watchdog a dozen times, each one that had taken up its job
+    (chaos reads its pid from the arena). psd run restarts each at once: its crash-loop limit (10 in a row) counts
+    only watchdogs that died before they took up the job, and failed a healthy job after the tenth kill."""
+    import time
+
+    from conftest import arena_header
+    from psd import _native
+
+    go = tmp_path / "go"
+    script = tmp_path / "learn.py"
+    script.write_text(
+        "import os, sys, time, torch\nfrom psd import learner\nm = torch.nn.Linear(8, 8)\n"
+        "with learner.attach(m) as ps:\n"
+        "    while not os.path.exists(sys.argv[1]):\n"
+        "        m.weight.grad = torch.ones(8, 8)\n        m.bias.grad = torch.ones(8)\n"
+        "        ps.step()\n        time.sleep(0.02)  # a paced learner\n"
+    )
+    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--lr", "0.001",
+                            "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script), str(go)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["state"] == _native.ARENA_READY
+                   and arena_header(job)["clock"] > 5, timeout=90, what="training")
+        t0 = time.monotonic()
+        ch = subprocess.run([sys.executable, "-m", "psd.cli", "chaos", "--job", job, "--target", "watchdog",
+                             "--count", "12", "--every", "0.7", "--seed", "1"], capture_output=True, text=True,
+                            env=child_env(), timeout=120)
+        assert ch.returncode == 0, ch.stderr
+        go.touch()
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, err
+    assert err.count("died (SIGKILL); restarting it") >= 11, err
+    assert "times in a row" not in err
+    assert time.monotonic() - t0 < 100

@@ -227,6 +227,8 @@ def test_a_server_killed_before_its_first_weights_were_written_starts_over_from_
     finally:
         log = s.stop()
     assert "restarting it" in log and "never held the job's weights; starting over" in log, log
+    if source == "resume":  # each server reads the checkpoint once (the next one read it twice, twice the memory)
+        assert log.count(": resuming from ") == log.count("(resuming from checkpoint)") >= 2, log
     last = checkpoint.latest(ck)
     assert last is not None and torch.equal(last.weights["w"], w), log
 
@@ -329,6 +331,36 @@ def test_a_server_killed_before_its_arena_restarts_from_init_not_an_older_checkp
     finally:
         log = s.stop()
     assert "restarting it" in log, log
+
+
+def test_a_learner_that_offered_its_model_follows_the_arena_a_new_server_makes(job, serve, tmp_path):
+    """A learner offered its model to the arena of a server that then died; the next server, given --init F,
+    unlinks that weightless arena and starts over on a new one. The learner, waiting for its offer to be taken,
+    follows it (it waited out its whole attach timeout on the old arena) and gets F's weights."""
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.full((4, 4), 5.0), "bias": torch.full((4,), 5.0)}, str(tmp_path / "init.safetensors"))
+    first = Served(job, "--learners", "2", "--no-watchdog")
+    first.proc.kill()
+    first.proc.wait()
+    code = ("import sys, time, torch\nfrom psd import learner\nm = torch.nn.Linear(4, 4)\nt = time.monotonic()\n"
+            "with learner.attach(m, job=sys.argv[1], timeout=30) as ps:\n"
+            "    ps.pull()\n"
+            "    print(round(time.monotonic() - t, 1), float(m.weight.detach().sum()), flush=True)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=child_env())
+    try:
+        wait_until(lambda: arena_header(job)["state"] == _native.ARENA_SPEC_OFFERED, timeout=60,
+                   what="the learner's offer")
+        second = serve(job, "--learners", "2", "--no-watchdog", "--init", str(tmp_path / "init.safetensors"))
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    took, total = out.split()
+    assert float(total) == 80.0 and float(took) < 20, out  # F's 16 x 5.0, well within the 30 s timeout
+    assert "never held the job's weights" in second.stop()
 
 
 OWN_MODEL = """

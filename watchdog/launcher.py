@@ -203,13 +203,13 @@ class Launcher:
             # Once it held one, the arena (taken over) or the last checkpoint is the job's, and the file is not
             # read again (nor needed: it may be gone).
             argv += ["--init", s.init]
-        if self.watchdog_restarts:
+        if s.resume is not None or (self.watchdog_restarts and self._had_model):
             # The new watchdog adopts the running server, or restarts it on the surviving arena; only if the
             # arena is gone or never held the weights does the server load a checkpoint: the job's own, or
-            # until it wrote one, those it was started from (--resume DIR).
-            argv += ["--resume", str(checkpoint.resume_dir(c.ckpt_dir, None if self._had_model else s.resume))]
-        elif s.resume:
-            argv += ["--resume", s.resume]
+            # until it wrote one, those it was started from (--resume DIR). A job that neither resumed nor held
+            # a model starts as it first did (a checkpoint in its directory is an earlier run's, which would win
+            # over --init).
+            argv += ["--resume", str(checkpoint.resume_dir(c.ckpt_dir, s.resume))]
         argv += ["--event-log", s.event_log or ""]
         if logging.getLogger().level > logging.INFO:
             argv.append("--quiet")
@@ -225,7 +225,9 @@ class Launcher:
         """Count the watchdog's death (exit status ``code``) in its crash loop; the seconds to wait before its
         restart, or raise Error where the loop is too long."""
         how = f"exit {code}" if code >= 0 else signal.Signals(-code).name
-        n = self._watchdog_policy.failed(time.monotonic())
+        # One seen at work (the job's watchdog in its arena's header) was no part of a crash loop: killed from
+        # outside (`psd chaos --target watchdog`, an operator), it is restarted at once and the count starts over.
+        n = self._watchdog_policy.failed(time.monotonic(), progress=self._watchdog_worked())
         if self._watchdog_policy.exhausted:
             raise Error(f"psd run: the watchdog of job {self.job!r} died {n} times in a row, each within "
                         f"{WATCHDOG_FRESH_AFTER:g} s of its start (the last: {how}); its log is above")
@@ -233,6 +235,11 @@ class Launcher:
         log.warning("job %r: watchdog pid %d died (%s); restarting it%s", self.job, self.watchdog.pid, how,
                     f" in {delay:g} s" if delay else "")
         return delay
+
+    def _watchdog_worked(self) -> bool:
+        """Whether the (dead) watchdog had taken up its job: the arena names it as the job's watchdog."""
+        a = self._arena_or_none()
+        return a is not None and HeaderView(a).watchdog_pid == self.watchdog.pid
 
     def _restart_watchdog(self) -> None:
         self.watchdog_restarts += 1

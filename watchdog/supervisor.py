@@ -22,6 +22,7 @@ removing arenas stays with the server.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -188,9 +189,7 @@ class Watchdog:
         if s.init and not self._had_model:  # until the job holds a model, its first weights are --init's
             argv += ["--init", s.init]
         if resume:
-            # Once the job held a model, only its own checkpoints are newer than the arena it lost.
-            asked = None if self._had_model else s.resume
-            argv += ["--resume", str(checkpoint.resume_dir(self.config.ckpt_dir, asked))]
+            argv += ["--resume", str(self._resume_dir())]
         argv += ["--event-log", s.event_log or ""]
         return argv
 
@@ -291,7 +290,7 @@ class Watchdog:
         if time.monotonic() < self._restart_at:
             return
         a = None if self._arena_lost else self._open_arena()
-        if a is None and self._had_model and checkpoint.latest(self.config.ckpt_dir) is None:
+        if a is None and self._had_model and checkpoint.latest(self._resume_dir()) is None:
             # Starting over would silently make the next learner's model the job's: the trained weights
             # are gone, and that must be said, not papered over.
             job = self.config.serve.job
@@ -301,7 +300,7 @@ class Watchdog:
                       "no valid checkpoint in %s to restore it from: the trained weights are gone. Stopping "
                       "instead of starting an empty job. Remove what is left with `psd clean`, then start the job "
                       "again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
-                      shm_path(job), self.config.ckpt_dir, job)
+                      shm_path(job), self._resume_dir(), job)
             self.events.emit("watchdog_gave_up", restarts=self.server_policy.count, reason="arena lost, no checkpoint",
                              fail_msg="")
             return
@@ -311,7 +310,18 @@ class Watchdog:
         # run's, which would win over --init's weights); and where a server died before its arena held the
         # checkpoint's weights (a resuming job's first, or one restoring a lost arena), the checkpoint again: the
         # server starts over from it rather than wait for a learner's model.
-        self._spawn(resume=(self._resume_first or self._had_model) and (a is None or a.state in WEIGHTLESS))
+        resume = (self._resume_first or self._had_model) and (a is None or a.state in WEIGHTLESS)
+        if a is None and not resume:
+            # A job that never held a model whose arena was lost or damaged: nothing in it to keep, and the next
+            # server, given nothing to restore, would refuse a damaged file. It starts on a new one.
+            with contextlib.suppress(FileNotFoundError):
+                _native.unlink(shm_name(self.config.serve.job))
+        self._spawn(resume=resume)
+
+    def _resume_dir(self) -> Path:
+        """Where a restarted server loads the job's weights from: its own checkpoints, or until it wrote one,
+        those it was started from (--resume DIR; a checkpoint of the job too, older than a periodic one)."""
+        return checkpoint.resume_dir(self.config.ckpt_dir, self.config.serve.resume)
 
     def _give_up(self, why: str) -> None:
         """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
