@@ -286,6 +286,15 @@ def test_a_backoff_tried_past_float_range_keeps_its_cap(backoff):
     assert b.delay(1) == b.base
 
 
+def _next_server(job: str, first: int, state: int) -> bool:
+    """Whether another server than ``first`` runs the job's arena, in ``state``."""
+    try:
+        h = arena_header(job)
+    except Exception:  # the damaged file, or none for a moment
+        return False
+    return h["server_pid"] not in (0, first) and h["state"] == state
+
+
 def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, tmp_path):
     """A job still waiting for its first learner's model loses its arena (truncated): nothing in it to keep. The
     watchdog's next server starts on a new arena, and a learner then brings its model (the server, given nothing
@@ -300,15 +309,8 @@ def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, tmp_
             pass
         first = arena_header(job)["server_pid"]
         os.truncate(shm_path(job), 8192)
-
-        def new_server() -> bool:
-            try:
-                h = arena_header(job)
-            except Exception:  # the damaged file, or none for a moment
-                return False
-            return h["server_pid"] not in (0, first) and h["state"] == _native.ARENA_WAITING_SPEC
-
-        wait_until(new_server, timeout=60, what="a server on a new arena")
+        wait_until(lambda: _next_server(job, first, _native.ARENA_WAITING_SPEC), timeout=60,
+                   what="a server on a new arena")
         assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
         serve.send_signal(signal.SIGINT)
         out, _ = serve.communicate(timeout=60)
@@ -344,15 +346,7 @@ def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, 
         assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
         first = arena_header(job)["server_pid"]
         os.truncate(shm_path(job), 8192)
-
-        def restored() -> bool:
-            try:
-                h = arena_header(job)
-            except Exception:
-                return False
-            return h["server_pid"] not in (0, first) and h["state"] == _native.ARENA_READY
-
-        wait_until(restored, timeout=60, what="the arena restored")
+        wait_until(lambda: _next_server(job, first, _native.ARENA_READY), timeout=60, what="the arena restored")
         assert arena_header(job)["clock"] == 11 and learner.pull_state_dict(job)["w"][0] == 3.0
         serve.send_signal(signal.SIGINT)
         out, _ = serve.communicate(timeout=60)
@@ -362,3 +356,32 @@ def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, 
             serve.wait()
     assert serve.returncode == 0, out
     assert "the trained weights are gone" not in out and str(tmp_path / "A") in out, out
+
+
+def test_a_watchdog_that_adopts_a_trained_job_never_starts_it_empty(job, tmp_path):
+    """A watchdog started on a job whose server runs without one (`psd serve --no-watchdog`, then a watchdog to
+    adopt it) and whose arena holds the trained model: the arena is lost and its server killed before the
+    watchdog's first look. With no checkpoint, it must stop (the trained weights are gone), not start an empty
+    job for the next learner's model (it took the job for one that never held a model)."""
+    from conftest import Served, spawn
+
+    s = Served(job, "--learners", "1", "--lr", "1", "--no-watchdog")
+    assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
+    wd = Watchdog(WatchdogConfig(ServeConfig(job=job, learners=1, lr=1.0), tmp_path / "ck", checkpoint_every=0))
+    try:
+        wd.start()
+        assert wd.state == ServerState.RUNNING and wd.server_pid == s.proc.pid  # adopted
+        os.truncate(shm_path(job), 8192)
+        s.proc.kill()
+        s.proc.wait()
+        deadline = time.monotonic() + 60
+        while wd.state not in (ServerState.FAILED, ServerState.STOPPED):
+            assert time.monotonic() < deadline, f"the watchdog neither restored nor stopped (state {wd.state})"
+            wd.poll()
+            assert not _next_server(job, s.proc.pid, _native.ARENA_WAITING_SPEC), "an empty job was started"
+            time.sleep(0.05)
+    finally:
+        wd.stop()
+        subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], env=child_env(), check=True,
+                       capture_output=True)
+    assert wd.exit_code == GIVE_UP_EXIT

@@ -225,9 +225,10 @@ class Launcher:
         """Count the watchdog's death (exit status ``code``) in its crash loop; the seconds to wait before its
         restart, or raise Error where the loop is too long."""
         how = f"exit {code}" if code >= 0 else signal.Signals(-code).name
-        # One seen at work (the job's watchdog in its arena's header) was no part of a crash loop: killed from
-        # outside (`psd chaos --target watchdog`, an operator), it is restarted at once and the count starts over.
-        n = self._watchdog_policy.failed(time.monotonic(), progress=self._watchdog_worked())
+        # One killed by a signal once at work (the job's watchdog in its arena's header) was no part of a crash
+        # loop of its own: killed from outside (`psd chaos --target watchdog`, an operator), it is restarted at
+        # once and the count starts over. One that exits with a status always counts.
+        n = self._watchdog_policy.failed(time.monotonic(), progress=code < 0 and self._watchdog_worked())
         if self._watchdog_policy.exhausted:
             raise Error(f"psd run: the watchdog of job {self.job!r} died {n} times in a row, each within "
                         f"{WATCHDOG_FRESH_AFTER:g} s of its start (the last: {how}); its log is above")

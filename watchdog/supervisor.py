@@ -241,6 +241,10 @@ class Watchdog:
     def start(self) -> None:
         """Adopt the job's live server, or start one."""
         a = self._open_arena(announce=False)
+        if a is not None and HeaderView(a).n_params and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
+            # The job held its model before this watchdog (one restarted, or a server adopted): a lost arena is
+            # then restored from a checkpoint or the job stops, never started empty.
+            self._had_model = self._ready_seen = True
         if a is not None and a.server_alive():
             h = HeaderView(a)
             server, watchdog = (h.server_pid, h.server_start_time), (h.watchdog_pid, h.watchdog_start_time)
