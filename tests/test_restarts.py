@@ -295,34 +295,25 @@ def _next_server(job: str, first: int, state: int) -> bool:
     return h["server_pid"] not in (0, first) and h["state"] == state
 
 
-def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, tmp_path):
+def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, serve, tmp_path):
     """A job still waiting for its first learner's model loses its arena (truncated): nothing in it to keep. The
     watchdog's next server starts on a new arena, and a learner then brings its model (the server, given nothing
     to restore, refused the damaged file at every restart until the watchdog gave up)."""
     from conftest import spawn
 
-    serve = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--learners", "1", "--lr", "1",
-                              "--checkpoint-dir", str(tmp_path / "ck"), "--server-restarts", "3"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-    try:
-        while "waiting for the first learner" not in read_line(serve, timeout=60):
-            pass
-        first = arena_header(job)["server_pid"]
-        os.truncate(shm_path(job), 0)  # the server dies of SIGBUS at its next look at the header
-        wait_until(lambda: _next_server(job, first, _native.ARENA_WAITING_SPEC), timeout=60,
-                   what="a server on a new arena")
-        assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
-        serve.send_signal(signal.SIGINT)
-        out, _ = serve.communicate(timeout=60)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-    assert serve.returncode == 0, out
+    s = serve(job, "--learners", "1", "--lr", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--server-restarts", "3")
+    while "waiting for the first learner" not in read_line(s.proc, timeout=60):
+        pass
+    first = arena_header(job)["server_pid"]
+    os.truncate(shm_path(job), 0)  # the server dies of SIGBUS at its next look at the header
+    wait_until(lambda: _next_server(job, first, _native.ARENA_WAITING_SPEC), timeout=60,
+               what="a server on a new arena")
+    assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
+    out = s.stop(signal.SIGINT)
     assert checkpoint.latest(tmp_path / "ck").clock == 5, out
 
 
-def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, tmp_path):
+def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, serve, tmp_path):
     """`psd serve --resume A --checkpoint-dir B`: the job resumed from A's checkpoint and trained; its arena is lost
     before it wrote one of its own into B. The watchdog restores A's, a checkpoint of the job too (it stopped the
     job: "the trained weights are gone"; and `--resume A --checkpoint-dir B` had resumed from B, empty)."""
@@ -335,26 +326,17 @@ def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, 
                                            [checkpoint.ParamSpec("w", (1024,)), checkpoint.ParamSpec("b", (3,))],
                                            clock=11, generation=1, ranks=[0], job=job, created_unix_ns=1),
                      tmp_path / "A")
-    serve = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--learners", "1", "--lr", "1",
-                              "--resume", str(tmp_path / "A"), "--checkpoint-dir", str(tmp_path / "B"),
-                              "--checkpoint-every", "0"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-    try:
-        while "the job holds its model" not in read_line(serve, timeout=60):
-            pass
-        assert arena_header(job)["clock"] == 11
-        assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
-        first = arena_header(job)["server_pid"]
-        os.truncate(shm_path(job), 8192)
-        wait_until(lambda: _next_server(job, first, _native.ARENA_READY), timeout=60, what="the arena restored")
-        assert arena_header(job)["clock"] == 11 and learner.pull_state_dict(job)["w"][0] == 3.0
-        serve.send_signal(signal.SIGINT)
-        out, _ = serve.communicate(timeout=60)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-    assert serve.returncode == 0, out
+    s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(tmp_path / "A"), "--checkpoint-dir",
+              str(tmp_path / "B"), "--checkpoint-every", "0")
+    while "the job holds its model" not in read_line(s.proc, timeout=60):
+        pass
+    assert arena_header(job)["clock"] == 11
+    assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
+    first = arena_header(job)["server_pid"]
+    os.truncate(shm_path(job), 8192)
+    wait_until(lambda: _next_server(job, first, _native.ARENA_READY), timeout=60, what="the arena restored")
+    assert arena_header(job)["clock"] == 11 and learner.pull_state_dict(job)["w"][0] == 3.0
+    out = s.stop(signal.SIGINT)
     assert "the trained weights are gone" not in out and str(tmp_path / "A") in out, out
 
 

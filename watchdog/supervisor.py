@@ -183,29 +183,28 @@ class Watchdog:
 
     # -- the server process -------------------------------------------------
 
-    def _server_argv(self, resume: bool) -> list[str]:
+    def _server_argv(self, resume_from: Path | None, init: str | None) -> list[str]:
         s = self.config.serve
         argv = [sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", *s.argv()]
-        if s.init and not self._had_model:  # until the job holds a model, its first weights are --init's
-            argv += ["--init", s.init]
-        if resume:
-            argv += ["--resume", str(self._resume_dir())]
+        if init:
+            argv += ["--init", init]
+        if resume_from is not None:
+            argv += ["--resume", str(resume_from)]
         argv += ["--event-log", s.event_log or ""]
         return argv
 
     def _spawn(self, resume: bool) -> None:
         env = dict(os.environ, **self.config.extra_env)
-        argv = self._server_argv(resume)
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        resume_from = self._resume_dir() if resume else None
+        init = self.config.serve.init if not self._had_model else None  # until the job holds a model: --init's
+        self.proc = subprocess.Popen(self._server_argv(resume_from, init), env=env, start_new_session=True)
         self.server_pid = self.proc.pid
         self._server_start = _native.proc_start_time(self.proc.pid)
         self._started_at = time.monotonic()
         # The server reads --resume's checkpoint or --init's file before it makes its arena: a large one takes
         # longer than the start limit of a server that loads nothing.
-        s = self.config.serve
-        self._start_limit = self.config.start_timeout + checkpoint.load_allowance(
-            argv[argv.index("--resume") + 1] if resume else None) + checkpoint.load_allowance(
-            s.init if "--init" in argv else None)
+        self._start_limit = (self.config.start_timeout + checkpoint.load_allowance(resume_from)
+                             + checkpoint.load_allowance(init))
         self.state = ServerState.STARTING
         log.info("job %r: started server pid %d%s", self.config.serve.job, self.proc.pid,
                  " (resuming from checkpoint)" if resume else "")
@@ -294,7 +293,8 @@ class Watchdog:
         if time.monotonic() < self._restart_at:
             return
         a = None if self._arena_lost else self._open_arena()
-        if a is None and self._had_model and checkpoint.latest(self._resume_dir()) is None:
+        source = self._resume_dir()
+        if a is None and self._had_model and checkpoint.latest(source) is None:
             # Starting over would silently make the next learner's model the job's: the trained weights
             # are gone, and that must be said, not papered over.
             job = self.config.serve.job
@@ -304,7 +304,7 @@ class Watchdog:
                       "no valid checkpoint in %s to restore it from: the trained weights are gone. Stopping "
                       "instead of starting an empty job. Remove what is left with `psd clean`, then start the job "
                       "again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
-                      shm_path(job), self._resume_dir(), job)
+                      shm_path(job), source, job)
             self.events.emit("watchdog_gave_up", restarts=self.server_policy.count, reason="arena lost, no checkpoint",
                              fail_msg="")
             return
