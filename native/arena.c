@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "psd.h"
+#include "psd_sigbus.h"
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -353,6 +354,8 @@ static int map_file_size(struct psd_map *m) {
         void *base = mremap(m->base, m->size, (size_t)st.st_size, MREMAP_MAYMOVE);
         if (base == MAP_FAILED)
             return errno;
+        if (base != m->base)
+            psd_sigbus_forget(m->base, m->size);
         m->base = base;
         m->size = (size_t)st.st_size;
         return 0;
@@ -362,12 +365,15 @@ static int map_file_size(struct psd_map *m) {
      * through the base. */
     psd_lease_stop(m);
     munmap(m->base, m->size);
+    psd_sigbus_forget(m->base, m->size);
     m->base = NULL;
     m->size = 0;
     return map_role(m, (size_t)st.st_size);
 }
 
 int psd_arena_remap(struct psd_map *m) {
+    if (psd_sigbus_lost(m->base, m->size))
+        return PSD_ELOST; /* zero pages now, not the file's: moving them would hide the loss */
     size_t was = m->size;
     int rc = map_file_size(m);
     if (rc)
@@ -388,8 +394,10 @@ void psd_arena_close(struct psd_map *m) {
     free((void *)m->held);
     m->held = NULL;
     m->n_held = 0;
-    if (m->base)
+    if (m->base) {
         munmap(m->base, m->size);
+        psd_sigbus_forget(m->base, m->size);
+    }
     if (m->fd >= 0)
         close(m->fd);
     m->base = NULL;

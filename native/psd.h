@@ -31,7 +31,8 @@
 #define PSD_EINIT (-30590)      /* the arena is still being created (no magic yet) */
 #define PSD_EGEOMETRY (-30589)  /* the header's geometry disagrees with itself or the file's size */
 #define PSD_EEVICTED (-30588)   /* this process was evicted from the job: no slot for it */
-#define PSD_ELAST (-30588)
+#define PSD_ELOST (-30587)      /* the arena's file was truncated under this mapping (sigbus.c's recovery) */
+#define PSD_ELAST (-30587)
 
 const char *psd_strerror(int code);
 

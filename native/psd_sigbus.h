@@ -8,4 +8,17 @@
  * stderr and _exit(status)s; any other SIGBUS keeps its default action. Returns 0 or an errno. */
 int psd_sigbus_install(int status);
 
+#include <stdbool.h>
+#include <stddef.h>
+
+/* Recover from a SIGBUS on an arena mapping instead of exiting (the processes that supervise a job):
+ * the faulting mapping becomes anonymous zero pages, noted as lost (sigbus.c). */
+void psd_sigbus_recover(bool on);
+
+/* Whether any part of [base, base + size) was lost to a SIGBUS and replaced by zero pages. */
+bool psd_sigbus_lost(const void *base, size_t size);
+
+/* [base, base + size) was unmapped: forget its lost ranges (a new mapping may take the addresses). */
+void psd_sigbus_forget(const void *base, size_t size);
+
 #endif

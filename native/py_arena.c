@@ -10,12 +10,26 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include "psd_sigbus.h"
+
 int check_open(Arena *a) {
     if (!a->map.base) {
         PyErr_SetString(PyExc_ValueError, "arena is closed");
         return -1;
     }
+    if (psd_sigbus_lost(a->map.base, a->map.size)) {
+        raise_code(PSD_ELOST, "read arena", a->name);
+        return -1;
+    }
     return 0;
+}
+
+PyObject *unless_lost(Arena *a, PyObject *r) {
+    if (r && psd_sigbus_lost(a->map.base, a->map.size)) {
+        Py_DECREF(r);
+        return raise_code(PSD_ELOST, "read arena", a->name);
+    }
+    return r;
 }
 
 int check_slot(Arena *a, unsigned int slot) {
@@ -145,8 +159,10 @@ static PyObject *arena_remap(Arena *a, PyObject *noargs) {
 static PyObject *arena_identity(Arena *a, PyObject *noargs) {
     (void)noargs;
     struct stat st;
-    if (check_open(a))
+    if (!a->map.base) { /* not check_open: this reads the file's status, which a lost mapping still has */
+        PyErr_SetString(PyExc_ValueError, "arena is closed");
         return NULL;
+    }
     if (fstat(a->map.fd, &st) != 0)
         return raise_code(errno, "stat arena", a->name);
     return Py_BuildValue("(KK)", (unsigned long long)st.st_dev, (unsigned long long)st.st_ino);
@@ -216,7 +232,12 @@ static PyObject *arena_get_state(Arena *a, void *closure) {
     (void)closure;
     if (check_open(a))
         return NULL;
-    return PyLong_FromUnsignedLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->state));
+    return unless_lost(a, PyLong_FromUnsignedLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->state)));
+}
+
+static PyObject *arena_lost(Arena *a, PyObject *noargs) {
+    (void)noargs;
+    return PyBool_FromLong(psd_sigbus_lost(a->map.base, a->map.size));
 }
 
 static PyObject *arena_get_closed(Arena *a, void *closure) {
@@ -246,6 +267,9 @@ PyMethodDef py_arena_methods[] = {
      "Keep the arena mapped while holding it: the kernel frees a dead owner's lock only through a live mapping"},
     {"release_mutex", (PyCFunction)arena_release_mutex, METH_VARARGS, "release_mutex('admission'|'slot', slot=0)"},
     {"close", (PyCFunction)arena_close, METH_NOARGS, "Unmap; fails while buffers are exported."},
+    {"lost", (PyCFunction)arena_lost, METH_NOARGS,
+     "Whether the file was truncated under this mapping and a read of it recovered (install_sigbus_handler's "
+     "recover): what was read from it since is zeros, not the arena. Ask after copying out of a buffer view."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -53,7 +53,7 @@ static double current_lr(struct psd_header *h) {
     return bits_to_double(PSD_LOAD_RLX(&h->lr_bits));
 }
 
-static PyObject *arena_header(Arena *a, PyObject *noargs) {
+static PyObject *read_header(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -92,7 +92,7 @@ static PyObject *arena_header(Arena *a, PyObject *noargs) {
     return d;
 }
 
-static PyObject *arena_slot_info(Arena *a, PyObject *args) {
+static PyObject *read_slot_info(Arena *a, PyObject *args) {
     unsigned int i;
     if (!PyArg_ParseTuple(args, "I", &i) || check_slot(a, i))
         return NULL;
@@ -112,7 +112,7 @@ static PyObject *arena_slot_info(Arena *a, PyObject *args) {
     return d;
 }
 
-static PyObject *arena_spec(Arena *a, PyObject *noargs) {
+static PyObject *read_spec(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -125,7 +125,7 @@ static PyObject *arena_spec(Arena *a, PyObject *noargs) {
     return PyBytes_FromStringAndSize((const char *)a->map.base + a->map.g.spec_off, (Py_ssize_t)len);
 }
 
-static PyObject *arena_training(Arena *a, PyObject *noargs) {
+static PyObject *read_training(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -136,7 +136,7 @@ static PyObject *arena_training(Arena *a, PyObject *noargs) {
                          c->schedule < N_SCHEDULES ? schedule_names[c->schedule] : "?");
 }
 
-static PyObject *arena_rounds(Arena *a, PyObject *noargs) {
+static PyObject *read_rounds(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -144,7 +144,7 @@ static PyObject *arena_rounds(Arena *a, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->rounds));
 }
 
-static PyObject *arena_counters(Arena *a, PyObject *noargs) {
+static PyObject *read_counters(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -175,14 +175,14 @@ static PyObject *arena_counters(Arena *a, PyObject *noargs) {
                          "active_learners", active);
 }
 
-static PyObject *arena_tail(Arena *a, PyObject *args) {
+static PyObject *read_tail(Arena *a, PyObject *args) {
     unsigned int slot;
     if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
         return NULL;
     return PyLong_FromUnsignedLongLong(PSD_LOAD_RLX(&psd_lslot_at(&a->map, slot)->tail));
 }
 
-static PyObject *arena_head(Arena *a, PyObject *args) {
+static PyObject *read_head(Arena *a, PyObject *args) {
     unsigned int slot;
     if (!PyArg_ParseTuple(args, "I", &slot) || check_slot(a, slot))
         return NULL;
@@ -190,7 +190,7 @@ static PyObject *arena_head(Arena *a, PyObject *args) {
     return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_slot_at(&a->map, slot)->head));
 }
 
-static PyObject *arena_clock(Arena *a, PyObject *noargs) {
+static PyObject *read_clock(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -199,21 +199,21 @@ static PyObject *arena_clock(Arena *a, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong(PSD_LOAD_ACQ(&psd_hdr(&a->map)->clock));
 }
 
-static PyObject *arena_lr_now(Arena *a, PyObject *noargs) {
+static PyObject *read_lr_now(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
     return PyFloat_FromDouble(current_lr(psd_hdr(&a->map)));
 }
 
-static PyObject *arena_generation(Arena *a, PyObject *noargs) {
+static PyObject *read_generation(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
     return PyLong_FromUnsignedLongLong(atomic_load(&psd_hdr(&a->map)->generation));
 }
 
-static PyObject *arena_ranks(Arena *a, PyObject *noargs) {
+static PyObject *read_ranks(Arena *a, PyObject *noargs) {
     (void)noargs;
     if (check_open(a))
         return NULL;
@@ -231,7 +231,7 @@ static PyObject *arena_ranks(Arena *a, PyObject *noargs) {
     return list;
 }
 
-static PyObject *arena_server_alive(Arena *a, PyObject *args) {
+static PyObject *read_server_alive(Arena *a, PyObject *args) {
     double stale = 0;
     if (!PyArg_ParseTuple(args, "|d", &stale) || check_open(a))
         return NULL;
@@ -240,7 +240,7 @@ static PyObject *arena_server_alive(Arena *a, PyObject *args) {
 
 /* One header field by its name in PSD_HEADER_FIELDS (psd.h), read as arena_header reads it: what a
  * poller that needs one field calls instead of building the whole dict. */
-static PyObject *arena_field(Arena *a, PyObject *args) {
+static PyObject *read_field(Arena *a, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name) || check_open(a))
         return NULL;
@@ -253,6 +253,26 @@ static PyObject *arena_field(Arena *a, PyObject *args) {
     PyErr_Format(PyExc_KeyError, "%s is not a header field (native/psd.h PSD_HEADER_FIELDS)", name);
     return NULL;
 }
+
+/* Every method here reads the mapping: a SIGBUS that a supervising process recovered from while it read
+ * (sigbus.c) turns what it read, zeros, into ArenaLost (unless_lost). */
+#define LOST_CHECKED(n)                                                                            \
+    static PyObject *arena_##n(Arena *a, PyObject *args) { return unless_lost(a, read_##n(a, args)); }
+LOST_CHECKED(header)
+LOST_CHECKED(slot_info)
+LOST_CHECKED(spec)
+LOST_CHECKED(training)
+LOST_CHECKED(rounds)
+LOST_CHECKED(counters)
+LOST_CHECKED(tail)
+LOST_CHECKED(head)
+LOST_CHECKED(clock)
+LOST_CHECKED(lr_now)
+LOST_CHECKED(generation)
+LOST_CHECKED(ranks)
+LOST_CHECKED(server_alive)
+LOST_CHECKED(field)
+#undef LOST_CHECKED
 
 PyMethodDef py_inspect_methods[] = {
     {"field", (PyCFunction)arena_field, METH_VARARGS, "field(name) -> one header field (header()'s value)"},

@@ -24,7 +24,7 @@ static const struct {
     {PSD_EEXPORTS, "ArenaBusy"},     {PSD_ESERVER, "ServerGone"},
     {PSD_ETIMEOUT, "Timeout"},       {PSD_ESLOT, "SlotLost"},
     {PSD_EINIT, "ArenaIncomplete"}, {PSD_EGEOMETRY, "ArenaCorrupt"},
-    {PSD_EEVICTED, "Evicted"},
+    {PSD_EEVICTED, "Evicted"},       {PSD_ELOST, "ArenaLost"},
 };
 
 PyObject *error_type(const char *cls) { return PyObject_GetAttrString(errors_module, cls); }
@@ -65,12 +65,13 @@ const char *const schedule_names[N_SCHEDULES] = {"constant", "step", "cosine"};
 
 static PyObject *mod_install_sigbus_handler(PyObject *self, PyObject *args) {
     (void)self;
-    int status;
-    if (!PyArg_ParseTuple(args, "i", &status))
+    int status, recover = 0;
+    if (!PyArg_ParseTuple(args, "i|p", &status, &recover))
         return NULL;
     int rc = psd_sigbus_install(status);
     if (rc)
         return raise_code(rc, "install SIGBUS handler", NULL);
+    psd_sigbus_recover(recover);
     Py_RETURN_NONE;
 }
 
@@ -264,7 +265,8 @@ static PyMethodDef module_methods[] = {
      "grad_bf16) -> non-finite values taken as 0: one update of the server's kernel over plain buffers"},
     {"proc_start_time", mod_proc_start_time, METH_VARARGS, "proc_start_time(pid) -> int (0: no such process)"},
     {"install_sigbus_handler", mod_install_sigbus_handler, METH_VARARGS,
-     "install_sigbus_handler(status): a SIGBUS on an arena mapping prints why and exits with status"},
+     "install_sigbus_handler(status, recover=False): a SIGBUS on an arena mapping prints why and exits with "
+     "status; with recover, the mapping becomes zero pages and its reads raise ArenaLost (Arena.lost())"},
     {"pid_ns", mod_pid_ns, METH_NOARGS, "pid_ns() -> int: inode of this process's PID namespace (0: unknown)"},
     {"liveness", mod_liveness, METH_VARARGS,
      "liveness(pid, start_time, pid_ns, lease_only=False) -> 'alive' | 'dead' | 'unknown' (/proc cannot tell: "

@@ -36,10 +36,13 @@ extern PyTypeObject StepperType; /* py_learner.c */
 Arena *new_arena(const char *name);
 /* Stop and join the update loop, if this mapping runs one. */
 void stop_loop(Arena *a);
-/* 0, or -1 with ValueError set: the arena was closed. */
+/* 0, or -1 with an exception set: the arena was closed (ValueError), or lost to a SIGBUS (ArenaLost). */
 int check_open(Arena *a);
 /* 0, or -1 with an exception set: closed, not grown yet, or no such slot. */
 int check_slot(Arena *a, unsigned int slot);
+/* `r` (a new reference, or NULL with an exception set), unless the mapping was lost to a SIGBUS while it was
+ * read (sigbus.c's recovery: the reads saw zeros): then NULL with ArenaLost. */
+PyObject *unless_lost(Arena *a, PyObject *r);
 
 /* py_module.c */
 /* The class psd.errors.<cls> (a new reference), or NULL with an exception set. */

@@ -12,20 +12,45 @@
  * close are async-signal-safe). A SIGBUS outside a psd arena is not ours to explain: the handler
  * puts back whatever handled SIGBUS before it (the default action, Python's faulthandler) and
  * raises it again, so it meets that, as it would have without psd.
+ *
+ * The processes that supervise a job -- the watchdog, `psd run`, `psd status` -- must outlive its
+ * arena: the watchdog is what restarts the server from a checkpoint when a learner truncates the file,
+ * and it reads the header between its check of the file's size and the truncation as often as not.
+ * They ask for recovery (psd_sigbus_install's `recover`): the handler replaces the faulting mapping
+ * (the one VMA, as /proc/self/maps lists it) with anonymous zero pages of the same protection, notes
+ * its range in `lost`, and returns, so the faulting load runs again and reads zeros. The binding asks
+ * psd_sigbus_lost after every read of a mapping and raises ArenaLost instead of handing the zeros on
+ * (py_arena.c check_lost). A later unmap of the range forgets it (psd_sigbus_forget), so a new
+ * mapping at the same address is not taken for the lost one.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "psd_sigbus.h"
 
 static volatile sig_atomic_t exit_status = 1; /* set before the handler is installed */
 static struct sigaction previous;               /* what SIGBUS did before: faults outside arenas go there */
+
+/* Whether a fault on an arena is recovered (psd_sigbus_recover) rather than the end of the process. */
+static atomic_bool recover;
+
+/* The ranges of arena mappings replaced after a fault, [start, end); a free entry has start 0. The
+ * handler claims an entry by compare-exchange of start (pairs with the loads in psd_sigbus_lost and
+ * the stores in psd_sigbus_forget); `n_lost` counts the claims ever made, so that a process that
+ * never lost a mapping reads one word a check. */
+#define PSD_SIGBUS_LOST_MAX 64
+static struct {
+    _Atomic uintptr_t start, end;
+} lost[PSD_SIGBUS_LOST_MAX];
+static atomic_uint n_lost;
 
 static size_t put(char *buf, size_t at, size_t cap, const char *s) {
     while (*s && at + 1 < cap)
@@ -70,9 +95,17 @@ static uintptr_t parse_hex(const char **p) {
     }
 }
 
+/* One mapping of /proc/self/maps: its range, protection and path. */
+struct vma {
+    uintptr_t start, end;
+    int prot;
+    char path[256];
+};
+
 /* The path of the mapping that holds `addr`, from one line of /proc/self/maps
- * ("start-end perms offset dev inode   path"); false if the line does not hold it. */
-static bool line_holds(const char *line, uintptr_t addr, const char **path) {
+ * ("start-end perms offset dev inode   path"), with its range and protection into `v`; false if the
+ * line does not hold it. */
+static bool line_holds(const char *line, uintptr_t addr, const char **path, struct vma *v) {
     const char *p = line;
     uintptr_t start = parse_hex(&p);
     if (*p++ != '-')
@@ -80,6 +113,9 @@ static bool line_holds(const char *line, uintptr_t addr, const char **path) {
     uintptr_t end = parse_hex(&p);
     if (addr < start || addr >= end)
         return false;
+    v->start = start;
+    v->end = end;
+    v->prot = (p[1] == 'r' ? PROT_READ : 0) | (p[2] == 'w' ? PROT_WRITE : 0);
     for (int field = 0; field < 4; field++) { /* perms, offset, dev, inode */
         while (*p == ' ')
             p++;
@@ -92,8 +128,10 @@ static bool line_holds(const char *line, uintptr_t addr, const char **path) {
     return true;
 }
 
-/* Copy the path of the mapping holding `addr` into out (empty if none is found). */
-static void mapping_path(uintptr_t addr, char *out, size_t cap) {
+/* The mapping holding `addr`, into v (an empty path if none is found). */
+static void mapping_at(uintptr_t addr, struct vma *v) {
+    char *out = v->path;
+    size_t cap = sizeof v->path;
     out[0] = '\0';
     int fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -115,7 +153,7 @@ static void mapping_path(uintptr_t addr, char *out, size_t cap) {
             }
             line[len] = '\0';
             const char *path;
-            if (!overlong && line_holds(line, addr, &path)) {
+            if (!overlong && line_holds(line, addr, &path, v)) {
                 size_t k = 0;
                 while (path[k] && k + 1 < cap) {
                     out[k] = path[k];
@@ -132,11 +170,28 @@ static void mapping_path(uintptr_t addr, char *out, size_t cap) {
     close(fd);
 }
 
+/* Replace the lost mapping `v` with anonymous zero pages and note its range; false if it cannot be
+ * (no free entry, or mmap failed): the process then ends as without recovery. */
+static bool recover_mapping(const struct vma *v) {
+    for (int i = 0; i < PSD_SIGBUS_LOST_MAX; i++) {
+        uintptr_t free_ = 0;
+        if (!atomic_compare_exchange_strong(&lost[i].start, &free_, v->start))
+            continue;
+        atomic_store(&lost[i].end, v->end);
+        atomic_fetch_add(&n_lost, 1);
+        void *p = mmap((void *)v->start, v->end - v->start, v->prot ? v->prot : PROT_READ,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+        return p != MAP_FAILED;
+    }
+    return false;
+}
+
 static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
     (void)ctx;
     uintptr_t addr = (uintptr_t)info->si_addr;
-    char path[256];
-    mapping_path(addr, path, sizeof path);
+    struct vma v;
+    mapping_at(addr, &v);
+    const char *path = v.path;
     if (strstr(path, "/dev/shm/psd.") != path) {
         /* Not an arena: put back what was there before (the default action, or Python's faulthandler)
          * and send the signal again; it is blocked until we return (and a fault repeats anyway). */
@@ -144,6 +199,8 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
         raise(sig);
         return;
     }
+    if (atomic_load(&recover) && recover_mapping(&v))
+        return; /* the load runs again, on zeros; the binding raises ArenaLost (psd_sigbus_lost) */
     char msg[1024];
     size_t n = 0;
     n = put(msg, n, sizeof msg, "psd: SIGBUS at address ");
@@ -176,4 +233,31 @@ int psd_sigbus_install(int status) {
     if (old.sa_sigaction != on_sigbus) /* installed twice: keep the first one's predecessor */
         previous = old;
     return 0;
+}
+
+void psd_sigbus_recover(bool on) { atomic_store(&recover, on); }
+
+bool psd_sigbus_lost(const void *base, size_t size) {
+    if (!base || atomic_load(&n_lost) == 0)
+        return false;
+    uintptr_t lo = (uintptr_t)base, hi = lo + size;
+    for (int i = 0; i < PSD_SIGBUS_LOST_MAX; i++) {
+        uintptr_t start = atomic_load(&lost[i].start);
+        if (start && start < hi && lo < atomic_load(&lost[i].end))
+            return true;
+    }
+    return false;
+}
+
+void psd_sigbus_forget(const void *base, size_t size) {
+    if (!base || atomic_load(&n_lost) == 0)
+        return;
+    uintptr_t lo = (uintptr_t)base, hi = lo + size;
+    for (int i = 0; i < PSD_SIGBUS_LOST_MAX; i++) {
+        uintptr_t start = atomic_load(&lost[i].start);
+        if (start && start < hi && lo < atomic_load(&lost[i].end)) {
+            atomic_store(&lost[i].end, 0);
+            atomic_store(&lost[i].start, 0); /* free: the handler may claim it again */
+        }
+    }
 }

@@ -35,6 +35,8 @@ static const char *const psd_errors[] = {
                                    "size (corrupt, or overwritten by a stray process)",
     [PSD_EEVICTED - PSD_EFIRST] = "this process was evicted from the job for writing into its slot what no "
                                   "learner writes; it gets no slot again",
+    [PSD_ELOST - PSD_EFIRST] = "the arena's file was truncated under this mapping, so what it held is lost to "
+                               "this process (its server dies of SIGBUS and the watchdog restarts it)",
 };
 
 const char *psd_strerror(int code) {

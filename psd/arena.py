@@ -22,6 +22,7 @@ from psd.choices import DEFAULT_JOB, default_job
 from psd.errors import (
     ArenaCorrupt,
     ArenaIncomplete,
+    ArenaLost,
     Error,
     InvalidJobName,
     JobNotFound,
@@ -54,6 +55,7 @@ __all__ = [
     "model_sizes",
     "open_job",
     "piece_geometry",
+    "recover_from_sigbus",
     "shm_name",
     "shm_path",
     "shrunk",
@@ -314,15 +316,29 @@ def _never_completed(path: str, settle: float) -> bool:
 
 
 _sigbus_handled = False
+_sigbus_recovers = False
 
 
 def install_sigbus_handler() -> None:
     """Make a SIGBUS on an arena mapping (its file truncated by another process) a message on stderr and exit
-    status ARENA_LOST_EXIT instead of a core dump. Once per process; every process that maps an arena calls it."""
+    status ARENA_LOST_EXIT instead of a core dump (or, after ``recover_from_sigbus``, an ArenaLost). Once per
+    process; every process that maps an arena calls it."""
     global _sigbus_handled
     if not _sigbus_handled:
-        _native.install_sigbus_handler(ARENA_LOST_EXIT)
+        _native.install_sigbus_handler(ARENA_LOST_EXIT, _sigbus_recovers)
         _sigbus_handled = True
+
+
+def recover_from_sigbus() -> None:
+    """Outlive a SIGBUS on an arena mapping: the processes that supervise a job (the watchdog, ``psd run``,
+    ``psd status``) call it before they map one. The faulting mapping becomes zero pages (native/sigbus.c), and
+    every read of it from then on raises ArenaLost, as ``Arena.lost()`` says: a copy out of a buffer view asks
+    that after it. The server and the learners keep the exit: what they hold in flight is not to be trusted
+    on zeros, and the watchdog restarts them."""
+    global _sigbus_handled, _sigbus_recovers
+    _sigbus_recovers = True
+    _native.install_sigbus_handler(ARENA_LOST_EXIT, True)
+    _sigbus_handled = True
 
 
 def shrunk(arena: _native.Arena, file_size: int) -> bool:
@@ -355,7 +371,7 @@ class ArenaWatch:
             self.close()
             return None
         if self.arena is not None and self._ident == (st.st_dev, st.st_ino):
-            if not shrunk(self.arena, st.st_size):
+            if not shrunk(self.arena, st.st_size) and not self.arena.lost():
                 return self.arena
             self.close()  # the same arena, truncated under us (its server dies of SIGBUS): nothing to reopen
             return None
@@ -590,6 +606,8 @@ def wait_for_job(job: str, timeout: float = 30.0, server_pid: int | None = None)
             try:
                 if a.server_alive():
                     return
+            except ArenaLost:
+                pass  # truncated as it was read: its server dies of SIGBUS; the next look says what follows
             finally:
                 a.close()
         if server_pid is not None and _native.proc_start_time(server_pid) == 0:

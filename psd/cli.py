@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from psd import __version__, _native, chaos, events
-from psd.arena import HeaderView, learner_writable, list_jobs, open_job, shm_name, shm_path
+from psd.arena import HeaderView, learner_writable, list_jobs, open_job, recover_from_sigbus, shm_name, shm_path
 from psd.errors import Error, Timeout
 from psd.flags import add_flags, check_args, serve_fields
 from psd.server import ServeConfig, Server
@@ -466,6 +466,8 @@ def _clean(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``psd`` command."""
     args = get_args_parser().parse_args(argv)
+    if args.command in ("status", "top", "inspect"):
+        recover_from_sigbus()  # they only read: a job's arena truncated meanwhile is an error, not their death
     try:
         return {"serve": _serve, "run": _run, "status": _status, "top": _top, "stop": _stop,
                 "checkpoint": _checkpoint, "export": _export, "inspect": _inspect, "clean": _clean,

@@ -12,6 +12,7 @@ __all__ = [
     "ArenaBusy",
     "ArenaCorrupt",
     "ArenaIncomplete",
+    "ArenaLost",
     "Error",
     "Evicted",
     "InvalidJobName",
@@ -42,6 +43,13 @@ class JobNotFound(Error, FileNotFoundError):
 
 class ArenaCorrupt(Error):
     """The shared-memory object is not a psd arena (bad magic)."""
+
+
+class ArenaLost(Error):
+    """The arena's file was truncated under this process's mapping (by another process): what it held is gone
+    for this mapping. Raised in the processes that supervise a job (the watchdog, `psd run`, `psd status`),
+    which outlive the fault (``psd.arena.recover_from_sigbus``); the server and the learners die of SIGBUS
+    instead, and the watchdog restarts them."""
 
 
 class VersionMismatch(Error):

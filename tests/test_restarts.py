@@ -313,6 +313,63 @@ def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, serv
     assert checkpoint.latest(tmp_path / "ck").clock == 5, out
 
 
+TRUNCATE_IN_SNAPSHOT = """
+import os, signal, sys, time
+from psd.arena import HeaderView, open_job, shm_path
+job, watchdog, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = HeaderView(open_job(job, role="reader"))
+server = h.server_pid
+# The server stopped: the watchdog's snapshot waits for its update loop to pause (up to 1 s since its last beat,
+# native/pause.c), so the truncation lands inside the snapshot however this machine schedules us.
+os.kill(server, signal.SIGSTOP)
+try:
+    os.kill(watchdog, signal.SIGUSR1)  # a checkpoint now
+    deadline = time.monotonic() + 30
+    while not h.pause_req:  # the snapshot began: it waits for the loop, then copies the weights
+        if time.monotonic() > deadline:
+            sys.exit("the watchdog never paused the loop for its checkpoint")
+    os.truncate(shm_path(job), size)
+finally:
+    os.kill(server, signal.SIGCONT)  # it dies of SIGBUS at its next touch of what is gone
+print("truncated", flush=True)
+os._exit(0)  # without touching the mapping again: it faults now
+"""
+
+
+@pytest.mark.parametrize("size", [0, _native.HEADER_SIZE])
+def test_the_watchdog_outlives_an_arena_truncated_under_its_checkpoint(job, serve, tmp_path, size):
+    """A learner truncates the arena while the watchdog copies it for a checkpoint (the header and all, or the
+    weights only). The watchdog's copy faults; it must outlive that (before, it died of SIGBUS with its server,
+    and nothing restarted either: the job was lost), write no checkpoint of what it could not read, and restore
+    the last good checkpoint, round after round."""
+    from conftest import spawn
+
+    ck = tmp_path / "ck"
+    s = serve(job, "--learners", "1", "--lr", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "0")
+    watchdog = s.proc.pid
+    for _ in range(3):
+        pusher = spawn("pusher.py", job, "--n", "1048576", "--index", "3", "--forever", "--ready-after", "20")
+        try:
+            assert read_line(pusher, timeout=60) == "ready"
+            clock, server = arena_header(job)["clock"], arena_header(job)["server_pid"]
+            os.kill(watchdog, signal.SIGUSR1)  # a good checkpoint first, for the restore
+            wait_until(lambda c=clock: (last := checkpoint.latest(ck)) is not None and last.clock >= c, timeout=30,
+                       what="a checkpoint")
+            r = subprocess.run([sys.executable, "-c", TRUNCATE_IN_SNAPSHOT, job, str(watchdog), str(size)],
+                               capture_output=True, text=True, env=child_env(), timeout=60)
+            assert r.stdout == "truncated\n", r.stderr
+            wait_until(lambda first=server: _next_server(job, first, _native.ARENA_READY), timeout=60,
+                       what="a server restored from the checkpoint")
+        finally:
+            pusher.kill()
+            pusher.wait()
+        assert s.proc.poll() is None, s.proc.communicate()[0]  # the watchdog lives
+        last = checkpoint.latest(ck)
+        assert last.clock > 0 and last.weights["w"][3] == -last.clock  # a copy of the arena, not of zeros
+        assert arena_header(job)["clock"] == last.clock  # restored from it
+    s.stop(signal.SIGINT)
+
+
 def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, serve, tmp_path):
     """`psd serve --resume A --checkpoint-dir B`: the job resumed from A's checkpoint and trained; its arena is lost
     before it wrote one of its own into B. The watchdog restores A's, a checkpoint of the job too (it stopped the

@@ -56,3 +56,66 @@ def test_a_fault_outside_an_arena_is_left_alone(tmp_path):
     r = touch_truncated(str(tmp_path / "not-an-arena"))
     assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr)
     assert "psd: SIGBUS" not in r.stderr
+
+
+LOSE = """
+import os, sys
+from psd import ArenaLost, _native
+from psd.arena import HeaderView, open_job, recover_from_sigbus, shm_path
+from psd.watchdog import checkpoint
+recover_from_sigbus()  # as the watchdog, `psd run` and `psd status` do
+job, other = sys.argv[1], sys.argv[2]
+a = open_job(job)
+print("params", HeaderView(a).n_params, "lost", a.lost(), flush=True)
+os.truncate(shm_path(job), _native.HEADER_SIZE)  # a learner would do this: the header stays, the weights go
+for what, read in (("snapshot", lambda: checkpoint.snapshot(a, job)), ("field", lambda: HeaderView(a).clock),
+                   ("header", a.header), ("remap", a.remap)):
+    try:
+        read()
+        print(what, "read", flush=True)
+    except ArenaLost:
+        print(what, "lost", flush=True)
+print("lost", a.lost(), flush=True)
+a.close()
+b = open_job(other)  # a new mapping, perhaps at the addresses of the lost one
+print("other params", HeaderView(b).n_params, "lost", b.lost(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_supervising_process_outlives_a_truncated_arena_and_reads_nothing_from_it(job):
+    """The watchdog, `psd run` and `psd status` recover from a SIGBUS on an arena (psd.arena.recover_from_sigbus):
+    the arena truncated under a checkpoint's copy of the weights, every read of it after is ArenaLost, never the
+    zeros that replaced the mapping (a checkpoint of zeros would be the job's newest), and the process lives on:
+    a mapping of another arena reads as it should."""
+    from conftest import read_line, spawn
+
+    other = job + "-other"
+    procs = []
+    try:
+        for j in (job, other):
+            procs.append(subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", "--job", j,
+                                           "--learners", "1", "--lr", "1"], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True, env=child_env()))
+            pusher = spawn("pusher.py", j, "--n", "262144", "--count", "5")
+            procs.append(pusher)
+            assert read_line(pusher, timeout=60) == "ready"
+        r = subprocess.run([sys.executable, "-c", LOSE, job, other], capture_output=True, text=True,
+                           env=child_env(), timeout=60, preexec_fn=_no_core)
+        server = procs[0]
+        server.wait(timeout=30)
+        err = server.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=30)
+        for j in (job, other):
+            if os.path.exists(f"/dev/shm/psd.{j}"):
+                os.unlink(f"/dev/shm/psd.{j}")
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "params 262147 lost False", lines
+    assert lines[1:6] == ["snapshot lost", "field lost", "header lost", "remap lost", "lost True"], lines
+    assert lines[6] == "other params 262147 lost False", lines
+    assert server.returncode == ARENA_LOST_EXIT, err  # the server dies of it, as before: its watchdog restarts it

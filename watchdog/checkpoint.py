@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from psd import __version__, _native
 from psd.arena import HeaderView, ParamSpec, arena_spec, decode_spec, encode_spec
-from psd.errors import Error
+from psd.errors import ArenaLost, Error
 
 if TYPE_CHECKING:  # torch is imported where it is used: a restarting server must not wait for it
     import torch
@@ -216,6 +216,9 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
         counters = arena.counters()
         optim, optstate = _optimizer_state(arena)
         evicted = evicted_records(arena)
+        if arena.lost():  # truncated while copied (psd.arena.recover_from_sigbus): the copies hold zeros
+            raise ArenaLost(f"job {job!r}: the arena's file was truncated while its weights were copied; no "
+                            f"checkpoint of it")
     finally:
         arena.resume()
     tensors = [p for p in spec if p.kind != "buffer"]

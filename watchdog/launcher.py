@@ -30,9 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, ArenaWatch, Header, HeaderView, SlotInfo, shm_name, shm_path, wait_for_job
+from psd.arena import (
+    ARENA_LOST_EXIT,
+    ArenaWatch,
+    Header,
+    HeaderView,
+    SlotInfo,
+    recover_from_sigbus,
+    shm_name,
+    shm_path,
+    wait_for_job,
+)
 from psd.choices import LEARNER_SCHED_CHOICES
-from psd.errors import Error, JobNotFound
+from psd.errors import ArenaLost, Error, JobNotFound
 from psd.events import EventLog
 from psd.signals import SignalFlag
 from psd.watchdog import checkpoint
@@ -532,6 +542,7 @@ class Launcher:
     def run(self) -> int:
         """Run the job to the end; returns the exit status for the shell."""
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        recover_from_sigbus()  # a learner that truncates the arena faults the server, never the run
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: self._stop.set())
         interrupted = False
@@ -553,10 +564,16 @@ class Launcher:
             log.info("job %r: %d learners started%s: %s", self.job, self.n,
                      " by the fork server" if self._forks is not None else "", " ".join(self.command))
             while not self._stop.is_set():
-                self._supervise_watchdog()
-                self._supervise_workers()
-                self._reap_orphans()
-                self._progress()
+                try:
+                    self._supervise_watchdog()
+                    self._supervise_workers()
+                    self._reap_orphans()
+                    self._progress()
+                except ArenaLost as e:
+                    # Truncated while read: the server dies of SIGBUS, its watchdog restarts it, and the next
+                    # look maps the new arena. What this tick did not finish, the next one does.
+                    log.warning("job %r: %s", self.job, e)
+                    self._watch.close()
                 if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED) for w in self.workers):
                     break
                 self._stop.wait(0.1)
@@ -587,13 +604,18 @@ class Launcher:
         if self._forks is not None:
             self._forks.close()
         a = self._watch.release()  # our mapping outlives the arena's name
-        held = a is not None and a.state == _native.ARENA_READY  # the job held its model when the stop began
-        if held:
-            a.remap()
+        try:
+            held = a is not None and a.state == _native.ARENA_READY  # the job held its model when the stop began
+            if held:
+                a.remap()
+            allowance = checkpoint.write_allowance(HeaderView(a)) if held else 0.0
+        except ArenaLost as e:  # truncated as the stop began: nothing in it to keep
+            log.warning("job %r: %s", self.job, e)
+            held, allowance = False, 0.0
         clean = False
         if self.watchdog is not None:
             # It writes the last checkpoint after the server stopped: that write at the slowest rate allowed for
-            terminate(self.watchdog, deadline=60.0 + (checkpoint.write_allowance(HeaderView(a)) if held else 0.0))
+            terminate(self.watchdog, deadline=60.0 + allowance)
             clean = self.watchdog.returncode == 0
         self._reap_orphans()
         if a is None:
@@ -608,8 +630,10 @@ class Launcher:
                 path = checkpoint.write(snap, self.config.ckpt_dir, self.config.keep)
                 del snap
                 log.warning("job %r: the watchdog died during the stop; wrote the last checkpoint %s", self.job, path)
-            ident = a.identity()
+        except ArenaLost as e:  # truncated during the stop: no last checkpoint from it; the last written stays
+            log.warning("job %r: %s", self.job, e)
         finally:
+            ident = a.identity()
             a.close()
         try:
             st = os.stat("/dev/shm" + shm_name(self.job))

@@ -35,8 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psd import _native
-from psd.arena import ARENA_LOST_EXIT, WEIGHTLESS, ArenaWatch, HeaderView, open_job, shm_name, shm_path
-from psd.errors import Error
+from psd.arena import (
+    ARENA_LOST_EXIT,
+    WEIGHTLESS,
+    ArenaWatch,
+    HeaderView,
+    open_job,
+    recover_from_sigbus,
+    shm_name,
+    shm_path,
+)
+from psd.errors import ArenaLost, Error
 from psd.events import EventLog
 from psd.server import ServeConfig
 from psd.signals import SignalFlag, Stop
@@ -239,6 +248,16 @@ class Watchdog:
 
     def start(self) -> None:
         """Adopt the job's live server, or start one."""
+        for _ in range(3):
+            try:
+                self._start()
+                return
+            except ArenaLost as e:  # truncated as this watchdog read it: look again, at what is left
+                log.warning("job %r: %s", self.config.serve.job, e)
+                self._drop_arena()
+        self._start()
+
+    def _start(self) -> None:
         a = self._open_arena(announce=False)
         if a is not None and HeaderView(a).n_params and a.state in (_native.ARENA_READY, _native.ARENA_STOPPED):
             # The job held its model before this watchdog (one restarted, or a server adopted): a lost arena is
@@ -366,6 +385,16 @@ class Watchdog:
 
     def poll(self) -> None:
         """One supervision tick."""
+        try:
+            self._poll()
+        except ArenaLost as e:
+            # Truncated while this tick read it (between ArenaWatch's look at the file's size and a read: the
+            # watchdog outlives that, psd.arena.recover_from_sigbus): what it read is not the arena. Its server
+            # dies of SIGBUS at its next touch, and the next tick restarts it from the last checkpoint.
+            log.warning("job %r: %s", self.config.serve.job, e)
+            self._drop_arena()
+
+    def _poll(self) -> None:
         if self.state in (ServerState.FAILED, ServerState.STOPPED):
             return
         now = time.monotonic()
@@ -479,17 +508,17 @@ class Watchdog:
         """
         self.checkpoint_requested.clear()
         self._next_checkpoint = time.monotonic() + self.config.checkpoint_every
-        a = arena or self._open_arena()
-        if a is None or not checkpoint.holds_model(a, self._ready_seen):
-            return None
-        a.remap()
-        if not force and a.clock() == self._last_ckpt_clock:
-            return None
         s = self.config.serve
         t0 = time.monotonic()
         try:
+            a = arena or self._open_arena()
+            if a is None or not checkpoint.holds_model(a, self._ready_seen):
+                return None
+            a.remap()
+            if not force and a.clock() == self._last_ckpt_clock:
+                return None
             snap = checkpoint.snapshot(a, s.job, {"learners": s.learners, "ring_depth": s.ring_depth, "lr": s.lr})
-        except Error as e:
+        except Error as e:  # ArenaLost among them: a truncated arena leaves nothing to write
             log.warning("job %r: checkpoint skipped: %s", s.job, e)
             return None
         path = checkpoint.write(snap, self.config.ckpt_dir, self.config.keep)
@@ -517,8 +546,11 @@ class Watchdog:
             return
         failed = self.state == ServerState.FAILED
         a = self._open_arena() if not failed else None
-        if a is not None and a.state == _native.ARENA_READY:
-            self._had_model = self._ready_seen = True  # READY since the last poll: the stop's checkpoint is of it
+        try:
+            if a is not None and a.state == _native.ARENA_READY:
+                self._had_model = self._ready_seen = True  # READY since the last poll: the stop's checkpoint is of it
+        except ArenaLost:
+            a = None  # truncated: nothing to write from it
         self._stop_link()
         try:
             if self.proc is not None and self.proc.pid == self.server_pid:
@@ -542,6 +574,8 @@ class Watchdog:
             return
         try:
             dead = not a.server_alive()
+        except ArenaLost:
+            dead = False  # truncated as it was read: `psd clean` removes it once its server is gone
         finally:
             a.close()
         if dead:
@@ -561,6 +595,7 @@ def _import_checkpoint_deps() -> None:
 
 def serve_forever(config: WatchdogConfig) -> int:
     """``psd serve``: supervise until SIGINT/SIGTERM; SIGUSR1 asks for a checkpoint."""
+    recover_from_sigbus()  # a learner that truncates the arena faults the server, never its watchdog
     stop = SignalFlag()  # set by the handlers: a threading.Event could deadlock there
     wd = Watchdog(config)
 
