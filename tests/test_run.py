@@ -370,6 +370,36 @@ def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_ag
     assert last is not None and last.clock == 3 and torch.equal(last.weights["weight"], torch.full((8, 8), 2.0))
 
 
+def test_an_arena_lost_with_its_watchdog_and_no_checkpoint_stops_the_run_instead_of_starting_it_empty(job,
+                                                                                                      tmp_path):
+    """The job holds its model (a learner's), no checkpoint yet; its watchdog and server are killed and the arena
+    is gone. The launcher's next watchdog, given --resume of an empty directory, started an empty job, and the next
+    learner's model would have become the job's. `psd run` stops with the watchdog's own verdict instead."""
+    from conftest import arena_header, read_line
+    from psd import _native
+
+    (tmp_path / "own.py").write_text(OWN_MODEL)
+    run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--lr", "1",
+                            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "0", "--",
+                            sys.executable, str(tmp_path / "own.py"), str(tmp_path / "go")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert read_line(run, timeout=60) == "weights sum 448.0"  # its own model (64 x 7): the job's; it waits
+        h = arena_header(job)
+        assert h["state"] == _native.ARENA_READY
+        os.kill(h["watchdog_pid"], signal.SIGKILL)
+        os.kill(h["server_pid"], signal.SIGKILL)
+        os.unlink(shm_path(job))
+        _, err = run.communicate(timeout=60)  # before: a new, empty job, and the learner waiting on
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 1, err
+    assert "the trained weights are gone" in err and "no valid checkpoint" in err, err
+    assert not os.path.exists(shm_path(job)), "no empty job was started"
+
+
 def test_a_job_whose_server_cannot_take_its_arena_over_fails_at_once_and_keeps_the_arena(job, tmp_path):
     """A dead server left the job's arena, made for 2 learners; `psd run --learners 1` cannot take it over (its
     server says to start with --learners 2). The start fails with that, promptly, and the arena stays for the

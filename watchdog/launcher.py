@@ -367,6 +367,17 @@ class Launcher:
         if now < self._watchdog_due:
             return  # its back-off; the learners are supervised meanwhile
         self._watchdog_due = None
+        if self._had_model and self._arena_or_none() is None:
+            # The arena is gone (or damaged) with the watchdog that would have restored it. The next one, given
+            # --resume, would find no checkpoint and start an empty job, whose next learner's model (a restarted
+            # learner's first weights) would silently become the job's: as the watchdog itself does, stop and say
+            # so (supervisor._respawn).
+            source = checkpoint.resume_dir(self.config.ckpt_dir, self.config.serve.resume)
+            if checkpoint.latest(source) is None:
+                raise Error(f"psd run: the arena of job {self.job!r} ({shm_path(self.job)}) was lost with its "
+                            f"watchdog, and there is no valid checkpoint in {source} to restore it from: the trained "
+                            f"weights are gone. Stopping instead of starting an empty job; start it again with `psd "
+                            f"run` (--checkpoint-every keeps checkpoints)")
         self._restart_watchdog()
 
     def _vw_members(self, vw: int) -> list[Worker]:
