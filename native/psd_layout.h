@@ -79,7 +79,7 @@
  * node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap auto waits for
  * momentum too; 11: auto waits but for momentum at 2+ slots;
  * 10: cfg_flags' overlap bits */
-#define PSD_LAYOUT_VERSION 15
+#define PSD_LAYOUT_VERSION 16
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -365,6 +365,11 @@ struct psd_header {
     _Atomic uint64_t checkpoint_clock;   /* weights clock of the last checkpoint */
     _Atomic uint64_t checkpoint_unix_ns; /* when it was written; 0: none yet */
     _Atomic uint64_t server_restarts;    /* servers started on this arena after the first */
+    /* The job's lineage: a random number a server draws when it starts a job afresh (from --init's file or a
+     * learner's model), carried by every checkpoint of the job, and taken over by a server that resumes from
+     * one (Server.start). The watchdog restores a lost arena only from checkpoints of its lineage: one of
+     * another run in the same directory is not the job's. Written by the server before READY. */
+    _Atomic uint64_t lineage;
 
     /* -- why the server refused an offered spec or stopped; server writes,
      *    then changes state (the offering learner clears it with its offer). */

@@ -377,6 +377,14 @@ static PyObject *arena_note_watchdog(Arena *a, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *arena_note_lineage(Arena *a, PyObject *args) {
+    unsigned long long lineage;
+    if (!PyArg_ParseTuple(args, "K", &lineage) || check_open(a))
+        return NULL;
+    atomic_store(&psd_hdr(&a->map)->lineage, lineage);
+    Py_RETURN_NONE;
+}
+
 static PyObject *arena_note_checkpoint(Arena *a, PyObject *args) {
     unsigned long long clock, unix_ns;
     if (!PyArg_ParseTuple(args, "KK", &clock, &unix_ns) || check_open(a))
@@ -435,6 +443,8 @@ PyMethodDef py_server_methods[] = {
      "server, before READY: continue from a checkpoint"},
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
+    {"note_lineage", (PyCFunction)arena_note_lineage, METH_VARARGS,
+     "note_lineage(lineage): the job's lineage, which its checkpoints carry (psd_layout.h)"},
     {"set_gain_level", (PyCFunction)arena_set_gain_level, METH_VARARGS,
      "set_gain_level(level, damping): --async-momentum auto's gain level and damping, 0 to 1 (psd/gain.py)"},
     {NULL, NULL, 0, NULL},

@@ -93,7 +93,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 def _watchdog_config(args: argparse.Namespace):
     from psd.watchdog.supervisor import WatchdogConfig
 
-    ckpt_dir = args.checkpoint_dir or args.resume or None
+    # --resume FILE (one checkpoint): its directory
+    ckpt_dir = args.checkpoint_dir or (str(Path(args.resume).parent) if args.resume and Path(args.resume).is_file()
+                                       else args.resume) or None
     values = {f.field: getattr(args, f.dest) for f in serve_fields()}
     # --resume DIR is where the job starts from, --checkpoint-dir where its checkpoints go (DIR unless given)
     values.update(betas=tuple(args.betas), resume=None if args.resume is None else (args.resume or ckpt_dir or ""),

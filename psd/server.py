@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import signal
 import threading
 import time
@@ -349,6 +350,11 @@ class Server:
         self.generation = self.arena.become_server(
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
+        if not (took_over and HeaderView(self.arena).lineage):
+            # The job's lineage (psd_layout.h): a resumed checkpoint's, or a new one for a job started afresh (a
+            # checkpoint written before lineages were, 0, starts one too). A server taking over keeps the arena's.
+            self.arena.note_lineage(ckpt.lineage if ckpt is not None and ckpt.lineage else
+                                    secrets.randbits(63) + 1)
         self.arena.configure(**cfg.training())
         # --async-momentum auto's level and damping as a fresh arena has them (level 0, all of the damping): a
         # server taking over sets its own from its learners' readings (_steer_gain), or never, where its flags

@@ -129,13 +129,21 @@ def test_a_truncated_arena_is_a_clear_error_and_psd_run_resumes_from_its_checkpo
     assert final.clock >= clock + 100 and not os.path.exists(shm_path(job))
 
 
-def test_a_lost_arena_without_a_checkpoint_stops_the_job_instead_of_starting_it_empty(job, tmp_path):
-    """Truncating a trained job's arena when no checkpoint exists: the watchdog must not start an empty job
+@pytest.mark.parametrize("earlier", [None, "another run's"])
+def test_a_lost_arena_without_a_checkpoint_stops_the_job_instead_of_starting_it_empty(job, tmp_path, earlier):
+    """Truncating a trained job's arena when no checkpoint of it exists: the watchdog must not start an empty job
     (the next learner's model would silently become the job's); it stops with a clear error and its give-up
-    status, and starts nothing."""
+    status, and starts nothing. A checkpoint an earlier run left in the directory is not the job's (another
+    lineage): it was restored, and another job's weights, maybe of another model, became this one's."""
+    import torch
+
     from conftest import spawn
 
     ck = tmp_path / "ck"
+    if earlier:
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.full((1024,), 9.0), "b": torch.zeros(3)},
+                                               [checkpoint.ParamSpec("w", (1024,)), checkpoint.ParamSpec("b", (3,))],
+                                               clock=7, generation=1, ranks=[0], job=job, created_unix_ns=1), ck)
     serve = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job, "--learners", "1", "--lr", "1",
                               "--checkpoint-dir", str(ck), "--checkpoint-every", "0"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
@@ -153,9 +161,9 @@ def test_a_lost_arena_without_a_checkpoint_stops_the_job_instead_of_starting_it_
                 p.kill()
                 p.wait()
     assert serve.returncode == GIVE_UP_EXIT, out
-    assert "no valid checkpoint" in out and "the trained weights are gone" in out, out
+    assert "no valid checkpoint of this job" in out and "the trained weights are gone" in out, out
     assert "waiting for a model" not in out and "`psd clean`" in out
-    assert not checkpoint.list_checkpoints(ck)
+    assert len(checkpoint.list_checkpoints(ck)) == (1 if earlier else 0)  # the earlier run's stays, untouched
     subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], env=child_env(), check=True,
                    capture_output=True)
     assert not os.path.exists(shm_path(job))
@@ -370,19 +378,22 @@ def test_the_watchdog_outlives_an_arena_truncated_under_its_checkpoint(job, serv
     s.stop(signal.SIGINT)
 
 
-def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, serve, tmp_path):
+@pytest.mark.parametrize("b", ["empty", "another run's"])
+def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, serve, tmp_path, b):
     """`psd serve --resume A --checkpoint-dir B`: the job resumed from A's checkpoint and trained; its arena is lost
     before it wrote one of its own into B. The watchdog restores A's, a checkpoint of the job too (it stopped the
-    job: "the trained weights are gone"; and `--resume A --checkpoint-dir B` had resumed from B, empty)."""
+    job: "the trained weights are gone"; and `--resume A --checkpoint-dir B` had resumed from B, empty). A
+    checkpoint another run left in B is not the job's (another lineage): B's newest, it was restored instead."""
     import torch
 
     from conftest import spawn
     from psd import learner
 
-    checkpoint.write(checkpoint.Checkpoint({"w": torch.full((1024,), 3.0), "b": torch.zeros(3)},
-                                           [checkpoint.ParamSpec("w", (1024,)), checkpoint.ParamSpec("b", (3,))],
-                                           clock=11, generation=1, ranks=[0], job=job, created_unix_ns=1),
-                     tmp_path / "A")
+    for d, w, made in [("A", 3.0, 1)] + ([("B", 9.0, 2)] if b != "empty" else []):
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.full((1024,), w), "b": torch.zeros(3)},
+                                               [checkpoint.ParamSpec("w", (1024,)), checkpoint.ParamSpec("b", (3,))],
+                                               clock=11, generation=1, ranks=[0], job=job, created_unix_ns=made),
+                         tmp_path / d)
     s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(tmp_path / "A"), "--checkpoint-dir",
               str(tmp_path / "B"), "--checkpoint-every", "0")
     while "the job holds its model" not in read_line(s.proc, timeout=60):

@@ -102,6 +102,9 @@ class Checkpoint:
     # Learners the server evicted whose records it still kept (their process may still run): a server that
     # restores this checkpoint keeps refusing them (EVICTED_FIELDS each).
     evicted: list[dict] = field(default_factory=list)
+    # The job's lineage (native/psd_layout.h: the arena's `lineage`), which a server resuming from this checkpoint
+    # takes over; 0 in one made outside a job (then written as its legacy_lineage).
+    lineage: int = 0
 
     @property
     def spec_hash(self) -> int:
@@ -166,6 +169,18 @@ def load_allowance(source: str | os.PathLike | None) -> float:
         return 0.0
 
 
+def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int) -> Checkpoint | None:
+    """A job's newest checkpoint: one of its ``lineage`` (another run's in the same directory holds another job's
+    weights, maybe of another model), from its checkpoint directory ``own`` or, where it wrote none there yet, from
+    what it resumed from (``asked``: --resume DIR or FILE, a checkpoint of the job too). Without a lineage (0:
+    the job never held a model), the newest in either."""
+    for source in dict.fromkeys(Path(p) for p in (own, asked) if p):
+        ckpt = latest(source, lineage)
+        if ckpt is not None:
+            return ckpt
+    return None
+
+
 def resume_dir(own: str | os.PathLike, asked: str | None) -> Path:
     """Where a server that a watchdog restarts (or a watchdog that ``psd run`` restarts) loads the job's weights
     from: the job's own checkpoints (``own``, --checkpoint-dir), or until it wrote one, the directory the job was
@@ -227,7 +242,7 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
     weights.update(zip((p.name for p in buffers), split(bufs, buffers), strict=True))
     return Checkpoint(weights, spec, clock, h["generation"], ranks, dict(config or {}, lr=h["lr"]),
                       counters, job, time.time_ns(), optim=optim, optstate=optstate, pieces=pieces,
-                      evicted=evicted)
+                      evicted=evicted, lineage=h["lineage"])
 
 
 def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
@@ -295,6 +310,7 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
         "sha256": _digest(ckpt.weights, ckpt.spec),
         "optim": json.dumps(ckpt.optim, sort_keys=True),
         "evicted": json.dumps(ckpt.evicted, sort_keys=True),
+        "lineage": str(ckpt.lineage or legacy_lineage(ckpt.created_unix_ns)),
     }
     tensors = {k: v.contiguous() for k, v in ckpt.weights.items()}
     if ckpt.optstate is not None:
@@ -363,7 +379,8 @@ def load(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(weights, spec, int(meta["clock"]), int(meta["generation"]), json.loads(meta["ranks"]),
                       json.loads(meta["config"]), json.loads(meta["counters"]), meta.get("job", ""),
                       int(meta["created_unix_ns"]), path, optim=json.loads(meta.get("optim", "{}")),
-                      optstate=optstate, pieces=pieces, evicted=_evicted_meta(meta.get("evicted", "[]"), path))
+                      optstate=optstate, pieces=pieces, evicted=_evicted_meta(meta.get("evicted", "[]"), path),
+                      lineage=_lineage(meta, path))
 
 
 def _evicted_meta(text: str, path: Path) -> list[dict]:
@@ -378,11 +395,44 @@ def _evicted_meta(text: str, path: Path) -> list[dict]:
     return records
 
 
-def latest(directory: str | os.PathLike) -> Checkpoint | None:
-    """The newest checkpoint in ``directory`` that verifies; corrupt ones are skipped with a warning."""
-    for path in list_checkpoints(directory):
+def legacy_lineage(created_unix_ns: int) -> int:
+    """The lineage of a checkpoint written before checkpoints carried one: drawn from its creation time, so that a
+    job resumed from it and the watchdog that restores that job agree on it."""
+    return created_unix_ns % (2**63 - 1) + 1
+
+
+def _lineage(meta: dict, path: Path) -> int:
+    try:
+        return int(meta.get("lineage") or 0) or legacy_lineage(int(meta["created_unix_ns"]))
+    except (KeyError, ValueError):
+        raise CorruptCheckpoint(f"{path}: its lineage or creation time is malformed") from None
+
+
+def lineage_of(path: str | os.PathLike) -> int | None:
+    """A checkpoint file's lineage, from its metadata alone (None if it cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return _lineage(f.metadata() or {}, Path(path))
+    except Exception:  # torn, foreign or malformed: load() says which, where it is read
+        return None
+
+
+def latest(source: str | os.PathLike, lineage: int = 0) -> Checkpoint | None:
+    """The newest checkpoint in the directory ``source`` (or the file ``source``) that verifies; corrupt ones are
+    skipped with a warning. With ``lineage``, only the job's of that lineage: another run's in the same directory
+    is not the job's."""
+    path = Path(source)
+    for p in [path] if path.is_file() else list_checkpoints(path):
+        if lineage and lineage_of(p) not in (lineage, None):
+            log.info("skipping checkpoint %s: another run's (lineage %s, not the job's %d)", p, lineage_of(p), lineage)
+            continue
         try:
-            return load(path)
+            ckpt = load(p)
         except CorruptCheckpoint as e:
             log.warning("skipping checkpoint: %s", e)
+            continue
+        if not lineage or ckpt.lineage == lineage:
+            return ckpt
     return None

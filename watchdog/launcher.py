@@ -175,6 +175,7 @@ class Launcher:
         self.watchdog_restarts = 0
         self._gave_up = False  # the watchdog exited GIVE_UP_EXIT: keep the arena at the end
         self._had_model = False  # the job's arena was seen READY (_note_model)
+        self._lineage = 0  # the job's lineage, from its READY arena (_note_model): its checkpoints carry it
         self._found_arena = False  # the job's arena existed before this run started its watchdog
         self._watchdog_policy = RestartPolicy(Backoff(0.1, 10.0), limit=WATCHDOG_RESTARTS, first_step=0,
                                               fresh_after=WATCHDOG_FRESH_AFTER)
@@ -219,7 +220,11 @@ class Launcher:
             # until it wrote one, those it was started from (--resume DIR). A job that neither resumed nor held
             # a model starts as it first did (a checkpoint in its directory is an earlier run's, which would win
             # over --init).
-            argv += ["--resume", str(checkpoint.resume_dir(c.ckpt_dir, s.resume))]
+            # Once the job held its model, the newest checkpoint of its lineage: another run's in the same
+            # directory is not the job's (supervisor._resume_source).
+            ckpt = checkpoint.of_job(c.ckpt_dir, s.resume, self._lineage) if self._had_model and self._lineage \
+                else None
+            argv += ["--resume", str(ckpt.path if ckpt is not None else checkpoint.resume_dir(c.ckpt_dir, s.resume))]
         argv += ["--event-log", s.event_log or ""]
         if logging.getLogger().level > logging.INFO:
             argv.append("--quiet")
@@ -346,9 +351,10 @@ class Launcher:
     def _note_model(self) -> None:
         """Note whether the job has held its model (its arena seen READY), which a restarted watchdog's flags
         follow."""
-        if not self._had_model:
-            a = self._arena_or_none()
-            self._had_model = a is not None and a.state == _native.ARENA_READY
+        a = self._arena_or_none()
+        if a is not None and a.state == _native.ARENA_READY:
+            self._had_model = True
+            self._lineage = HeaderView(a).lineage  # a restored arena keeps the job's
 
     def _supervise_watchdog(self) -> None:
         self._note_model()
@@ -372,12 +378,13 @@ class Launcher:
             # --resume, would find no checkpoint and start an empty job, whose next learner's model (a restarted
             # learner's first weights) would silently become the job's: as the watchdog itself does, stop and say
             # so (supervisor._respawn).
-            source = checkpoint.resume_dir(self.config.ckpt_dir, self.config.serve.resume)
-            if checkpoint.latest(source) is None:
+            c = self.config
+            if checkpoint.of_job(c.ckpt_dir, c.serve.resume, self._lineage) is None:
+                where = " or ".join(dict.fromkeys(str(p) for p in (c.ckpt_dir, c.serve.resume) if p))
                 raise Error(f"psd run: the arena of job {self.job!r} ({shm_path(self.job)}) was lost with its "
-                            f"watchdog, and there is no valid checkpoint in {source} to restore it from: the trained "
-                            f"weights are gone. Stopping instead of starting an empty job; start it again with `psd "
-                            f"run` (--checkpoint-every keeps checkpoints)")
+                            f"watchdog, and there is no valid checkpoint of this job in {where} to restore it from: "
+                            f"the trained weights are gone. Stopping instead of starting an empty job; start it again "
+                            f"with `psd run` (--checkpoint-every keeps checkpoints)")
         self._restart_watchdog()
 
     def _vw_members(self, vw: int) -> list[Worker]:

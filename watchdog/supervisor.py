@@ -180,6 +180,7 @@ class Watchdog:
         self._importing = False  # the import of what checkpoints need has been started
         self._resume_first = bool(config.serve.resume)
         self._had_model = False  # the job reached READY under this watchdog (its arena held weights)
+        self._lineage = 0  # the job's lineage, from its READY arena (psd_layout.h): its checkpoints carry it
         self._ready_seen = False  # the arena mapped now was seen READY (a replaced arena starts unseen)
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
@@ -202,9 +203,11 @@ class Watchdog:
         argv += ["--event-log", s.event_log or ""]
         return argv
 
-    def _spawn(self, resume: bool) -> None:
+    def _spawn(self, resume: bool, source: Path | None = None) -> None:
+        """Start a server; with ``resume``, one that loads ``source`` (a checkpoint file), or where none is given,
+        ``_resume_source()``."""
         env = dict(os.environ, **self.config.extra_env)
-        resume_from = self._resume_dir() if resume else None
+        resume_from = (source or self._resume_source()) if resume else None
         init = self.config.serve.init if not self._had_model else None  # until the job holds a model: --init's
         self.proc = subprocess.Popen(self._server_argv(resume_from, init), env=env, start_new_session=True)
         self.server_pid = self.proc.pid
@@ -263,6 +266,7 @@ class Watchdog:
             # The job held its model before this watchdog (one restarted, or a server adopted): a lost arena is
             # then restored from a checkpoint or the job stops, never started empty.
             self._had_model = self._ready_seen = True
+            self._lineage = HeaderView(a).lineage
         if a is not None and a.server_alive():
             h = HeaderView(a)
             server, watchdog = (h.server_pid, h.server_start_time), (h.watchdog_pid, h.watchdog_start_time)
@@ -312,18 +316,18 @@ class Watchdog:
         if time.monotonic() < self._restart_at:
             return
         a = None if self._arena_lost else self._open_arena()
-        source = self._resume_dir()
-        if a is None and self._had_model and checkpoint.latest(source) is None:
+        restore = self._own_checkpoint() if a is None and self._had_model else None
+        if a is None and self._had_model and restore is None:
             # Starting over would silently make the next learner's model the job's: the trained weights
             # are gone, and that must be said, not papered over.
             job = self.config.serve.job
             self.state = ServerState.FAILED
             self.exit_code = GIVE_UP_EXIT
             log.error("job %r: its arena %s was lost or damaged (truncated, removed or overwritten) and there is "
-                      "no valid checkpoint in %s to restore it from: the trained weights are gone. Stopping "
-                      "instead of starting an empty job. Remove what is left with `psd clean`, then start the job "
-                      "again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
-                      shm_path(job), source, job)
+                      "no valid checkpoint of this job in %s to restore it from: the trained weights are gone. "
+                      "Stopping instead of starting an empty job. Remove what is left with `psd clean`, then start "
+                      "the job again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
+                      shm_path(job), " or ".join(map(str, self._own_dirs())), job)
             self.events.emit("watchdog_gave_up", restarts=self.server_policy.count, reason="arena lost, no checkpoint",
                              fail_msg="")
             return
@@ -339,12 +343,26 @@ class Watchdog:
             # server, given nothing to restore, would refuse a damaged file. It starts on a new one.
             with contextlib.suppress(FileNotFoundError):
                 _native.unlink(shm_name(self.config.serve.job))
-        self._spawn(resume=resume)
+        self._spawn(resume=resume, source=restore.path if restore is not None else None)
 
-    def _resume_dir(self) -> Path:
-        """Where a restarted server loads the job's weights from: its own checkpoints, or until it wrote one,
-        those it was started from (--resume DIR; a checkpoint of the job too, older than a periodic one)."""
-        return checkpoint.resume_dir(self.config.ckpt_dir, self.config.serve.resume)
+    def _own_dirs(self) -> list[Path]:
+        """Where the job's checkpoints are: its checkpoint directory, then what it resumed from (--resume A)."""
+        return list(dict.fromkeys(Path(p) for p in (self.config.ckpt_dir, self.config.serve.resume) if p))
+
+    def _own_checkpoint(self) -> checkpoint.Checkpoint | None:
+        """The job's newest checkpoint, of its lineage (checkpoint.of_job)."""
+        return checkpoint.of_job(self.config.ckpt_dir, self.config.serve.resume, self._lineage)
+
+    def _resume_source(self) -> Path:
+        """What a server this watchdog starts with --resume loads. Once the job held its model: its newest
+        checkpoint of the job's lineage (the file). Before: what the job was started from (--resume DIR or FILE;
+        a bare --resume, the checkpoint directory): a checkpoint elsewhere in the job's directory is then another
+        run's, since the job wrote none (its first server, and one restarted before the job held its model)."""
+        if self._had_model and self._lineage:
+            ckpt = self._own_checkpoint()
+            if ckpt is not None:
+                return ckpt.path
+        return Path(self.config.serve.resume or self.config.ckpt_dir)
 
     def _give_up(self, why: str) -> None:
         """FAILED: say why, and leave the arena as it is for ``psd inspect`` and a later server."""
@@ -430,6 +448,7 @@ class Watchdog:
         h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
         if h.state == _native.ARENA_READY:
             self._ready_seen = True
+            self._lineage = h.lineage  # a server's own, set before READY
         if h.state == _native.ARENA_READY and not self._had_model:
             self._had_model = True  # from now on, losing the arena loses trained weights
             log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
