@@ -31,6 +31,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -51,6 +52,14 @@ static struct {
     _Atomic uintptr_t start, end;
 } lost[PSD_SIGBUS_LOST_MAX];
 static atomic_uint n_lost;
+
+/* Held by the handler of one thread while it looks the fault up and replaces the mapping: the threads of a
+ * parallel copy (torch's clone in a checkpoint) fault on the same mapping at once, and one that read
+ * /proc/self/maps after another replaced it would find an anonymous mapping, "not an arena", and die. Under
+ * it, a fault inside a range already replaced returns at once (its load runs again, on the zero pages). Its
+ * holder runs a bounded handler (one read of /proc/self/maps, one mmap) and cannot fault inside it: the
+ * handler touches no arena, and SIGBUS is blocked while it runs. */
+static atomic_flag recovering = ATOMIC_FLAG_INIT;
 
 static size_t put(char *buf, size_t at, size_t cap, const char *s) {
     while (*s && at + 1 < cap)
@@ -170,6 +179,15 @@ static void mapping_at(uintptr_t addr, struct vma *v) {
     close(fd);
 }
 
+static bool in_lost(uintptr_t addr) {
+    for (int i = 0; i < PSD_SIGBUS_LOST_MAX; i++) {
+        uintptr_t start = atomic_load(&lost[i].start);
+        if (start && start <= addr && addr < atomic_load(&lost[i].end))
+            return true;
+    }
+    return false;
+}
+
 /* Replace the lost mapping `v` with anonymous zero pages and note its range; false if it cannot be
  * (no free entry, or mmap failed): the process then ends as without recovery. */
 static bool recover_mapping(const struct vma *v) {
@@ -189,9 +207,24 @@ static bool recover_mapping(const struct vma *v) {
 static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
     (void)ctx;
     uintptr_t addr = (uintptr_t)info->si_addr;
+    bool recovers = atomic_load(&recover);
+    if (recovers) {
+        while (atomic_flag_test_and_set(&recovering))
+            sched_yield(); /* another thread of this process is replacing a mapping: bounded, see `recovering` */
+        if (in_lost(addr)) {
+            atomic_flag_clear(&recovering);
+            return; /* replaced by another thread since this one faulted: the load runs again, on zeros */
+        }
+    }
     struct vma v;
     mapping_at(addr, &v);
     const char *path = v.path;
+    if (recovers && strstr(path, "/dev/shm/psd.") == path && recover_mapping(&v)) {
+        atomic_flag_clear(&recovering);
+        return; /* the load runs again, on zeros; the binding raises ArenaLost (psd_sigbus_lost) */
+    }
+    if (recovers)
+        atomic_flag_clear(&recovering);
     if (strstr(path, "/dev/shm/psd.") != path) {
         /* Not an arena: put back what was there before (the default action, or Python's faulthandler)
          * and send the signal again; it is blocked until we return (and a fault repeats anyway). */
@@ -199,8 +232,6 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
         raise(sig);
         return;
     }
-    if (atomic_load(&recover) && recover_mapping(&v))
-        return; /* the load runs again, on zeros; the binding raises ArenaLost (psd_sigbus_lost) */
     char msg[1024];
     size_t n = 0;
     n = put(msg, n, sizeof msg, "psd: SIGBUS at address ");

@@ -371,8 +371,11 @@ class ArenaWatch:
             self.close()
             return None
         if self.arena is not None and self._ident == (st.st_dev, st.st_ino):
-            if not shrunk(self.arena, st.st_size) and not self.arena.lost():
-                return self.arena
+            try:
+                if not self.arena.lost() and not shrunk(self.arena, st.st_size):
+                    return self.arena
+            except ArenaLost:  # lost between the two looks (recover_from_sigbus): as truncated
+                pass
             self.close()  # the same arena, truncated under us (its server dies of SIGBUS): nothing to reopen
             return None
         self.close()

@@ -330,6 +330,34 @@ def test_a_watchdog_killed_with_its_server_loading_the_first_weights_loads_them_
     assert "restarted" not in err and "did not become ready" not in err, err
 
 
+def test_a_watchdog_restarted_before_the_job_held_its_model_resumes_from_what_the_job_was_started_from(tmp_path):
+    """`psd run --resume A --checkpoint-dir B`, B holding another run's checkpoint: a watchdog restarted before the
+    job held its model (its server loading A) is given A, not B's newest (which the next server would have loaded
+    as the job's); once the job held its model, the newest checkpoint of the job's lineage, A's."""
+    import torch
+
+    from psd.server import ServeConfig
+    from psd.watchdog import checkpoint
+    from psd.watchdog.launcher import Launcher
+    from psd.watchdog.supervisor import WatchdogConfig
+
+    def write(d: str, w: float, made: int, lineage: int) -> None:
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.full((4,), w)}, [checkpoint.ParamSpec("w", (4,))], clock=1,
+                                               generation=1, ranks=[0], job="j", created_unix_ns=made,
+                                               lineage=lineage), tmp_path / d)
+
+    write("A", 1.0, 1, 111)  # what the job is started from
+    write("B", 9.0, 2, 222)  # another run's, newer
+    launcher = Launcher(WatchdogConfig(ServeConfig(job="nojob", learners=1, resume=str(tmp_path / "A")),
+                                       tmp_path / "B"), [sys.executable, "-c", "pass"], fork_server="off")
+    launcher.watchdog_restarts = 1
+    argv = launcher._watchdog_argv()
+    assert argv[argv.index("--resume") + 1] == str(tmp_path / "A")
+    launcher._had_model, launcher._lineage = True, 111  # as _note_model reads it from the READY arena
+    argv = launcher._watchdog_argv()
+    assert argv[argv.index("--resume") + 1] == str(checkpoint.list_checkpoints(tmp_path / "A")[0])
+
+
 def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_again(job, tmp_path):
     """`psd run --init F`, the job running: F is gone (a temporary file, a moved dataset), and the watchdog and its
     server are killed. The next watchdog must take the arena over: it was given --init F too, and every server

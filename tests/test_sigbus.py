@@ -119,3 +119,39 @@ def test_a_supervising_process_outlives_a_truncated_arena_and_reads_nothing_from
     assert lines[1:6] == ["snapshot lost", "field lost", "header lost", "remap lost", "lost True"], lines
     assert lines[6] == "other params 262147 lost False", lines
     assert server.returncode == ARENA_LOST_EXIT, err  # the server dies of it, as before: its watchdog restarts it
+
+
+PARALLEL = """
+import mmap, os, sys
+import torch
+from psd.arena import recover_from_sigbus
+recover_from_sigbus()
+trials, threads, n = int(sys.argv[1]), int(sys.argv[2]), 16 << 20
+torch.set_num_threads(threads)
+kept = []  # Python's mmap never unmaps through psd (psd_sigbus_forget): each trial takes an entry of the lost table
+for i in range(trials):
+    path = f"/dev/shm/psd.{sys.argv[3]}-{i}"
+    with open(path, "w+b") as f:
+        f.truncate(n)
+        m = mmap.mmap(f.fileno(), n)
+    os.truncate(path, 0)  # another process would do this
+    os.unlink(path)
+    t = torch.frombuffer(m, dtype=torch.float32)
+    assert not t.clone().any()  # every thread of the copy faults, on the same mapping
+    kept.append((m, t))
+print("survived", trials, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_threads_of_a_parallel_copy_all_outlive_the_truncation(job):
+    """torch copies a large tensor on several threads (a checkpoint's clone in the watchdog): each faults on the
+    truncated mapping, and one that looked the fault up after another had replaced the mapping found an anonymous
+    one, "not an arena", and killed the process; threads that faulted together each took an entry of the lost
+    table for one mapping, and the table ran out. Many trials, so that threads fault together in some."""
+    r = subprocess.run([sys.executable, "-c", PARALLEL, "60", "4", job], capture_output=True, text=True,
+                       env=dict(child_env(), OMP_NUM_THREADS="4"), timeout=100, preexec_fn=_no_core)
+    for leftover in (f"/dev/shm/psd.{job}-{i}" for i in range(60)):
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+    assert r.returncode == 0 and r.stdout == "survived 60\n", (r.returncode, r.stdout, r.stderr[-2000:])

@@ -559,3 +559,46 @@ def test_a_stall_of_the_whole_machine_restarts_nothing(job, serve):
     assert arena_header(job)["server_pid"] == server
     log = s.stop()
     assert "has not beaten" not in log, log
+
+
+STOP_AFTER_A_LOST_COPY = """
+import os, sys
+from psd.arena import recover_from_sigbus, shm_path
+from psd.server import ServeConfig
+from psd.watchdog import checkpoint
+from psd.watchdog.supervisor import Watchdog, WatchdogConfig
+recover_from_sigbus()  # as psd serve's watchdog
+job, ck = sys.argv[1], sys.argv[2]
+wd = Watchdog(WatchdogConfig(ServeConfig(job=job, learners=1, lr=1.0), ck, checkpoint_every=0))
+copy = checkpoint.snapshot
+
+def truncated_under_the_copy(a, *args, **kw):
+    os.truncate(shm_path(job), 8192)  # a learner truncates the file as the watchdog copies it
+    return copy(a, *args, **kw)
+
+wd.start()
+wd.poll()
+checkpoint.snapshot = truncated_under_the_copy
+print("checkpoint", wd.checkpoint(force=True), flush=True)
+wd.stop()
+print("stopped", wd.state.name, flush=True)
+"""
+
+
+def test_a_watchdog_stops_cleanly_after_a_checkpoint_lost_to_a_truncation(job, tmp_path):
+    """A truncation lands in the watchdog's checkpoint copy (recovered: no checkpoint written); its stop then must
+    stop the server as usual. Its mapping, lost, made the stop's first look at the arena raise ArenaLost, so the
+    server was never stopped and the watchdog exited with a traceback."""
+    s = Served(job, "--learners", "1", "--lr", "1", "--no-watchdog")
+    try:
+        assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
+        r = subprocess.run([sys.executable, "-c", STOP_AFTER_A_LOST_COPY, job, str(tmp_path / "ck")],
+                           capture_output=True, text=True, env=child_env(), timeout=60)
+        s.proc.wait(timeout=30)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+        subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], env=child_env(), capture_output=True)
+    assert r.returncode == 0 and r.stdout == "checkpoint None\nstopped STOPPED\n", (r.stdout, r.stderr[-3000:])
+    assert "checkpoint skipped" in r.stderr and not checkpoint.list_checkpoints(tmp_path / "ck")

@@ -181,15 +181,6 @@ def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int
     return None
 
 
-def resume_dir(own: str | os.PathLike, asked: str | None) -> Path:
-    """Where a server that a watchdog restarts (or a watchdog that ``psd run`` restarts) loads the job's weights
-    from: the job's own checkpoints (``own``, --checkpoint-dir), or until it wrote one, the directory the job was
-    started from (``asked``, --resume DIR, where that is another; a bare --resume is ``own``)."""
-    if asked and not list_checkpoints(own):
-        return Path(asked)
-    return Path(own)
-
-
 def write_allowance(header: HeaderView) -> float:
     """Seconds a checkpoint of the arena with this header may take to write, at the slowest rate allowed for
     (``LOAD_RATE``): its weights and optimizer state. What a stop gives the watchdog's last checkpoint beyond

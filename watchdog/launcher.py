@@ -16,6 +16,7 @@ orphaned by a killed watchdog becomes its child and is reaped when it dies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import logging
@@ -216,15 +217,14 @@ class Launcher:
             argv += ["--init", s.init]
         if s.resume is not None or (self.watchdog_restarts and self._had_model):
             # The new watchdog adopts the running server, or restarts it on the surviving arena; only if the
-            # arena is gone or never held the weights does the server load a checkpoint: the job's own, or
-            # until it wrote one, those it was started from (--resume DIR). A job that neither resumed nor held
-            # a model starts as it first did (a checkpoint in its directory is an earlier run's, which would win
-            # over --init).
-            # Once the job held its model, the newest checkpoint of its lineage: another run's in the same
-            # directory is not the job's (supervisor._resume_source).
+            # arena is gone or never held the weights does the server load a checkpoint: once the job held its
+            # model, the newest of its lineage (another run's in the same directory is not the job's), and before,
+            # what the job was started from (--resume DIR or FILE: supervisor._resume_source). A job that neither
+            # resumed nor held a model starts as it first did (a checkpoint in its directory is an earlier run's,
+            # which would win over --init).
             ckpt = checkpoint.of_job(c.ckpt_dir, s.resume, self._lineage) if self._had_model and self._lineage \
                 else None
-            argv += ["--resume", str(ckpt.path if ckpt is not None else checkpoint.resume_dir(c.ckpt_dir, s.resume))]
+            argv += ["--resume", str(ckpt.path if ckpt is not None else (s.resume or c.ckpt_dir))]
         argv += ["--event-log", s.event_log or ""]
         if logging.getLogger().level > logging.INFO:
             argv.append("--quiet")
@@ -596,7 +596,8 @@ class Launcher:
                     break
                 self._stop.wait(0.1)
             interrupted = self._stop.is_set()
-            self._progress(final=True)
+            with contextlib.suppress(ArenaLost):  # truncated at the end: the last line is not worth the run
+                self._progress(final=True)
         finally:
             self._shutdown()
             self._run_dir.cleanup()
