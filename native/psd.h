@@ -193,7 +193,7 @@ static inline float *psd_accumulator(const struct psd_map *m) {
     X(evicted_rule, ATOMIC) X(sleeping, ATOMIC) X(pause_req, ATOMIC) X(paused, ATOMIC) X(hold_clock, ATOMIC)     \
     X(holder_pid, PID) X(held, ATOMIC) X(watchdog_pid, PID)                                                      \
     X(watchdog_start_time, ATOMIC) X(checkpoint_clock, ATOMIC) X(checkpoint_unix_ns, ATOMIC)                     \
-    X(server_restarts, ATOMIC) X(lineage, ATOMIC)
+    X(server_restarts, ATOMIC) X(lineage, ATOMIC) X(origin_unix_ns, ATOMIC) X(origin_clock, ATOMIC)
 /* Slots: X(key, field, how) for the server's record (struct psd_slot), LX(key, field, how) for what
  * the learner writes (struct psd_lslot). */
 #define PSD_SLOT_FIELDS(X)                                                                                       \

@@ -365,11 +365,16 @@ struct psd_header {
     _Atomic uint64_t checkpoint_clock;   /* weights clock of the last checkpoint */
     _Atomic uint64_t checkpoint_unix_ns; /* when it was written; 0: none yet */
     _Atomic uint64_t server_restarts;    /* servers started on this arena after the first */
-    /* The job's lineage: a random number a server draws when it starts a job afresh (from --init's file or a
-     * learner's model), carried by every checkpoint of the job, and taken over by a server that resumes from
-     * one (Server.start). The watchdog restores a lost arena only from checkpoints of its lineage: one of
-     * another run in the same directory is not the job's. Written by the server before READY. */
+    /* The job's lineage: a random number a server draws whenever it loads the job's weights into a new arena
+     * (from a checkpoint, --init's file or a learner's model; a server taking an arena over keeps it), carried by
+     * every checkpoint written since; and the checkpoint it loaded (its creation time and clock, 0: none). The
+     * watchdog restores a lost arena only from the newest checkpoint of the lineage, or, before one, from that
+     * origin (Server.start, checkpoint.of_job): another run's in the same directory, a run forked from the same
+     * checkpoint, or the checkpoints a job resumed from an older one rolled back from, are not the job's.
+     * Written by the server before READY. */
     _Atomic uint64_t lineage;
+    _Atomic uint64_t origin_unix_ns;
+    _Atomic uint64_t origin_clock;
 
     /* -- why the server refused an offered spec or stopped; server writes,
      *    then changes state (the offering learner clears it with its offer). */

@@ -378,10 +378,13 @@ static PyObject *arena_note_watchdog(Arena *a, PyObject *args) {
 }
 
 static PyObject *arena_note_lineage(Arena *a, PyObject *args) {
-    unsigned long long lineage;
-    if (!PyArg_ParseTuple(args, "K", &lineage) || check_open(a))
+    unsigned long long lineage, origin_unix_ns = 0, origin_clock = 0;
+    if (!PyArg_ParseTuple(args, "K|KK", &lineage, &origin_unix_ns, &origin_clock) || check_open(a))
         return NULL;
-    atomic_store(&psd_hdr(&a->map)->lineage, lineage);
+    struct psd_header *h = psd_hdr(&a->map);
+    atomic_store(&h->origin_unix_ns, origin_unix_ns);
+    atomic_store(&h->origin_clock, origin_clock);
+    atomic_store(&h->lineage, lineage);
     Py_RETURN_NONE;
 }
 
@@ -444,7 +447,8 @@ PyMethodDef py_server_methods[] = {
     {"note_watchdog", (PyCFunction)arena_note_watchdog, METH_VARARGS, "note_watchdog(pid, start_time)"},
     {"note_checkpoint", (PyCFunction)arena_note_checkpoint, METH_VARARGS, "note_checkpoint(clock, unix_ns)"},
     {"note_lineage", (PyCFunction)arena_note_lineage, METH_VARARGS,
-     "note_lineage(lineage): the job's lineage, which its checkpoints carry (psd_layout.h)"},
+     "note_lineage(lineage, origin_unix_ns=0, origin_clock=0): the job's lineage, which its checkpoints carry, and "
+     "the checkpoint it was loaded from (psd_layout.h)"},
     {"set_gain_level", (PyCFunction)arena_set_gain_level, METH_VARARGS,
      "set_gain_level(level, damping): --async-momentum auto's gain level and damping, 0 to 1 (psd/gain.py)"},
     {NULL, NULL, 0, NULL},

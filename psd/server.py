@@ -351,10 +351,10 @@ class Server:
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )
         if not (took_over and HeaderView(self.arena).lineage):
-            # The job's lineage (psd_layout.h): a resumed checkpoint's, or a new one for a job started afresh (a
-            # checkpoint written before lineages were, 0, starts one too). A server taking over keeps the arena's.
-            self.arena.note_lineage(ckpt.lineage if ckpt is not None and ckpt.lineage else
-                                    secrets.randbits(63) + 1)
+            # A new lineage for the weights this server loads (psd_layout.h), and the checkpoint they come from; a
+            # server taking the arena over keeps the arena's.
+            origin = (ckpt.created_unix_ns, ckpt.clock) if ckpt is not None else ()
+            self.arena.note_lineage(secrets.randbits(63) + 1, *origin)
         self.arena.configure(**cfg.training())
         # --async-momentum auto's level and damping as a fresh arena has them (level 0, all of the damping): a
         # server taking over sets its own from its learners' readings (_steer_gain), or never, where its flags

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -406,6 +407,36 @@ def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, 
     assert arena_header(job)["clock"] == 11 and learner.pull_state_dict(job)["w"][0] == 3.0
     out = s.stop(signal.SIGINT)
     assert "the trained weights are gone" not in out and str(tmp_path / "A") in out, out
+
+
+def test_a_job_rolled_back_to_an_older_checkpoint_is_restored_from_it_not_from_the_newer_ones(job, serve, tmp_path):
+    """`psd serve --resume DIR/OLD` rolls a job back to an older checkpoint of its own, in its own directory, where
+    newer ones of the same run stand; the arena is lost before the job writes one of its own. The watchdog restores
+    OLD, the job's origin: the newer ones, of the lineage OLD was written in, are the state it rolled back from
+    (restored before, as the job's newest)."""
+    import torch
+
+    from psd import learner
+
+    ck = tmp_path / "ck"
+
+    def write(w: float, clock: int, made: int) -> Path:
+        spec = [checkpoint.ParamSpec("w", (1024,)), checkpoint.ParamSpec("b", (3,))]
+        return checkpoint.write(checkpoint.Checkpoint({"w": torch.full((1024,), w), "b": torch.zeros(3)}, spec,
+                                                      clock=clock, generation=1, ranks=[0], job=job,
+                                                      created_unix_ns=made, lineage=777), ck, keep=10)
+
+    old = write(1.0, 5, 1)
+    write(3.0, 9, 2)  # what the user rolls back from
+    s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(old), "--checkpoint-every", "0")
+    while "the job holds its model" not in read_line(s.proc, timeout=60):
+        pass
+    assert arena_header(job)["clock"] == 5 and learner.pull_state_dict(job)["w"][0] == 1.0
+    first = arena_header(job)["server_pid"]
+    os.truncate(shm_path(job), 8192)
+    wait_until(lambda: _next_server(job, first, _native.ARENA_READY), timeout=60, what="the arena restored")
+    assert arena_header(job)["clock"] == 5 and learner.pull_state_dict(job)["w"][0] == 1.0
+    s.stop(signal.SIGINT)
 
 
 def test_a_watchdog_that_adopts_a_trained_job_never_starts_it_empty(job, tmp_path):

@@ -333,7 +333,7 @@ def test_a_watchdog_killed_with_its_server_loading_the_first_weights_loads_them_
 def test_a_watchdog_restarted_before_the_job_held_its_model_resumes_from_what_the_job_was_started_from(tmp_path):
     """`psd run --resume A --checkpoint-dir B`, B holding another run's checkpoint: a watchdog restarted before the
     job held its model (its server loading A) is given A, not B's newest (which the next server would have loaded
-    as the job's); once the job held its model, the newest checkpoint of the job's lineage, A's."""
+    as the job's); once the job held its model and before it wrote a checkpoint, the one its weights came from, A's."""
     import torch
 
     from psd.server import ServeConfig
@@ -353,7 +353,9 @@ def test_a_watchdog_restarted_before_the_job_held_its_model_resumes_from_what_th
     launcher.watchdog_restarts = 1
     argv = launcher._watchdog_argv()
     assert argv[argv.index("--resume") + 1] == str(tmp_path / "A")
-    launcher._had_model, launcher._lineage = True, 111  # as _note_model reads it from the READY arena
+    # As _note_model reads them from the READY arena: a lineage of the job's own (it wrote no checkpoint yet), and A's
+    # checkpoint as its weights' origin
+    launcher._had_model, launcher._lineage, launcher._origin = True, 555, (1, 1)
     argv = launcher._watchdog_argv()
     assert argv[argv.index("--resume") + 1] == str(checkpoint.list_checkpoints(tmp_path / "A")[0])
 

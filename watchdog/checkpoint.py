@@ -102,8 +102,8 @@ class Checkpoint:
     # Learners the server evicted whose records it still kept (their process may still run): a server that
     # restores this checkpoint keeps refusing them (EVICTED_FIELDS each).
     evicted: list[dict] = field(default_factory=list)
-    # The job's lineage (native/psd_layout.h: the arena's `lineage`), which a server resuming from this checkpoint
-    # takes over; 0 in one made outside a job (then written as its legacy_lineage).
+    # The job's lineage when it was written (native/psd_layout.h: the arena's `lineage`); 0 in one made outside a
+    # job, or written before checkpoints carried one.
     lineage: int = 0
 
     @property
@@ -169,15 +169,33 @@ def load_allowance(source: str | os.PathLike | None) -> float:
         return 0.0
 
 
-def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int) -> Checkpoint | None:
-    """A job's newest checkpoint: one of its ``lineage`` (another run's in the same directory holds another job's
-    weights, maybe of another model), from its checkpoint directory ``own`` or, where it wrote none there yet, from
-    what it resumed from (``asked``: --resume DIR or FILE, a checkpoint of the job too). Without a lineage (0:
-    the job never held a model), the newest in either."""
-    for source in dict.fromkeys(Path(p) for p in (own, asked) if p):
+def file_name(created_unix_ns: int, clock: int) -> str:
+    """The name ``write`` gives a checkpoint."""
+    return f"ckpt-{created_unix_ns:020d}-c{clock}{SUFFIX}"
+
+
+def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int,
+           origin: tuple[int, int] = (0, 0)) -> Checkpoint | None:
+    """A job's newest checkpoint, from its checkpoint directory ``own`` or what it resumed from (``asked``: --resume
+    DIR or FILE): the newest of its ``lineage`` (the arena's: what the job wrote since its weights were last loaded),
+    or before it wrote one, the checkpoint they were loaded from, ``origin`` (its creation time and clock, the
+    arena's; (0, 0): none). Another run's checkpoint in the same directory, a run's forked from the same checkpoint,
+    or those a job resumed from an older one rolled back from, are not the job's. Without a lineage (0: the job
+    never held a model), the newest in either."""
+    sources = list(dict.fromkeys(Path(p) for p in (own, asked) if p))
+    for source in sources:
         ckpt = latest(source, lineage)
         if ckpt is not None:
             return ckpt
+    if lineage and origin[0]:
+        name = file_name(*origin)
+        for source in sources:
+            path = source if source.is_file() else source / name
+            if path.name == name and path.is_file():
+                try:
+                    return load(path)
+                except CorruptCheckpoint as e:
+                    log.warning("skipping checkpoint: %s", e)
     return None
 
 
@@ -284,7 +302,7 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
     """Write ``ckpt`` atomically into ``directory``; keep the newest ``keep``; return its path."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    name = f"ckpt-{ckpt.created_unix_ns:020d}-c{ckpt.clock}{SUFFIX}"
+    name = file_name(ckpt.created_unix_ns, ckpt.clock)
     spec_json, spec_hash = encode_spec(ckpt.spec)
     meta = {
         "format": FORMAT,
@@ -301,7 +319,7 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
         "sha256": _digest(ckpt.weights, ckpt.spec),
         "optim": json.dumps(ckpt.optim, sort_keys=True),
         "evicted": json.dumps(ckpt.evicted, sort_keys=True),
-        "lineage": str(ckpt.lineage or legacy_lineage(ckpt.created_unix_ns)),
+        "lineage": str(ckpt.lineage),
     }
     tensors = {k: v.contiguous() for k, v in ckpt.weights.items()}
     if ckpt.optstate is not None:
@@ -386,17 +404,11 @@ def _evicted_meta(text: str, path: Path) -> list[dict]:
     return records
 
 
-def legacy_lineage(created_unix_ns: int) -> int:
-    """The lineage of a checkpoint written before checkpoints carried one: drawn from its creation time, so that a
-    job resumed from it and the watchdog that restores that job agree on it."""
-    return created_unix_ns % (2**63 - 1) + 1
-
-
 def _lineage(meta: dict, path: Path) -> int:
     try:
-        return int(meta.get("lineage") or 0) or legacy_lineage(int(meta["created_unix_ns"]))
-    except (KeyError, ValueError):
-        raise CorruptCheckpoint(f"{path}: its lineage or creation time is malformed") from None
+        return int(meta.get("lineage") or 0)
+    except ValueError:
+        raise CorruptCheckpoint(f"{path}: its lineage is malformed") from None
 
 
 def lineage_of(path: str | os.PathLike) -> int | None:

@@ -176,7 +176,8 @@ class Launcher:
         self.watchdog_restarts = 0
         self._gave_up = False  # the watchdog exited GIVE_UP_EXIT: keep the arena at the end
         self._had_model = False  # the job's arena was seen READY (_note_model)
-        self._lineage = 0  # the job's lineage, from its READY arena (_note_model): its checkpoints carry it
+        # The job's lineage and origin, from its READY arena (_note_model): what checkpoint.of_job takes for its own
+        self._lineage, self._origin = 0, (0, 0)
         self._found_arena = False  # the job's arena existed before this run started its watchdog
         self._watchdog_policy = RestartPolicy(Backoff(0.1, 10.0), limit=WATCHDOG_RESTARTS, first_step=0,
                                               fresh_after=WATCHDOG_FRESH_AFTER)
@@ -222,8 +223,9 @@ class Launcher:
             # what the job was started from (--resume DIR or FILE: supervisor._resume_source). A job that neither
             # resumed nor held a model starts as it first did (a checkpoint in its directory is an earlier run's,
             # which would win over --init).
-            ckpt = checkpoint.of_job(c.ckpt_dir, s.resume, self._lineage) if self._had_model and self._lineage \
-                else None
+            ckpt = None
+            if self._had_model and self._lineage:
+                ckpt = checkpoint.of_job(c.ckpt_dir, s.resume, self._lineage, self._origin)
             argv += ["--resume", str(ckpt.path if ckpt is not None else (s.resume or c.ckpt_dir))]
         argv += ["--event-log", s.event_log or ""]
         if logging.getLogger().level > logging.INFO:
@@ -354,7 +356,8 @@ class Launcher:
         a = self._arena_or_none()
         if a is not None and a.state == _native.ARENA_READY:
             self._had_model = True
-            self._lineage = HeaderView(a).lineage  # a restored arena keeps the job's
+            h = HeaderView(a)
+            self._lineage, self._origin = h.lineage, (h.origin_unix_ns, h.origin_clock)
 
     def _supervise_watchdog(self) -> None:
         self._note_model()
@@ -379,7 +382,7 @@ class Launcher:
             # learner's first weights) would silently become the job's: as the watchdog itself does, stop and say
             # so (supervisor._respawn).
             c = self.config
-            if checkpoint.of_job(c.ckpt_dir, c.serve.resume, self._lineage) is None:
+            if checkpoint.of_job(c.ckpt_dir, c.serve.resume, self._lineage, self._origin) is None:
                 where = " or ".join(dict.fromkeys(str(p) for p in (c.ckpt_dir, c.serve.resume) if p))
                 raise Error(f"psd run: the arena of job {self.job!r} ({shm_path(self.job)}) was lost with its "
                             f"watchdog, and there is no valid checkpoint of this job in {where} to restore it from: "

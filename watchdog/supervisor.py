@@ -180,7 +180,9 @@ class Watchdog:
         self._importing = False  # the import of what checkpoints need has been started
         self._resume_first = bool(config.serve.resume)
         self._had_model = False  # the job reached READY under this watchdog (its arena held weights)
-        self._lineage = 0  # the job's lineage, from its READY arena (psd_layout.h): its checkpoints carry it
+        # The job's lineage and the checkpoint its weights were loaded from, from its READY arena (psd_layout.h):
+        # what checkpoint.of_job takes for the job's own
+        self._lineage, self._origin = 0, (0, 0)
         self._ready_seen = False  # the arena mapped now was seen READY (a replaced arena starts unseen)
         self.events = EventLog(config.serve.event_log, config.serve.job, "watchdog")
         self.exit_code = 1  # when FAILED
@@ -266,7 +268,7 @@ class Watchdog:
             # The job held its model before this watchdog (one restarted, or a server adopted): a lost arena is
             # then restored from a checkpoint or the job stops, never started empty.
             self._had_model = self._ready_seen = True
-            self._lineage = HeaderView(a).lineage
+            self._note_lineage(HeaderView(a))
         if a is not None and a.server_alive():
             h = HeaderView(a)
             server, watchdog = (h.server_pid, h.server_start_time), (h.watchdog_pid, h.watchdog_start_time)
@@ -349,9 +351,13 @@ class Watchdog:
         """Where the job's checkpoints are: its checkpoint directory, then what it resumed from (--resume A)."""
         return list(dict.fromkeys(Path(p) for p in (self.config.ckpt_dir, self.config.serve.resume) if p))
 
+    def _note_lineage(self, h: HeaderView) -> None:
+        """Note the READY arena's lineage and origin (a server sets them before READY)."""
+        self._lineage, self._origin = h.lineage, (h.origin_unix_ns, h.origin_clock)
+
     def _own_checkpoint(self) -> checkpoint.Checkpoint | None:
-        """The job's newest checkpoint, of its lineage (checkpoint.of_job)."""
-        return checkpoint.of_job(self.config.ckpt_dir, self.config.serve.resume, self._lineage)
+        """The job's newest checkpoint: of its lineage, or the one its weights were loaded from (checkpoint.of_job)."""
+        return checkpoint.of_job(self.config.ckpt_dir, self.config.serve.resume, self._lineage, self._origin)
 
     def _resume_source(self) -> Path:
         """What a server this watchdog starts with --resume loads. Once the job held its model: its newest
@@ -448,7 +454,7 @@ class Watchdog:
         h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
         if h.state == _native.ARENA_READY:
             self._ready_seen = True
-            self._lineage = h.lineage  # a server's own, set before READY
+            self._note_lineage(h)
         if h.state == _native.ARENA_READY and not self._had_model:
             self._had_model = True  # from now on, losing the arena loses trained weights
             log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
