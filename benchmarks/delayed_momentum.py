@@ -29,6 +29,8 @@ epochs and seed. Rules (``momentum'``, ``lr'`` from ``tau``):
   (one product; ``--along grad``, what psd's learners measure now), or along the update (the momentum
   buffer; ``--along update``, screened and dropped: benchmarks/results/matrix/README.md), held as a maximum halving over
   ``--half-life`` updates (0: each reading as it comes);
+- ``curvp``: ``curv`` with ``predict``'s extrapolation along the step the rule makes now (lr x its factor);
+  ``curvpl``: the same extrapolation times the gain level (none at level 0, the staleness rule's);
 - ``dc``: ``keep`` with DC-ASGD's delay compensation (Zheng et al. 2017), g + 2 g * g * (w_now - w_then);
   ``--dc LAMBDA`` adds the same compensation, g + LAMBDA g * g * (w_now - w_then), to any rule.
 
@@ -55,7 +57,7 @@ from matrix import WORKLOADS  # noqa: E402
 from psd import gain  # noqa: E402
 from psd.workloads import epoch_batches  # noqa: E402
 
-RULES = ("off", "auto", "keep", "watch", "probe", "dc", "predict", "local", "curv")
+RULES = ("off", "auto", "keep", "watch", "probe", "dc", "predict", "local", "curv", "curvp", "curvpl")
 MU = 0.9
 
 
@@ -142,7 +144,7 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
     lam_lr = [0.0]
 
     def rule_now(t: int) -> tuple[float, float]:
-        if rule == "curv" and tau:  # psd/gain.py's level, from this run's own measurement
+        if rule in ("curv", "curvp", "curvpl") and tau:  # psd/gain.py's level, from this run's own measurement
             return gain.rule(MU, tau, gain.level(lam_lr[0], MU, tau, margin=OPTS["margin"]))
         if rule in ("off", "predict", "local") or tau == 0:
             return MU, 1.0
@@ -163,9 +165,14 @@ def run(workload: str, rule: str, tau: int, seed: int = 0, trace: int = 0) -> di
                 q.copy_(old)
                 if rule == "predict" and t:  # PipeOptim: along the momentum step, by the gradient's age
                     q.add_(ob, alpha=-lr * (len(history) - 1))
+                elif rule == "curvp" and t:  # the same, along the step the gain rule makes now
+                    q.add_(ob, alpha=-lr * rule_now(t)[1] * (len(history) - 1))
+                elif rule == "curvpl" and t:  # ... as far as the gain level says: none at level 0
+                    lvl = gain.level(lam_lr[0], MU, tau, margin=OPTS["margin"])
+                    q.add_(ob, alpha=-lr * rule_now(t)[1] * (len(history) - 1) * lvl)
             for wb, mb in zip(worker.buffers(), model.buffers(), strict=True):
                 wb.copy_(mb)
-        if rule == "curv" and tau and t % OPTS["every"] == 0:
+        if rule in ("curv", "curvp", "curvpl") and tau and t % OPTS["every"] == 0:
             model.train()
             saved = [b.clone() for b in model.buffers()]  # the measurement leaves BatchNorm's statistics
             now = lr * sharpness(model, cl.loss_of(workload, model, data.x_train[idx], data.y_train[idx]),
