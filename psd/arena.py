@@ -362,9 +362,10 @@ class ArenaWatch:
         self.arena: _native.Arena | None = None
         self._ident: tuple[int, int] | None = None
         self.opened = False
+        self.truncated = False  # the last current() dropped the mapping: its file was truncated under it
 
     def current(self) -> _native.Arena | None:
-        self.opened = False
+        self.opened = self.truncated = False
         try:
             st = os.stat(shm_path(self.job))
         except FileNotFoundError:
@@ -377,6 +378,7 @@ class ArenaWatch:
             except ArenaLost:  # lost between the two looks (recover_from_sigbus): as truncated
                 pass
             self.close()  # the same arena, truncated under us (its server dies of SIGBUS): nothing to reopen
+            self.truncated = True
             return None
         self.close()
         try:

@@ -304,18 +304,22 @@ def _next_server(job: str, first: int, state: int) -> bool:
     return h["server_pid"] not in (0, first) and h["state"] == state
 
 
-def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, serve, tmp_path):
+@pytest.mark.parametrize("size", [0, 8192])
+def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, serve, tmp_path, size):
     """A job still waiting for its first learner's model loses its arena (truncated): nothing in it to keep. The
     watchdog's next server starts on a new arena, and a learner then brings its model (the server, given nothing
-    to restore, refused the damaged file at every restart until the watchdog gave up)."""
+    to restore, refused the damaged file at every restart until the watchdog gave up). Truncated to 8192 bytes, the
+    header page survives and the server, touching nothing else while it waits, runs on: the watchdog sees the file
+    shrunk under its mapping and restarts it at once (it left it running on the lost arena)."""
     from conftest import spawn
 
     s = serve(job, "--learners", "1", "--lr", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--server-restarts", "3")
     while "waiting for the first learner" not in read_line(s.proc, timeout=60):
         pass
+    wait_until(lambda: arena_header(job)["watchdog_pid"] == s.proc.pid, what="the watchdog's look at the arena")
     first = arena_header(job)["server_pid"]
-    os.truncate(shm_path(job), 0)  # the server dies of SIGBUS at its next look at the header
-    wait_until(lambda: _next_server(job, first, _native.ARENA_WAITING_SPEC), timeout=60,
+    os.truncate(shm_path(job), size)  # at 0 the server dies of SIGBUS at its next look at the header
+    wait_until(lambda: _next_server(job, first, _native.ARENA_WAITING_SPEC), timeout=20,
                what="a server on a new arena")
     assert finish(spawn("pusher.py", job, "--count", "5"), timeout=60).split()[-2:] == ["done", "5"]
     out = s.stop(signal.SIGINT)

@@ -446,6 +446,12 @@ class Watchdog:
             self._restart("is gone")
             return
         a = self._open_arena()
+        if a is None and self._watch.truncated:
+            # The file shrank under this watchdog's mapping of its server's arena: lost. The server dies of SIGBUS
+            # at its next touch of what is gone, which one that only waits (for a model, or for gradients) may not
+            # make for long: restart it now, as for that SIGBUS.
+            self._restart("lost its arena (the file was truncated under it)", arena_lost=True)
+            return
         late = self.state == ServerState.STARTING and now - self._started_at > self._start_limit
         if a is None:
             if late:
