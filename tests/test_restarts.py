@@ -413,11 +413,16 @@ def test_a_lost_arena_is_restored_from_the_checkpoint_the_job_resumed_from(job, 
     assert "the trained weights are gone" not in out and str(tmp_path / "A") in out, out
 
 
-def test_a_job_rolled_back_to_an_older_checkpoint_is_restored_from_it_not_from_the_newer_ones(job, serve, tmp_path):
+@pytest.mark.parametrize("renamed", [False, True])
+def test_a_job_rolled_back_to_an_older_checkpoint_is_restored_from_it_not_from_the_newer_ones(job, serve, tmp_path,
+                                                                                             renamed):
     """`psd serve --resume DIR/OLD` rolls a job back to an older checkpoint of its own, in its own directory, where
     newer ones of the same run stand; the arena is lost before the job writes one of its own. The watchdog restores
     OLD, the job's origin: the newer ones, of the lineage OLD was written in, are the state it rolled back from
-    (restored before, as the job's newest)."""
+    (restored before, as the job's newest). OLD copied elsewhere under another name (`--resume keep/best.safetensors`)
+    is found by what its metadata says, not its name (the job stopped: "the trained weights are gone")."""
+    import shutil
+
     import torch
 
     from psd import learner
@@ -432,7 +437,11 @@ def test_a_job_rolled_back_to_an_older_checkpoint_is_restored_from_it_not_from_t
 
     old = write(1.0, 5, 1)
     write(3.0, 9, 2)  # what the user rolls back from
-    s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(old), "--checkpoint-every", "0")
+    if renamed:
+        (tmp_path / "keep").mkdir()
+        old = Path(shutil.move(old, tmp_path / "keep" / "best.safetensors"))
+    s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(old), "--checkpoint-dir", str(ck),
+              "--checkpoint-every", "0")
     while "the job holds its model" not in read_line(s.proc, timeout=60):
         pass
     assert arena_header(job)["clock"] == 5 and learner.pull_state_dict(job)["w"][0] == 1.0

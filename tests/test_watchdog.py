@@ -602,3 +602,34 @@ def test_a_watchdog_stops_cleanly_after_a_checkpoint_lost_to_a_truncation(job, t
         subprocess.run([sys.executable, "-m", "psd.cli", "clean", "--job", job], env=child_env(), capture_output=True)
     assert r.returncode == 0 and r.stdout == "checkpoint None\nstopped STOPPED\n", (r.stdout, r.stderr[-3000:])
     assert "checkpoint skipped" in r.stderr and not checkpoint.list_checkpoints(tmp_path / "ck")
+
+
+def test_rotation_keeps_other_runs_checkpoints_and_bounds_a_jobs_own_lives(tmp_path):
+    """`--keep` prunes what an earlier run or an earlier life of the job left, but not the checkpoints of another run
+    writing beside it (forked from the same checkpoint into the same directory; several nodes): those it deleted
+    before, and with lineages that run then had nothing to restore from. A job resumed life after life keeps its
+    own newest and the one it began from."""
+    from psd.arena import ParamSpec
+
+    def write(lineage: int, made: int, clock: int, born: int = 0, origin: tuple[int, int] = (0, 0)) -> None:
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.full((4,), float(clock))}, [ParamSpec("w", (4,))],
+                                               clock=clock, generation=1, ranks=[0], job="j", created_unix_ns=made,
+                                               lineage=lineage, born_unix_ns=born, origin=origin), tmp_path, keep=3)
+
+    write(1, 100, 5)  # the checkpoint both runs fork from
+    for made, clock in [(150, 11), (151, 12)]:
+        write(20, made, clock, born=120, origin=(100, 5))  # run B
+    for made, clock in [(200, 6), (201, 7), (202, 8)]:
+        write(10, made, clock, born=110, origin=(100, 5))  # run A, writing on
+    assert checkpoint.of_job(tmp_path, None, 20, (100, 5)).clock == 12  # B's own, still there
+    assert checkpoint.of_job(tmp_path, None, 10, (100, 5)).clock == 8
+    lives = tmp_path / "lives"
+    origin, born = (0, 0), 1000
+    for life in range(1, 5):  # stopped and resumed: a new lineage each life, from the last life's newest
+        for k in range(4):
+            made = born + k
+            checkpoint.write(checkpoint.Checkpoint({"w": torch.zeros(4)}, [ParamSpec("w", (4,))], clock=made,
+                                                   generation=1, ranks=[0], job="j", created_unix_ns=made,
+                                                   lineage=life, born_unix_ns=born, origin=origin), lives, keep=3)
+        origin, born = (made, made), born + 1000
+        assert len(checkpoint.list_checkpoints(lives)) <= 4  # its own 3, and the one it began from

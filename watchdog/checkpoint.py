@@ -103,8 +103,12 @@ class Checkpoint:
     # restores this checkpoint keeps refusing them (EVICTED_FIELDS each).
     evicted: list[dict] = field(default_factory=list)
     # The job's lineage when it was written (native/psd_layout.h: the arena's `lineage`); 0 in one made outside a
-    # job, or written before checkpoints carried one.
+    # job, or written before checkpoints carried one. Not in the file: when the lineage began (the arena's
+    # creation), and the checkpoint it began from (creation time, clock; (0, 0): none), which tell ``write`` what
+    # in the directory is another run's.
     lineage: int = 0
+    born_unix_ns: int = 0
+    origin: tuple[int, int] = (0, 0)
 
     @property
     def spec_hash(self) -> int:
@@ -188,14 +192,15 @@ def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int
         if ckpt is not None:
             return ckpt
     if lineage and origin[0]:
-        name = file_name(*origin)
+        # By its metadata, not its name: --resume FILE takes a checkpoint copied or renamed
         for source in sources:
-            path = source if source.is_file() else source / name
-            if path.name == name and path.is_file():
-                try:
-                    return load(path)
-                except CorruptCheckpoint as e:
-                    log.warning("skipping checkpoint: %s", e)
+            for path in [source] if source.is_file() else list_checkpoints(source):
+                ident = identity_of(path)
+                if ident is not None and ident[1:] == tuple(origin):
+                    try:
+                        return load(path)
+                    except CorruptCheckpoint as e:
+                        log.warning("skipping checkpoint: %s", e)
     return None
 
 
@@ -251,7 +256,8 @@ def snapshot(arena: _native.Arena, job: str, config: dict | None = None, pause_t
     weights.update(zip((p.name for p in buffers), split(bufs, buffers), strict=True))
     return Checkpoint(weights, spec, clock, h["generation"], ranks, dict(config or {}, lr=h["lr"]),
                       counters, job, time.time_ns(), optim=optim, optstate=optstate, pieces=pieces,
-                      evicted=evicted, lineage=h["lineage"])
+                      evicted=evicted, lineage=h["lineage"], born_unix_ns=h["created_unix_ns"],
+                      origin=(h["origin_unix_ns"], h["origin_clock"]))
 
 
 def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
@@ -339,11 +345,27 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
             continue
         if old and pid.isdigit() and int(pid) != os.getpid() and not _native.proc_start_time(int(pid)):
             tmp.unlink(missing_ok=True)
-    for old in list_checkpoints(d)[keep:]:
-        old.unlink(missing_ok=True)
+    _prune(d, ckpt, keep)
     _fsync_dir(d)
     ckpt.path = d / name
     return ckpt.path
+
+
+def _prune(d: Path, ckpt: Checkpoint, keep: int) -> None:
+    """Remove the checkpoints in ``d`` beyond its newest ``keep``, just written ``ckpt`` among them, but not another
+    run's: of another lineage, written since ``ckpt``'s lineage began (a run forked from the same checkpoint, or
+    several nodes, writing beside it), or the checkpoint it began from; nor ``ckpt``'s lineage's own newest
+    ``keep``. An earlier run's, or an earlier life's of this job, go as before."""
+    own = 0
+    for i, old in enumerate(list_checkpoints(d)):
+        ident = identity_of(old) if ckpt.lineage else None
+        mine = ident is not None and ident[0] == ckpt.lineage
+        own += mine
+        if i < keep or (mine and own <= keep) or (
+                ident is not None and not mine and (ident[1:] == tuple(ckpt.origin) or
+                                                    0 < ckpt.born_unix_ns <= ident[1])):
+            continue
+        old.unlink(missing_ok=True)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -411,15 +433,23 @@ def _lineage(meta: dict, path: Path) -> int:
         raise CorruptCheckpoint(f"{path}: its lineage is malformed") from None
 
 
-def lineage_of(path: str | os.PathLike) -> int | None:
-    """A checkpoint file's lineage, from its metadata alone (None if it cannot be read)."""
+def identity_of(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """A checkpoint file's lineage, creation time and clock, from its metadata alone (None if it cannot be read):
+    what says whose it is, whatever the file is named."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return _lineage(f.metadata() or {}, Path(path))
+            meta = f.metadata() or {}
+        return _lineage(meta, Path(path)), int(meta["created_unix_ns"]), int(meta["clock"])
     except Exception:  # torn, foreign or malformed: load() says which, where it is read
         return None
+
+
+def lineage_of(path: str | os.PathLike) -> int | None:
+    """A checkpoint file's lineage, from its metadata alone (None if it cannot be read)."""
+    ident = identity_of(path)
+    return ident[0] if ident is not None else None
 
 
 def latest(source: str | os.PathLike, lineage: int = 0) -> Checkpoint | None:
