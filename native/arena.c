@@ -153,9 +153,15 @@ static void beat(struct psd_header *h) {
         PSD_STORE_RLX(&h->heartbeat_ns, psd_now_ns()); /* read by psd_server_alive, the watchdog */
 }
 
-/* Reserve [0, size) of the file; `h` (NULL: none yet) beats after each chunk. */
+/* Reserve [0, size) of the file; `h` (NULL: none yet) beats after each chunk. The file only ever grows: one
+ * grown for a larger model that never arrived (its offerer died, psd/server.py) keeps its size for a smaller
+ * one (the geometry asks total_size <= the file's size), so that a file shorter than a mapping of it always
+ * means a truncation by another process (the watchdog restarts the server at once: ArenaWatch.truncated). */
 static int reserve(int fd, uint64_t size, struct psd_header *h) {
-    if (ftruncate(fd, (off_t)size) != 0)
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return errno;
+    if ((uint64_t)st.st_size < size && ftruncate(fd, (off_t)size) != 0)
         return errno;
     for (uint64_t off = 0; off < size; off += GROW_CHUNK) {
         uint64_t len = size - off < GROW_CHUNK ? size - off : GROW_CHUNK;

@@ -633,3 +633,49 @@ def test_rotation_keeps_other_runs_checkpoints_and_bounds_a_jobs_own_lives(tmp_p
                                                    lineage=life, born_unix_ns=born, origin=origin), lives, keep=3)
         origin, born = (made, made), born + 1000
         assert len(checkpoint.list_checkpoints(lives)) <= 4  # its own 3, and the one it began from
+
+
+def test_a_checkpoint_written_after_the_wall_clock_stepped_back_is_kept(tmp_path):
+    """A checkpoint is named by its creation time: written after the wall clock stepped back, it sorted below the
+    job's last ones and was pruned as it was written, while the watchdog noted it as the job's newest. It is kept,
+    and it is what the job restores (its clock is the job's newest)."""
+    from psd.arena import ParamSpec
+
+    t = 10**18
+    for clock, made in [(1, t), (2, t + 1), (3, t + 2), (4, t - 3600 * 10**9)]:
+        path = checkpoint.write(checkpoint.Checkpoint({"w": torch.full((4,), float(clock))}, [ParamSpec("w", (4,))],
+                                                      clock=clock, generation=1, ranks=[0], job="j",
+                                                      created_unix_ns=made, lineage=7, born_unix_ns=t - 10**12),
+                                tmp_path, keep=3)
+    assert path.exists()
+    assert checkpoint.of_job(tmp_path, None, 7).clock in (3, 4)  # by name, the newest is clock 3's
+    assert 4 in {checkpoint.load(p).clock for p in checkpoint.list_checkpoints(tmp_path)}
+
+
+def test_regrowing_for_a_smaller_model_never_shrinks_the_arena_file(job):
+    """A learner that offered a model died before writing its weights, and the next one offers a smaller model: the
+    server grows the arena again. The file must not shrink (a file shorter than a mapping of it is a truncation, and
+    the watchdog restarts the server at once: ArenaWatch.truncated)."""
+    from psd.arena import ArenaWatch, ParamSpec, encode_spec, model_sizes
+
+    a = _native.create(shm_name(job), 0o600, 2, 4, 1 << 16, "test")
+    me = os.getpid()
+
+    def offer(n: int) -> None:
+        spec = [ParamSpec("w", (n,))]
+        assert a.set_spec(*encode_spec(spec), model_sizes(spec), me, _native.proc_start_time(me))
+        a.grow()
+
+    watch = ArenaWatch(job)
+    try:
+        offer(1_000_000)
+        big = os.stat(shm_path(job)).st_size
+        assert watch.current() is not None
+        a.set_state(_native.ARENA_WAITING_SPEC)
+        offer(1000)
+        assert os.stat(shm_path(job)).st_size == big
+        assert watch.current() is not None and not watch.truncated
+    finally:
+        watch.close()
+        a.close()
+        _native.unlink(shm_name(job))

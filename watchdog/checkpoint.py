@@ -345,25 +345,28 @@ def write(ckpt: Checkpoint, directory: str | os.PathLike, keep: int = 3) -> Path
             continue
         if old and pid.isdigit() and int(pid) != os.getpid() and not _native.proc_start_time(int(pid)):
             tmp.unlink(missing_ok=True)
-    _prune(d, ckpt, keep)
+    _prune(d, ckpt, keep, d / name)
     _fsync_dir(d)
     ckpt.path = d / name
     return ckpt.path
 
 
-def _prune(d: Path, ckpt: Checkpoint, keep: int) -> None:
-    """Remove the checkpoints in ``d`` beyond its newest ``keep``, just written ``ckpt`` among them, but not another
-    run's: of another lineage, written since ``ckpt``'s lineage began (a run forked from the same checkpoint, or
-    several nodes, writing beside it), or the checkpoint it began from; nor ``ckpt``'s lineage's own newest
-    ``keep``. An earlier run's, or an earlier life's of this job, go as before."""
-    own = 0
-    for i, old in enumerate(list_checkpoints(d)):
-        ident = identity_of(old) if ckpt.lineage else None
-        mine = ident is not None and ident[0] == ckpt.lineage
-        own += mine
-        if i < keep or (mine and own <= keep) or (
-                ident is not None and not mine and (ident[1:] == tuple(ckpt.origin) or
-                                                    0 < ckpt.born_unix_ns <= ident[1])):
+def _prune(d: Path, ckpt: Checkpoint, keep: int, written: Path) -> None:
+    """Remove the checkpoints in ``d`` beyond its newest ``keep`` (by name: by creation time), but not ``written``
+    (``ckpt``, just written: a wall clock stepped back names it older than the job's last ones), nor ``ckpt``'s
+    lineage's newest ``keep`` by clock, nor another run's: of another lineage, written since ``ckpt``'s lineage
+    began (a run forked from the same checkpoint, or several nodes, writing beside it: their clocks agreeing
+    within a checkpoint interval), or the checkpoint it began from. An earlier run's, or an earlier life's of
+    this job, go as before."""
+    files = list_checkpoints(d)
+    idents = {p: identity_of(p) for p in files} if ckpt.lineage else {}
+    own = sorted((p for p in files if (i := idents.get(p)) is not None and i[0] == ckpt.lineage),
+                 key=lambda p: idents[p][2], reverse=True)[:keep]
+    spared = {written, *files[:keep], *own}
+    for old in files:
+        ident = idents.get(old)
+        if old in spared or (ident is not None and ident[0] != ckpt.lineage and (
+                ident[1:] == tuple(ckpt.origin) or 0 < ckpt.born_unix_ns <= ident[1])):
             continue
         old.unlink(missing_ok=True)
 
