@@ -6,6 +6,7 @@ cleanly and left nothing in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import selectors
@@ -167,6 +168,17 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"pid {proc.pid} exited {proc.returncode}:\n{out}\n{err}"
     return out
+
+
+@contextlib.contextmanager
+def killed_at_exit(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, killed (and reaped) at the block's end if it still runs: a failed assertion leaves nothing running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import arena_header, child_env, finish, read_line, wait_until
+from conftest import arena_header, child_env, finish, killed_at_exit, read_line, wait_until
 from psd import _native
 from psd.arena import ARENA_LOST_EXIT, shm_path
 from psd.server import ServeConfig
@@ -109,17 +109,13 @@ def test_a_truncated_arena_is_a_clear_error_and_psd_run_resumes_from_its_checkpo
                             "--checkpoint-dir", str(ck), "--checkpoint-every", "0", "--max-restarts", "20", "--",
                             sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=child_env())
-    try:
+    with killed_at_exit(run):
         assert read_line(run, timeout=90) == "ready"
         os.kill(arena_header(job)["watchdog_pid"], signal.SIGUSR1)
         clock = checkpoint.load(wait_until(lambda: checkpoint.list_checkpoints(ck), timeout=60,
                                            what="a checkpoint")[0]).clock
         os.truncate(shm_path(job), 4096)
         _, err = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
     assert run.returncode == 0, err
     # The server's and the learner's own messages; nobody dumped core (each exited 87, as the two lines below say).
     assert err.count("psd: SIGBUS at address 0x") >= 2 and f"in the arena /dev/shm/psd.{job}" in err

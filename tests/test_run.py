@@ -10,7 +10,7 @@ import sys
 import pytest
 from chaos_helpers import leftovers
 
-from conftest import child_env, signalled_in_wait, wait_until
+from conftest import child_env, killed_at_exit, signalled_in_wait, wait_until
 from psd.arena import open_job, shm_path
 
 
@@ -317,14 +317,11 @@ def test_a_watchdog_killed_with_its_server_loading_the_first_weights_loads_them_
     run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", *flags,
                             "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(tmp_path / "own.py")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
-    try:
+    with killed_at_exit(run):
         h = wait_until(lambda: _loading(job), timeout=60, what="the server to load the weights")
         os.kill(h["watchdog_pid"], signal.SIGKILL)
         os.kill(h["server_pid"], signal.SIGKILL)
         out, err = run.communicate(timeout=180)
-    finally:
-        if run.poll() is None:
-            run.kill()
     assert run.returncode == 0, err
     assert "weights sum 320.0" in out, out + err  # 64 x 5.0, the job's first weights; the learner's own: 448
     assert "restarted" not in err and "did not become ready" not in err, err
@@ -379,7 +376,7 @@ def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_ag
                             "--init", str(init), "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable,
                             str(tmp_path / "own.py"), str(go)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
-    try:
+    with killed_at_exit(run):
         assert read_line(run, timeout=60) == "weights sum 320.0"  # attached; it waits for the go-ahead
         assert arena_header(job)["state"] == _native.ARENA_READY
         init.unlink()
@@ -391,9 +388,6 @@ def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_ag
             what="a new server on the job's arena")
         go.touch()
         _, err = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            run.kill()
     assert run.returncode == 0, err
     assert "no such file" not in err, err
     last = checkpoint.latest(tmp_path / "ck")
@@ -413,7 +407,7 @@ def test_an_arena_lost_with_its_watchdog_and_no_checkpoint_stops_the_run_instead
                             "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "0", "--",
                             sys.executable, str(tmp_path / "own.py"), str(tmp_path / "go")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
-    try:
+    with killed_at_exit(run):
         assert read_line(run, timeout=60) == "weights sum 448.0"  # its own model (64 x 7): the job's; it waits
         h = arena_header(job)
         assert h["state"] == _native.ARENA_READY
@@ -421,10 +415,6 @@ def test_an_arena_lost_with_its_watchdog_and_no_checkpoint_stops_the_run_instead
         os.kill(h["server_pid"], signal.SIGKILL)
         os.unlink(shm_path(job))
         _, err = run.communicate(timeout=60)  # before: a new, empty job, and the learner waiting on
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
     assert run.returncode == 1, err
     assert "the trained weights are gone" in err and "no valid checkpoint" in err, err
     assert not os.path.exists(shm_path(job)), "no empty job was started"
@@ -476,7 +466,7 @@ def test_psd_chaos_killing_the_watchdog_again_and_again_fails_no_healthy_job(job
     run = subprocess.Popen([sys.executable, "-m", "psd.cli", "run", "--job", job, "--learners", "1", "--lr", "0.001",
                             "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script), str(go)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
-    try:
+    with killed_at_exit(run):
         wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["state"] == _native.ARENA_READY
                    and arena_header(job)["clock"] > 5, timeout=90, what="training")
         t0 = time.monotonic()
@@ -486,9 +476,6 @@ def test_psd_chaos_killing_the_watchdog_again_and_again_fails_no_healthy_job(job
         assert ch.returncode == 0, ch.stderr
         go.touch()
         _, err = run.communicate(timeout=120)
-    finally:
-        if run.poll() is None:
-            run.kill()
     assert run.returncode == 0, err
     assert err.count("died (SIGKILL); restarting it") >= 11, err
     assert "times in a row" not in err

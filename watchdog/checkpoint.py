@@ -178,6 +178,17 @@ def file_name(created_unix_ns: int, clock: int) -> str:
     return f"ckpt-{created_unix_ns:020d}-c{clock}{SUFFIX}"
 
 
+def job_sources(own: str | os.PathLike, asked: str | os.PathLike | None) -> list[Path]:
+    """Where a job's checkpoints are: its checkpoint directory ``own``, then what it resumed from (``asked``:
+    --resume DIR or FILE), once each."""
+    return list(dict.fromkeys(Path(p) for p in (own, asked) if p))
+
+
+def lineage_in(header: HeaderView) -> tuple[int, tuple[int, int]]:
+    """A READY arena's lineage and origin (native/psd_layout.h), as ``of_job`` takes them."""
+    return header.lineage, (header.origin_unix_ns, header.origin_clock)
+
+
 def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int,
            origin: tuple[int, int] = (0, 0)) -> Checkpoint | None:
     """A job's newest checkpoint, from its checkpoint directory ``own`` or what it resumed from (``asked``: --resume
@@ -186,7 +197,7 @@ def of_job(own: str | os.PathLike, asked: str | os.PathLike | None, lineage: int
     arena's; (0, 0): none). Another run's checkpoint in the same directory, a run's forked from the same checkpoint,
     or those a job resumed from an older one rolled back from, are not the job's. Without a lineage (0: the job
     never held a model), the newest in either."""
-    sources = list(dict.fromkeys(Path(p) for p in (own, asked) if p))
+    sources = job_sources(own, asked)
     for source in sources:
         ckpt = latest(source, lineage)
         if ckpt is not None:
@@ -461,8 +472,9 @@ def latest(source: str | os.PathLike, lineage: int = 0) -> Checkpoint | None:
     is not the job's."""
     path = Path(source)
     for p in [path] if path.is_file() else list_checkpoints(path):
-        if lineage and lineage_of(p) not in (lineage, None):
-            log.info("skipping checkpoint %s: another run's (lineage %s, not the job's %d)", p, lineage_of(p), lineage)
+        theirs = lineage_of(p) if lineage else None
+        if theirs not in (lineage, None):
+            log.info("skipping checkpoint %s: another run's (lineage %s, not the job's %d)", p, theirs, lineage)
             continue
         try:
             ckpt = load(p)

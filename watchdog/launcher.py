@@ -356,8 +356,7 @@ class Launcher:
         a = self._arena_or_none()
         if a is not None and a.state == _native.ARENA_READY:
             self._had_model = True
-            h = HeaderView(a)
-            self._lineage, self._origin = h.lineage, (h.origin_unix_ns, h.origin_clock)
+            self._lineage, self._origin = checkpoint.lineage_in(HeaderView(a))
 
     def _supervise_watchdog(self) -> None:
         self._note_model()
@@ -383,7 +382,7 @@ class Launcher:
             # so (supervisor._respawn).
             c = self.config
             if checkpoint.of_job(c.ckpt_dir, c.serve.resume, self._lineage, self._origin) is None:
-                where = " or ".join(dict.fromkeys(str(p) for p in (c.ckpt_dir, c.serve.resume) if p))
+                where = " or ".join(map(str, checkpoint.job_sources(c.ckpt_dir, c.serve.resume)))
                 raise Error(f"psd run: the arena of job {self.job!r} ({shm_path(self.job)}) was lost with its "
                             f"watchdog, and there is no valid checkpoint of this job in {where} to restore it from: "
                             f"the trained weights are gone. Stopping instead of starting an empty job; start it again "

@@ -268,7 +268,7 @@ class Watchdog:
             # The job held its model before this watchdog (one restarted, or a server adopted): a lost arena is
             # then restored from a checkpoint or the job stops, never started empty.
             self._had_model = self._ready_seen = True
-            self._note_lineage(HeaderView(a))
+            self._lineage, self._origin = checkpoint.lineage_in(HeaderView(a))
         if a is not None and a.server_alive():
             h = HeaderView(a)
             server, watchdog = (h.server_pid, h.server_start_time), (h.watchdog_pid, h.watchdog_start_time)
@@ -329,7 +329,8 @@ class Watchdog:
                       "no valid checkpoint of this job in %s to restore it from: the trained weights are gone. "
                       "Stopping instead of starting an empty job. Remove what is left with `psd clean`, then start "
                       "the job again with `psd serve --job %s` (--checkpoint-every keeps checkpoints)", job,
-                      shm_path(job), " or ".join(map(str, self._own_dirs())), job)
+                      shm_path(job), " or ".join(map(str, checkpoint.job_sources(self.config.ckpt_dir,
+                                                                                    self.config.serve.resume))), job)
             self.events.emit("watchdog_gave_up", restarts=self.server_policy.count, reason="arena lost, no checkpoint",
                              fail_msg="")
             return
@@ -346,14 +347,6 @@ class Watchdog:
             with contextlib.suppress(FileNotFoundError):
                 _native.unlink(shm_name(self.config.serve.job))
         self._spawn(resume=resume, source=restore.path if restore is not None else None)
-
-    def _own_dirs(self) -> list[Path]:
-        """Where the job's checkpoints are: its checkpoint directory, then what it resumed from (--resume A)."""
-        return list(dict.fromkeys(Path(p) for p in (self.config.ckpt_dir, self.config.serve.resume) if p))
-
-    def _note_lineage(self, h: HeaderView) -> None:
-        """Note the READY arena's lineage and origin (a server sets them before READY)."""
-        self._lineage, self._origin = h.lineage, (h.origin_unix_ns, h.origin_clock)
 
     def _own_checkpoint(self) -> checkpoint.Checkpoint | None:
         """The job's newest checkpoint: of its lineage, or the one its weights were loaded from (checkpoint.of_job)."""
@@ -460,7 +453,7 @@ class Watchdog:
         h = HeaderView(a)  # the fields it needs, each read alone: not the whole header() every poll
         if h.state == _native.ARENA_READY:
             self._ready_seen = True
-            self._note_lineage(h)
+            self._lineage, self._origin = checkpoint.lineage_in(h)
         if h.state == _native.ARENA_READY and not self._had_model:
             self._had_model = True  # from now on, losing the arena loses trained weights
             log.info("job %r: the job holds its model (%d parameters); a lost arena is restored from the last "
