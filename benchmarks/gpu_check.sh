@@ -14,7 +14,9 @@
 # (benchmarks/optim_kernels.py on the GPU host's cores: the server's update bounds a one-learner GPU job; sizes
 # KERNEL_SIZES, default 1e7,1e8, threads KERNEL_THREADS, default 1,4,all), cpubench (psd bench's CPU round
 # trips and training against Hogwild with a copy, 2 and 8 learners, on cores enough for a learner each and
-# the update loop: the 2-core VM has them share), suite.
+# the update loop: the 2-core VM has them share; sizes CPUBENCH_SIZES, default "10000 1000000 10000000", time
+# limit CPUBENCH_TIMEOUT, default 300 s; then round trips alone and the kernels at CPUBENCH_LARGE, default 1e8,
+# limit CPUBENCH_LARGE_TIMEOUT, default 150 s; empty to skip), suite.
 set -u
 STEPS=" ${STEPS:-tests stages register job bench kernels cpubench suite} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
@@ -127,9 +129,16 @@ grep -E "Worst|rror" "$OUT/kernels.log"; cat "$OUT/results/optim_kernels.md" 2>/
 fi
 if want cpubench; then
 step "psd bench on the host's cores: round trips and training against Hogwild, 2 and 8 learners"
-timeout 300 "$PY" -m psd.cli bench --sizes 10000 1000000 10000000 --learners 2 8 --batches 1 8 --pull-modes copy \
+timeout "${CPUBENCH_TIMEOUT:-300}" "$PY" -m psd.cli bench --sizes ${CPUBENCH_SIZES:-10000 1000000 10000000} \
+    --learners 2 8 --batches 1 8 --pull-modes copy \
     --grad-dtypes float32 --reps 3 --json > "$OUT/results/cpu_bench.json" 2> "$OUT/cpu_bench.log"
 grep -E "^(round trip|training|limit|idle)" "$OUT/cpu_bench.log"
+if [ -n "${CPUBENCH_LARGE:-100000000}" ]; then  # round trips alone at 1e8 (training does not depend on it)
+    timeout "${CPUBENCH_LARGE_TIMEOUT:-150}" "$PY" -m psd.cli bench --sizes ${CPUBENCH_LARGE:-100000000} --learners 2 8 \
+        --no-training --pull-modes copy --grad-dtypes float32 --reps 3 --optimizer-sizes 100000000 --json \
+        > "$OUT/results/cpu_bench_large.json" 2> "$OUT/cpu_bench_large.log"
+    grep -E "^(round trip|optimizer|limit)" "$OUT/cpu_bench_large.log"
+fi
 
 fi
 if want suite; then

@@ -378,8 +378,14 @@ def _bench(args: argparse.Namespace) -> int:
                 "duration": args.duration, "reps": args.reps, "pull_modes": args.pull_modes,
                 "grad_dtypes": args.grad_dtypes, "learner_sched": args.learner_sched,
                 "loop_sizes": args.loop_sizes, "optimizer_sizes": args.optimizer_sizes,
-                "overlap_modes": args.overlap_modes}.items() if v is not None}
-    cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training)
+                "overlap_modes": args.overlap_modes, "server_threads": args.server_threads}.items()
+               if v is not None}
+    try:
+        cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training,
+                                  limits=not args.no_limits)
+    except ValueError as e:
+        print(f"psd bench: error: {e}", file=sys.stderr)
+        return 2
     results = run(cfg, log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
     if args.json:
         print(json.dumps(results, indent=2, allow_nan=False))

@@ -384,6 +384,12 @@ def _build() -> tuple[Flag, ...]:
         Flag("--learner-sched", "psd's learners' scheduling policy, as psd run --learner-sched gives it", None,
              choices=LEARNER_SCHED_CHOICES, commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default="auto"),
+        Flag("--server-threads", "update-loop threads of psd's jobs in the round trips and training; 0: what psd serve "
+             "picks (--threads 0: a quarter of the cores, 1 to 8)", None, type=int, commands=("bench",),
+             env_prefix="PSD_BENCH_", readme_default="0"),
+        Flag("--no-limits", "skip the memory limits, the update loop and the kernels (minutes on a large "
+             "last-level cache: the DRAM vectors are 4 of them)", False, switch=True, commands=("bench",),
+             env_prefix="PSD_BENCH_"),
         Flag("--loop-sizes", "more model sizes to measure the update loop at, e.g. 10000000 100000000 (1e8 is a "
              "3.6 GB arena)", None, type=int, nargs="+", commands=("bench",), env_prefix="PSD_BENCH_",
              readme_default=""),

@@ -12,6 +12,25 @@ import pytest
 
 from conftest import ROOT, child_env, strict_json
 from psd.bench.kernels import DEFAULT_LLC_BYTES, cache_params, last_level_cache, parse_cache_size
+from psd.server import auto_threads
+
+
+@pytest.mark.timeout(120)
+def test_bench_runs_the_jobs_at_the_server_threads_asked_and_skips_the_limits():
+    """--server-threads reaches the round trips' servers (their header says so, read by the learners), and
+    --no-limits leaves out the limits, the update loop and the kernels (minutes on a large cache)."""
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "bench", "--json", "--no-limits", "--no-peers",
+                        "--no-training", "--sizes", "100000", "--learners", "1", "--duration", "0.3", "--reps", "1",
+                        "--pull-modes", "copy", "--grad-dtypes", "float32", "--server-threads", "2"],
+                       capture_output=True, text=True, env=child_env(), timeout=110)
+    assert r.returncode == 0, r.stderr
+    out = strict_json(r.stdout)
+    assert out["server_threads"] == 2 and not {"limit", "update_loop", "kernels"} & set(out)
+    (row,) = out["round_trip"]
+    assert row["psd"]["server_threads"] == 2 and row["psd"]["updates_per_s"] > 0
+    bad = subprocess.run([sys.executable, "-m", "psd.cli", "bench", "--server-threads", "-1"], capture_output=True,
+                         text=True, env=child_env(), timeout=60)
+    assert bad.returncode != 0 and "server_threads" in bad.stderr
 
 
 def _compare_module():
@@ -29,6 +48,7 @@ def test_bench_json_has_every_field():
                        capture_output=True, text=True, env=child_env(), timeout=600)
     assert r.returncode == 0, r.stderr
     out = strict_json(r.stdout)
+    assert out["server_threads"] == auto_threads() and out["round_trip"][0]["psd"]["server_threads"] == auto_threads()
     assert {"psd_version", "cpus", "llc_bytes", "llc_source", "llc_fallback", "limit", "kernels", "update_loop",
             "idle_server_cpu", "pull_modes", "grad_dtypes", "round_trip", "training", "optimizer_kernels"} <= set(out)
     # Every server optimizer against torch's fused one, at one thread and at every core.

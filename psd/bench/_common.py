@@ -55,6 +55,11 @@ class BenchConfig:
     # Sizes to measure the server's optimizer kernels at, against torch's fused CPU optimizers (and DeepSpeed's
     # CPU Adam where installed) at one thread and at every usable core (with the peers only).
     optimizer_sizes: tuple[int, ...] = (10_000_000,)
+    # Update-loop threads of the round trips' and training's jobs; 0: what `psd serve` picks (auto_threads).
+    server_threads: int = 0
+    # The memory limits, the update loop and the kernels beside them (run first; minutes where the last-level
+    # cache is large, since the DRAM vectors hold four of them).
+    limits: bool = True
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -65,6 +70,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         from psd.choices import GRAD_DTYPES
 
+        if self.server_threads < 0:
+            raise ValueError(f"server_threads: {self.server_threads} (use 0 for psd serve's default, or a count)")
         unknown = set(self.pull_modes) - set(PULL_MODES)
         if unknown:
             raise ValueError(f"pull_modes: {sorted(unknown)} are not pull modes (use {', '.join(PULL_MODES)})")

@@ -34,11 +34,16 @@ def optimizer_kernels(cfg: BenchConfig, log=print) -> list[dict]:
 def run(cfg: BenchConfig, log=print) -> dict:
     """Every workload; the result is what `psd bench --json` prints."""
     out: dict = {"psd_version": __version__, "cpus": len(os.sched_getaffinity(0)), "machine": machine()}
-    out.update(limits(cfg, log))
-    # The kernels over the DRAM limit's vector, where memory shows (and over one in the core's cache).
-    out["kernels"] = kernels(dram_params(cfg, out["llc_bytes"]))
-    for row in out["kernels"]:
-        log(f"kernel      {row['params']:>11,} params  {row['kernel']:<12} {row['gbs']:6.2f} GB/s")
+    from psd.server import auto_threads
+
+    out["server_threads"] = cfg.server_threads or auto_threads()
+    log(f"server threads {out['server_threads']} (the round trips' and training's update loops)")
+    if cfg.limits:
+        out.update(limits(cfg, log))
+        # The kernels over the DRAM limit's vector, where memory shows (and over one in the core's cache).
+        out["kernels"] = kernels(dram_params(cfg, out["llc_bytes"]))
+        for row in out["kernels"]:
+            log(f"kernel      {row['params']:>11,} params  {row['kernel']:<12} {row['gbs']:6.2f} GB/s")
     out["optimizer_kernels"] = optimizer_kernels(cfg, log) if cfg.peers else []
     out["idle_server_cpu"] = idle_cpu()
     log(f"idle server {out['idle_server_cpu']:.2%} of a core")

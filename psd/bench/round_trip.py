@@ -69,10 +69,11 @@ def _psd_null_learner(job: str, n: int, device: str, duration: float, pull: str,
             push.append(ps.push_ns)
             k += 1
         pulls1 = _pulls(ps)
+        threads = ps._arena.header()["threads"]  # the job's update-loop threads, as its server recorded them
         ps.flush()
         # A reconnect (a new arena, its counters from zero) would make the difference meaningless.
         pulls = None if pulls0 is None or pulls1 is None or pulls1 < pulls0 else pulls1 - pulls0
-        q.put({"updates": k, "pulls": pulls, "lat": lat, "push": push})
+        q.put({"updates": k, "pulls": pulls, "lat": lat, "push": push, "server_threads": threads})
 
 
 def _traffic(results: list[dict], n: int, elapsed: float, grad_bytes: int = 4) -> dict:
@@ -121,7 +122,7 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
     for n in cfg.sizes:
         for k in cfg.learners:
             job = f"bench-gpu-{os.getpid()}-{n}-{k}"
-            server = Server(ServeConfig(job=job, learners=k, lr=LR, ring_depth=4, threads=1))
+            server = Server(ServeConfig(job=job, learners=k, lr=LR, ring_depth=4, threads=cfg.server_threads))
             server.start()
             stop = _server_thread(server)
             try:
@@ -141,11 +142,11 @@ def gpu_round_trip(cfg: BenchConfig, log=print) -> dict:
 
 
 def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", sched: str = "auto",
-                    grad_dtype: str = "float32", overlap: str = "auto") -> dict:
+                    grad_dtype: str = "float32", overlap: str = "auto", threads: int = 0) -> dict:
     from psd.server import ServeConfig, Server
 
     job = f"bench-{os.getpid()}-{n}-{learners}-{pull}-{grad_dtype}-{overlap}"
-    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=1, grad_dtype=grad_dtype,
+    server = Server(ServeConfig(job=job, learners=learners, lr=LR, ring_depth=4, threads=threads, grad_dtype=grad_dtype,
                                 overlap=overlap))
     server.start()
     stop = _server_thread(server)
@@ -158,7 +159,7 @@ def _psd_round_trip(n: int, learners: int, duration: float, pull: str = "copy", 
     push50, push99 = _percentiles([x for r in results for x in r["push"]])
     traffic = _traffic(results, n, elapsed, 2 if grad_dtype == "bf16" else 4)
     return {**traffic, "step_p50_us": p50, "step_p99_us": p99, "push_p50_us": push50,
-            "push_p99_us": push99}
+            "push_p99_us": push99, "server_threads": results[0]["server_threads"]}
 
 
 PEERS = ("hogwild", "hogwild_snapshot", "ddp_gloo")
@@ -174,7 +175,8 @@ def round_trip(cfg: BenchConfig, log=print) -> list[dict]:
     rows = []
     for n in cfg.sizes:
         for k in cfg.learners:
-            measures = {name: partial(_psd_round_trip, n, k, cfg.duration, pull, cfg.learner_sched, dtype, overlap)
+            measures = {name: partial(_psd_round_trip, n, k, cfg.duration, pull, cfg.learner_sched, dtype, overlap,
+                                      cfg.server_threads)
                         for name, (pull, dtype, overlap) in variants.items()}
             if cfg.peers:
                 measures["hogwild"] = partial(_hogwild_round_trip, n, k, cfg.duration, snapshot=False)

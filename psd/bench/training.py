@@ -62,7 +62,8 @@ def training(cfg: BenchConfig, log=print) -> list[dict]:
 
     def psd_run(b: int, k: int, lr: float, epochs: int, pull: str, grad_dtype: str, overlap: str = "auto") -> dict:
         job = f"bench-train-{os.getpid()}-{b}-{k}-{pull}-{grad_dtype}-{overlap}"
-        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=1, grad_dtype=grad_dtype, overlap=overlap))
+        server = Server(ServeConfig(job=job, learners=k, lr=lr, threads=cfg.server_threads, grad_dtype=grad_dtype,
+                                    overlap=overlap))
         server.start()
         stop = _server_thread(server)
         try:
