@@ -321,7 +321,7 @@ def _export(args: argparse.Namespace) -> int:
             from psd.watchdog import checkpoint
 
             where = args.checkpoint_dir or checkpoint.default_dir(args.job)
-            ckpt = checkpoint.latest(where)
+            ckpt = checkpoint.latest(where, job=args.job)
             if ckpt is None:
                 raise JobNotFound(f"job {args.job!r} is not running and {where} holds no checkpoint of it that "
                                   f"verifies; give the directory its checkpoints went to (--checkpoint-dir), or "

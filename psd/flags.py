@@ -274,8 +274,9 @@ def _build() -> tuple[Flag, ...]:
         _serve("--init", "start from these weights (.safetensors) instead of the first learner's (with --resume: "
                "where DIR holds no checkpoint)", None,
                metavar="FILE"),
-        _serve("--resume", "start from the newest valid checkpoint in DIR, or from the checkpoint file DIR names "
-               "(bare --resume: the checkpoint dir)", None, nargs="?", const="", metavar="DIR"),
+        _serve("--resume", "start from the newest valid checkpoint in DIR (the job's own where other jobs' share DIR), "
+               "or from the checkpoint file DIR names (bare --resume: the checkpoint dir)", None, nargs="?", const="",
+               metavar="DIR"),
         Flag("--checkpoint-dir", "where checkpoints go (default: the --resume DIR or the file's, else "
              "~/.local/state/psd/checkpoints/JOB)", None, metavar="DIR",
              readme_default="`~/.local/state/psd/checkpoints/JOB`"),

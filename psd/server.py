@@ -428,7 +428,7 @@ class Server:
     def _latest_checkpoint(self):
         from psd.watchdog import checkpoint
 
-        ckpt = checkpoint.latest(self.config.resume)
+        ckpt = checkpoint.latest(self.config.resume, job=self.config.job)
         if ckpt is None:
             log.warning("job %r: no valid checkpoint in %s; starting %s", self.config.job, self.config.resume,
                         f"from --init {self.config.init}" if self.config.init else "without one")

@@ -466,12 +466,45 @@ def lineage_of(path: str | os.PathLike) -> int | None:
     return ident[0] if ident is not None else None
 
 
-def latest(source: str | os.PathLike, lineage: int = 0) -> Checkpoint | None:
+def job_of(path: str | os.PathLike) -> str | None:
+    """The job a checkpoint file was written by, from its metadata alone ("" for a file older than the field, None
+    if it cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return str((f.metadata() or {}).get("job", ""))
+    except Exception:  # torn, foreign or malformed: load() says which, where it is read
+        return None
+
+
+def latest(source: str | os.PathLike, lineage: int = 0, job: str = "") -> Checkpoint | None:
     """The newest checkpoint in the directory ``source`` (or the file ``source``) that verifies; corrupt ones are
     skipped with a warning. With ``lineage``, only the job's of that lineage: another run's in the same directory
-    is not the job's."""
+    is not the job's. With ``job`` (and a directory), the job's own newest first: where jobs share a directory
+    (a sweep's runs given one --checkpoint-dir), one's resume does not take another's newer checkpoint; where
+    the job has none there (a job started from another's directory, or renamed), the directory's newest."""
     path = Path(source)
-    for p in [path] if path.is_file() else list_checkpoints(path):
+    paths = [path] if path.is_file() else list_checkpoints(path)
+    if job and not path.is_file():
+        whose = {p: job_of(p) for p in paths}
+        own = [p for p in paths if whose[p] in (job, "", None)]  # older files name no job; unreadable: load() says
+        others = [p for p in paths if p not in own]
+        if others:
+            ckpt = _newest(own, lineage)
+            if ckpt is not None:
+                return ckpt
+            ckpt = _newest(others, lineage)
+            if ckpt is not None:
+                log.warning("job %r has no checkpoint of its own in %s: taking job %r's newest, %s", job, source,
+                            ckpt.job, ckpt.path)
+            return ckpt
+    return _newest(paths, lineage)
+
+
+def _newest(paths: list[Path], lineage: int) -> Checkpoint | None:
+    """The first of ``paths`` (newest first) that verifies, and with ``lineage``, is of it."""
+    for p in paths:
         theirs = lineage_of(p) if lineage else None
         if theirs not in (lineage, None):
             log.info("skipping checkpoint %s: another run's (lineage %s, not the job's %d)", p, theirs, lineage)
