@@ -271,7 +271,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
             raise Error(f"job {args.job!r} has no weights yet; nothing to checkpoint")
         a.remap()
         snap = checkpoint.snapshot(a, args.job)
-        path = checkpoint.write(snap, args.checkpoint_dir or checkpoint.default_dir(args.job))
+        path = checkpoint.write(snap, args.checkpoint_dir or checkpoint.default_dir(args.job), keep=args.keep)
         a.note_checkpoint(snap.clock, time.time_ns())
         del snap
         print(f"job {args.job!r}: no live watchdog; wrote {path}")

@@ -342,6 +342,8 @@ def _build() -> tuple[Flag, ...]:
              "takes at 100 MB/s)", 30.0, type=float, commands=("stop", "checkpoint")),
         Flag("--checkpoint-dir", "where to write it when the job has no watchdog (default: the job's checkpoint "
              "dir)", None, commands=("checkpoint",)),
+        Flag("--keep", "checkpoints to keep when the job has no watchdog (with one, its own --keep)", 3, type=int,
+             metavar="N", commands=("checkpoint",), **at_least(1)),
         Flag("--dry-run", "only list what would be removed", False, switch=True, commands=("clean",)),
         # psd export: one source, --job or --checkpoint (a flag on the command line wins over the other's
         # variable: PSD_JOB, which psd run sets for its learners, does not override --checkpoint)
