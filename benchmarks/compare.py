@@ -157,8 +157,9 @@ def compare(committed: dict, now: dict, noise: float = 0.25, min_noise: float = 
             "worse": sum(r["direction"] == "worse" for r in rows)}
 
 
-def measure(args: argparse.Namespace, log) -> dict:
-    """The figures compare() needs, measured now with psd.bench (a bench result of the same format)."""
+def measure(args: argparse.Namespace, log, server_threads: int = 1) -> dict:
+    """The figures compare() needs, measured now with psd.bench (a bench result of the same format), the jobs'
+    update loops at ``server_threads`` (the committed result's: results older than the field ran at 1)."""
     from psd import __version__
     from psd.bench import BenchConfig, round_trip, training
     from psd.bench.kernels import limits
@@ -167,8 +168,8 @@ def measure(args: argparse.Namespace, log) -> dict:
     cfg = dataclasses.replace(
         base, sizes=tuple(args.sizes), learners=tuple(args.learners), reps=args.reps, training=args.training,
         duration=args.duration or base.duration, batches=tuple(args.batches or base.batches),
-        pull_modes=("copy",) if args.no_view else base.pull_modes)
-    out: dict = {"psd_version": __version__, "cpus": len(os.sched_getaffinity(0))}
+        pull_modes=("copy",) if args.no_view else base.pull_modes, server_threads=server_threads)
+    out: dict = {"psd_version": __version__, "cpus": len(os.sched_getaffinity(0)), "server_threads": server_threads}
     if not args.no_limits:
         out.update(limits(cfg, log))
     out["round_trip"] = round_trip(cfg, log)
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:  # progress on stderr: stdout is the table, or strict JSON
         print(line, file=sys.stderr, flush=True)
 
-    now = json.loads(args.now.read_text()) if args.now else measure(args, log)
+    now = json.loads(args.now.read_text()) if args.now else measure(args, log, committed.get("server_threads", 1))
     report = {"committed": str(args.committed), "committed_psd_version": committed.get("psd_version"),
               "now_psd_version": now.get("psd_version"), "llc_bytes": now.get("llc_bytes"),
               "noise_default_pct": 100 * args.noise, "min_noise_pct": 100 * args.min_noise,

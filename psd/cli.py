@@ -321,11 +321,13 @@ def _export(args: argparse.Namespace) -> int:
             from psd.watchdog import checkpoint
 
             where = args.checkpoint_dir or checkpoint.default_dir(args.job)
-            ckpt = checkpoint.latest(where, job=args.job)
+            ckpt = checkpoint.latest(where, job=args.job, others=False)
             if ckpt is None:
+                theirs = sorted({j for p in checkpoint.list_checkpoints(where) if (j := checkpoint.job_of(p))})
+                held = f" (it holds checkpoints of job {', '.join(map(repr, theirs))})" if theirs else ""
                 raise JobNotFound(f"job {args.job!r} is not running and {where} holds no checkpoint of it that "
-                                  f"verifies; give the directory its checkpoints went to (--checkpoint-dir), or "
-                                  f"a checkpoint file (--checkpoint)") from None
+                                  f"verifies{held}; give the directory its checkpoints went to (--checkpoint-dir), "
+                                  f"or a checkpoint file (--checkpoint)") from None
             state = in_model_dtypes(ckpt.spec, ckpt.weights)
             src = f"job {args.job!r}, which has ended: its newest checkpoint {ckpt.path}"
     torch.save({k: v.clone() for k, v in state.items()}, args.out)
@@ -474,6 +476,11 @@ def _clean(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``psd`` command."""
     args = get_args_parser().parse_args(argv)
+    try:
+        check_args(args, args.command)  # every flag's rule (psd serve and run check their ServeConfig's too)
+    except ValueError as e:
+        print(f"psd {args.command}: {e}", file=sys.stderr)
+        return 2
     if args.command in ("status", "top", "inspect"):
         recover_from_sigbus()  # they only read: a job's arena truncated meanwhile is an error, not their death
     try:

@@ -428,7 +428,9 @@ class Server:
     def _latest_checkpoint(self):
         from psd.watchdog import checkpoint
 
-        ckpt = checkpoint.latest(self.config.resume, job=self.config.job)
+        # Another job's checkpoint (jobs sharing the directory) only where there is nothing else to start from:
+        # --init is the job's own start.
+        ckpt = checkpoint.latest(self.config.resume, job=self.config.job, others=not self.config.init)
         if ckpt is None:
             log.warning("job %r: no valid checkpoint in %s; starting %s", self.config.job, self.config.resume,
                         f"from --init {self.config.init}" if self.config.init else "without one")

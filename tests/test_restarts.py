@@ -480,29 +480,42 @@ def test_a_watchdog_that_adopts_a_trained_job_never_starts_it_empty(job, tmp_pat
 @pytest.mark.parametrize("theirs_only", [False, True])
 def test_jobs_sharing_a_checkpoint_dir_resume_each_their_own(job, serve, tmp_path, theirs_only):
     """Two runs of a sweep given one --checkpoint-dir: `psd serve --resume DIR` for one of them took the directory's
-    newest checkpoint, the other run's (the same model: nothing said so), and `psd export --job` of an ended job
-    exported the other's weights. Each now takes its own newest; a job with none of its own there (started from
-    another job's directory, or renamed) takes the directory's newest, as before, and says whose."""
+    newest checkpoint, the other run's (the same model: nothing said so), `psd export --job` of an ended job
+    exported the other's weights, and the other run's pruning to --keep deleted the job's own. Each now keeps and
+    takes its own. A job with none of its own there (started from another job's directory, or renamed) resumes
+    from the directory's newest and says whose, but not over its --init; export says whose checkpoints are there."""
     import torch
+    from safetensors.torch import save_file
 
     from psd import learner
 
     ck = tmp_path / "sweep"
     spec = [checkpoint.ParamSpec("w", (1024,)), checkpoint.ParamSpec("b", (3,))]
-    mine = [] if theirs_only else [(3.0, 7, 1)]
-    for w, clock, made, who in [(*x, job) for x in mine] + [(9.0, 20, 2, job + "-other")]:
-        checkpoint.write(checkpoint.Checkpoint({"w": torch.full((1024,), w), "b": torch.zeros(3)}, spec, clock=clock,
-                                               generation=1, ranks=[0], job=who, created_unix_ns=made), ck, keep=10)
-    want_w, want_clock = (9.0, 20) if theirs_only else (3.0, 7)
+
+    def write(w: float, clock: int, made: int, who: str) -> Path:
+        return checkpoint.write(checkpoint.Checkpoint({"w": torch.full((1024,), w), "b": torch.zeros(3)}, spec,
+                                                      clock=clock, generation=1, ranks=[0], job=who,
+                                                      created_unix_ns=made, lineage=made), ck, keep=3)
+
+    mine = None if theirs_only else write(3.0, 7, 1, job)
+    for k in range(5):  # the other run writes on, pruning to its --keep 3
+        write(9.0, 20 + k, 2 + k, job + "-other")
+    assert len(checkpoint.list_checkpoints(ck)) == 3 + (not theirs_only) and (theirs_only or mine.exists())
     r = subprocess.run([sys.executable, "-m", "psd.cli", "export", "--job", job, "--checkpoint-dir", str(ck), "--out",
                         str(tmp_path / "m.pt")], capture_output=True, text=True, env=child_env(), timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert torch.load(tmp_path / "m.pt")["w"][0] == want_w
-    s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(ck), "--checkpoint-every", "0")
-    lines = [read_line(s.proc, timeout=60)]
-    while "the job holds its model" not in lines[-1]:
-        lines.append(read_line(s.proc, timeout=60))
-    assert arena_header(job)["clock"] == want_clock and learner.pull_state_dict(job)["w"][0] == want_w
-    out = "".join(lines) + s.stop(signal.SIGINT)
-    said = f"has no checkpoint of its own in {ck}: taking job '{job}-other'"
-    assert (said in out) == (said in r.stderr) == theirs_only, (out, r.stderr)
+    if theirs_only:
+        assert r.returncode == 1 and f"holds checkpoints of job '{job}-other'" in r.stderr, r.stderr
+    else:
+        assert r.returncode == 0 and torch.load(tmp_path / "m.pt")["w"][0] == 3.0, r.stderr
+    save_file({"w": torch.full((1024,), 5.0), "b": torch.zeros(3)}, str(tmp_path / "init.safetensors"))
+    for init in ([], ["--init", str(tmp_path / "init.safetensors")]) if theirs_only else ([],):
+        s = serve(job, "--learners", "1", "--lr", "1", "--resume", str(ck), "--checkpoint-every", "0", *init,
+                  "--checkpoint-dir", str(tmp_path / f"own{len(init)}"))  # its stop's checkpoint goes there
+        lines = [read_line(s.proc, timeout=60)]
+        while "the job holds its model" not in lines[-1]:
+            lines.append(read_line(s.proc, timeout=60))
+        want = (5.0, 0) if init else (9.0, 24) if theirs_only else (3.0, 7)
+        assert (arena_header(job)["clock"], learner.pull_state_dict(job)["w"][0]) == (want[1], want[0])
+        out = "".join(lines) + s.stop(signal.SIGINT)
+        said = f"has no checkpoint of its own in {ck}: taking the newest there (of job '{job}-other')"
+        assert (said in out) == (theirs_only and not init), out

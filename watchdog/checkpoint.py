@@ -368,8 +368,11 @@ def _prune(d: Path, ckpt: Checkpoint, keep: int, written: Path) -> None:
     lineage's newest ``keep`` by clock, nor another run's: of another lineage, written since ``ckpt``'s lineage
     began (a run forked from the same checkpoint, or several nodes, writing beside it: their clocks agreeing
     within a checkpoint interval), or the checkpoint it began from. An earlier run's, or an earlier life's of
-    this job, go as before."""
+    this job, go as before. Another job's (by the job each names: jobs given one --checkpoint-dir) are never
+    pruned: each job keeps its own ``keep``."""
     files = list_checkpoints(d)
+    if ckpt.job:  # unreadable files are pruned as the job's; files that name no job (older ones) too
+        files = [p for p in files if job_of(p) in (ckpt.job, "", None)]
     idents = {p: identity_of(p) for p in files} if ckpt.lineage else {}
     own = sorted((p for p in files if (i := idents.get(p)) is not None and i[0] == ckpt.lineage),
                  key=lambda p: idents[p][2], reverse=True)[:keep]
@@ -478,26 +481,26 @@ def job_of(path: str | os.PathLike) -> str | None:
         return None
 
 
-def latest(source: str | os.PathLike, lineage: int = 0, job: str = "") -> Checkpoint | None:
+def latest(source: str | os.PathLike, lineage: int = 0, job: str = "", others: bool = True) -> Checkpoint | None:
     """The newest checkpoint in the directory ``source`` (or the file ``source``) that verifies; corrupt ones are
     skipped with a warning. With ``lineage``, only the job's of that lineage: another run's in the same directory
-    is not the job's. With ``job`` (and a directory), the job's own newest first: where jobs share a directory
-    (a sweep's runs given one --checkpoint-dir), one's resume does not take another's newer checkpoint; where
-    the job has none there (a job started from another's directory, or renamed), the directory's newest."""
+    is not the job's. With ``job`` (and a directory), the job's own newest: where jobs share a directory (a
+    sweep's runs given one --checkpoint-dir), one's resume does not take another's newer checkpoint; where the
+    job has none there (a job started from another's directory, or renamed), with ``others`` the directory's
+    newest, else None."""
     path = Path(source)
     paths = [path] if path.is_file() else list_checkpoints(path)
     if job and not path.is_file():
         whose = {p: job_of(p) for p in paths}
         own = [p for p in paths if whose[p] in (job, "", None)]  # older files name no job; unreadable: load() says
-        others = [p for p in paths if p not in own]
-        if others:
+        if len(own) < len(paths):
             ckpt = _newest(own, lineage)
-            if ckpt is not None:
+            if ckpt is not None or not others:
                 return ckpt
-            ckpt = _newest(others, lineage)
+            ckpt = _newest([p for p in paths if p not in own], lineage)
             if ckpt is not None:
-                log.warning("job %r has no checkpoint of its own in %s: taking job %r's newest, %s", job, source,
-                            ckpt.job, ckpt.path)
+                log.warning("job %r has no checkpoint of its own in %s: taking the newest there (of job %r): %s",
+                            job, source, ckpt.job, ckpt.path)
             return ckpt
     return _newest(paths, lineage)
 
