@@ -91,7 +91,8 @@ class Flag:
             raise ValueError(f"{self.name} needs a value")
         shown = " ".join(str(v) for v in value) if isinstance(value, (tuple, list)) else (
             repr(value) if isinstance(value, str) else str(value))
-        if self.choices is not None and value not in self.choices:
+        many = isinstance(value, (tuple, list)) and self.nargs in ("+", "*")  # each value one of the choices
+        if self.choices is not None and any(v not in self.choices for v in (value if many else [value])):
             raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, not {shown}")
         if self.valid is not None and not self.valid(value):
             raise ValueError(f"{self.name} must be {self.rule}, not {shown}")

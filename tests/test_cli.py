@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 from psd.cli import _watchdog_config, get_args_parser
 from psd.flags import BEGIN, END, FLAGS, NODES, readme_table, serve_fields
 from psd.server import ServeConfig
@@ -201,3 +203,20 @@ def test_a_value_that_breaks_its_flags_rule_is_refused_naming_the_rule(argv, sai
     r = subprocess.run([sys.executable, "-m", "psd.cli", command, "--job", "rules", *rest], capture_output=True,
                        text=True, env=child_env(), timeout=60)
     assert r.returncode != 0 and said in r.stderr, r.stderr
+
+
+def test_every_command_checks_its_flags_rules_and_takes_its_defaults_and_lists():
+    """Every command checks its flags' rules (only psd serve and psd run did: psd checkpoint --keep 0 deleted the
+    job's other checkpoints), and what each takes by default, or as a list of choices, passes."""
+    from psd.flags import check_args
+
+    parser = get_args_parser()
+    for argv in (["serve"], ["run", "--", "x"], ["status"], ["top"], ["stop"], ["checkpoint"], ["inspect"],
+                 ["export", "--out", "m.pt", "--job", "j"], ["clean"], ["doctor"], ["chaos", "--job", "j"],
+                 ["bench", "--pull-modes", "copy", "view", "--grad-dtypes", "float32", "bf16", "--overlap-modes",
+                  "on", "off", "--sizes", "10", "20"]):
+        args = parser.parse_args(argv)
+        check_args(args, args.command)
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "checkpoint", "--job", "nothing-here", "--keep", "0"],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode == 2 and "--keep must be 1 or more, not 0" in r.stderr, r.stderr
