@@ -679,3 +679,18 @@ def test_regrowing_for_a_smaller_model_never_shrinks_the_arena_file(job):
         watch.close()
         a.close()
         _native.unlink(shm_name(job))
+
+
+def test_a_start_limit_counts_the_jobs_own_checkpoints_in_a_shared_directory(tmp_path):
+    """A directory that jobs share keeps every ended job's own newest (pruning spares other jobs'): the time a
+    resuming server is given to read it counts the job's own checkpoints alone (it reads no other), and all of
+    them for a job with none there (it falls back to the directory's newest)."""
+    from psd.arena import ParamSpec
+
+    for who, n in (("small", 1024), ("big", 1 << 20)):
+        checkpoint.write(checkpoint.Checkpoint({"w": torch.zeros(n)}, [ParamSpec("w", (n,))], clock=1, generation=1,
+                                               ranks=[0], job=who, created_unix_ns=n), tmp_path)
+    sizes = {checkpoint.job_of(p): p.stat().st_size for p in checkpoint.list_checkpoints(tmp_path)}
+    assert checkpoint.load_allowance(tmp_path, "small") == sizes["small"] / checkpoint.LOAD_RATE
+    assert checkpoint.load_allowance(tmp_path, "new") == checkpoint.load_allowance(tmp_path) == \
+        sum(sizes.values()) / checkpoint.LOAD_RATE

@@ -159,15 +159,19 @@ STALE_TMP_S = 600.0
 LOAD_RATE = 100e6
 
 
-def load_allowance(source: str | os.PathLike | None) -> float:
+def load_allowance(source: str | os.PathLike | None, job: str = "") -> float:
     """Seconds a server may take to read ``source`` (a checkpoint directory: every checkpoint in it, since a
     torn or corrupt newest one makes the server read the next; or one file, --init's), beyond the start limit
-    of a server that loads nothing: their bytes at ``LOAD_RATE``. 0 where there is nothing to read."""
+    of a server that loads nothing: their bytes at ``LOAD_RATE``. 0 where there is nothing to read. With
+    ``job``, a directory's checkpoints of that job alone where it has any there (``latest(job=)`` reads no
+    other): a directory that jobs share holds every ended job's own newest."""
     if not source:
         return 0.0
     path = Path(source)
     try:
         files = list_checkpoints(path) if path.is_dir() else [path]
+        if job and path.is_dir():
+            files = [f for f in files if job_of(f) in (job, "", None)] or files
         return sum(f.stat().st_size for f in files) / LOAD_RATE
     except OSError:
         return 0.0

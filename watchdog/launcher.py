@@ -324,7 +324,8 @@ class Launcher:
         to WATCHDOG_RESTARTS times in a row; one that exits with an error fails the start, as a server that
         cannot start (bad flags, another job's arena) makes its watchdog do."""
         s = self.config.serve
-        allowance = self.config.start_timeout + checkpoint.load_allowance(s.resume) + checkpoint.load_allowance(s.init)
+        allowance = self.config.start_timeout + checkpoint.load_allowance(s.resume, s.job) + \
+            checkpoint.load_allowance(s.init)
         deadline = time.monotonic() + allowance
         while not self._stop.is_set():
             try:

@@ -217,7 +217,7 @@ class Watchdog:
         self._started_at = time.monotonic()
         # The server reads --resume's checkpoint or --init's file before it makes its arena: a large one takes
         # longer than the start limit of a server that loads nothing.
-        self._start_limit = (self.config.start_timeout + checkpoint.load_allowance(resume_from)
+        self._start_limit = (self.config.start_timeout + checkpoint.load_allowance(resume_from, self.config.serve.job)
                              + checkpoint.load_allowance(init))
         self.state = ServerState.STARTING
         log.info("job %r: started server pid %d%s", self.config.serve.job, self.proc.pid,
