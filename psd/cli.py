@@ -382,12 +382,8 @@ def _bench(args: argparse.Namespace) -> int:
                 "loop_sizes": args.loop_sizes, "optimizer_sizes": args.optimizer_sizes,
                 "overlap_modes": args.overlap_modes, "server_threads": args.server_threads}.items()
                if v is not None}
-    try:
-        cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training,
-                                  limits=not args.no_limits)
-    except ValueError as e:
-        print(f"psd bench: error: {e}", file=sys.stderr)
-        return 2
+    cfg = dataclasses.replace(cfg, **changes, peers=not args.no_peers, training=not args.no_training,
+                              limits=not args.no_limits)  # the flags' values were checked (main: check_args)
     results = run(cfg, log=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True))
     if args.json:
         print(json.dumps(results, indent=2, allow_nan=False))

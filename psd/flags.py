@@ -390,7 +390,7 @@ def _build() -> tuple[Flag, ...]:
              readme_default="auto"),
         Flag("--server-threads", "update-loop threads of psd's jobs in the round trips and training; 0: what psd serve "
              "picks (--threads 0: a quarter of the cores, 1 to 8)", None, type=int, commands=("bench",),
-             env_prefix="PSD_BENCH_", readme_default="0"),
+             env_prefix="PSD_BENCH_", readme_default="0", **at_least(0)),
         Flag("--no-limits", "skip the memory limits, the update loop and the kernels (minutes on a large "
              "last-level cache: the DRAM vectors are 4 of them)", False, switch=True, commands=("bench",),
              env_prefix="PSD_BENCH_"),

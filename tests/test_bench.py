@@ -30,7 +30,7 @@ def test_bench_runs_the_jobs_at_the_server_threads_asked_and_skips_the_limits():
     assert row["psd"]["server_threads"] == 2 and row["psd"]["updates_per_s"] > 0
     bad = subprocess.run([sys.executable, "-m", "psd.cli", "bench", "--server-threads", "-1"], capture_output=True,
                          text=True, env=child_env(), timeout=60)
-    assert bad.returncode != 0 and "server_threads" in bad.stderr
+    assert bad.returncode == 2 and "--server-threads must be 0 or more, not -1" in bad.stderr, bad.stderr
 
 
 def _compare_module():

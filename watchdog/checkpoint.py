@@ -171,7 +171,7 @@ def load_allowance(source: str | os.PathLike | None, job: str = "") -> float:
     try:
         files = list_checkpoints(path) if path.is_dir() else [path]
         if job and path.is_dir():
-            files = [f for f in files if job_of(f) in (job, "", None)] or files
+            files = [f for f in files if _of_job(job_of(f), job)] or files
         return sum(f.stat().st_size for f in files) / LOAD_RATE
     except OSError:
         return 0.0
@@ -374,10 +374,9 @@ def _prune(d: Path, ckpt: Checkpoint, keep: int, written: Path) -> None:
     within a checkpoint interval), or the checkpoint it began from. An earlier run's, or an earlier life's of
     this job, go as before. Another job's (by the job each names: jobs given one --checkpoint-dir) are never
     pruned: each job keeps its own ``keep``."""
-    files = list_checkpoints(d)
-    if ckpt.job:  # unreadable files are pruned as the job's; files that name no job (older ones) too
-        files = [p for p in files if job_of(p) in (ckpt.job, "", None)]
-    idents = {p: identity_of(p) for p in files} if ckpt.lineage else {}
+    metas = {p: _metadata(p) for p in list_checkpoints(d)}  # each file's metadata read once
+    files = [p for p, meta in metas.items() if not ckpt.job or _of_job(_job(meta), ckpt.job)]
+    idents = {p: _identity(metas[p], p) for p in files} if ckpt.lineage else {}
     own = sorted((p for p in files if (i := idents.get(p)) is not None and i[0] == ckpt.lineage),
                  key=lambda p: idents[p][2], reverse=True)[:keep]
     spared = {written, *files[:keep], *own}
@@ -454,17 +453,30 @@ def _lineage(meta: dict, path: Path) -> int:
         raise CorruptCheckpoint(f"{path}: its lineage is malformed") from None
 
 
-def identity_of(path: str | os.PathLike) -> tuple[int, int, int] | None:
-    """A checkpoint file's lineage, creation time and clock, from its metadata alone (None if it cannot be read):
-    what says whose it is, whatever the file is named."""
+def _metadata(path: str | os.PathLike) -> dict | None:
+    """A checkpoint file's metadata alone, without its tensors (None if it cannot be read)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        return _lineage(meta, Path(path)), int(meta["created_unix_ns"]), int(meta["clock"])
+            return f.metadata() or {}
     except Exception:  # torn, foreign or malformed: load() says which, where it is read
         return None
+
+
+def _identity(meta: dict | None, path: str | os.PathLike) -> tuple[int, int, int] | None:
+    if meta is None:
+        return None
+    try:
+        return _lineage(meta, Path(path)), int(meta["created_unix_ns"]), int(meta["clock"])
+    except (CorruptCheckpoint, KeyError, ValueError):  # malformed: load() says which, where it is read
+        return None
+
+
+def identity_of(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """A checkpoint file's lineage, creation time and clock, from its metadata alone (None if it cannot be read):
+    what says whose it is, whatever the file is named."""
+    return _identity(_metadata(path), path)
 
 
 def lineage_of(path: str | os.PathLike) -> int | None:
@@ -473,16 +485,20 @@ def lineage_of(path: str | os.PathLike) -> int | None:
     return ident[0] if ident is not None else None
 
 
+def _job(meta: dict | None) -> str | None:
+    return None if meta is None else str(meta.get("job", ""))
+
+
 def job_of(path: str | os.PathLike) -> str | None:
     """The job a checkpoint file was written by, from its metadata alone ("" for a file older than the field, None
     if it cannot be read)."""
-    from safetensors import safe_open
+    return _job(_metadata(path))
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return str((f.metadata() or {}).get("job", ""))
-    except Exception:  # torn, foreign or malformed: load() says which, where it is read
-        return None
+
+def _of_job(whose: str | None, job: str) -> bool:
+    """Whether a file whose metadata names ``whose`` counts as ``job``'s: it names the job, or no job (older
+    files), or cannot be read (load() says why, where it is read; pruning removes it as the job's)."""
+    return whose in (job, "", None)
 
 
 def latest(source: str | os.PathLike, lineage: int = 0, job: str = "", others: bool = True) -> Checkpoint | None:
@@ -495,8 +511,7 @@ def latest(source: str | os.PathLike, lineage: int = 0, job: str = "", others: b
     path = Path(source)
     paths = [path] if path.is_file() else list_checkpoints(path)
     if job and not path.is_file():
-        whose = {p: job_of(p) for p in paths}
-        own = [p for p in paths if whose[p] in (job, "", None)]  # older files name no job; unreadable: load() says
+        own = [p for p in paths if _of_job(job_of(p), job)]
         if len(own) < len(paths):
             ckpt = _newest(own, lineage)
             if ckpt is not None or not others:
