@@ -24,6 +24,7 @@ import torch
 from psd import learner
 from psd.bench.record import RESULTS, command_line, machine, machine_line, write_results
 from psd.server import ServeConfig, Server
+from psd.signals import SignalFlag
 
 
 def measure(trainable: int, frozen: int, seconds: float) -> dict:
@@ -31,7 +32,7 @@ def measure(trainable: int, frozen: int, seconds: float) -> dict:
     job = f"bench-frozen-{os.getpid()}"
     server = Server(ServeConfig(job=job, learners=1, lr=1e-9, threads=1))
     server.start()
-    stop = threading.Event()
+    stop = SignalFlag()  # Server.run's stop: its wait also watches the learners' pidfds
     t = threading.Thread(target=server.run, args=(stop,), daemon=True)
     t.start()
     try:

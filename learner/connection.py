@@ -346,17 +346,25 @@ class Connection:
                     me, _native.proc_start_time(me), self.rank, max(0.05, min(answer.left(), 5.0)))
                 break
             except NoFreeSlot:
-                if deadline.expired():
+                # A restarted learner (psd run restarts one at once) may ask before its last life's slot is
+                # free: that slot is its rank's, freed within milliseconds of that life's end, and a DRAINING
+                # slot is free once its ring is applied. It waits for such a slot up to its timeout, whatever
+                # slot_timeout says (the wait for a slot held by a live learner).
+                if deadline.expired() and not (answer.left() > 0 and self._slot_coming_free()):
                     h = self._arena.header()
                     pids = [self._arena.slot_info(i)["pid"] for i in range(h["n_slots"])]
+                    mine = (f"; rank {self.rank}'s own slot is still held after {max(self.timeout, slot_timeout):g} s "
+                            f"(another learner of rank {self.rank}? give each learner its own rank, PSD_RANK)"
+                            if self._predecessor_holds_a_slot() else "")
                     raise NoFreeSlot(
                         f"job {self.job!r} has {h['n_slots']} learner slot(s) and all are in use "
-                        f"(pids {', '.join(map(str, pids))}): start its server with more --learners, "
+                        f"(pids {', '.join(map(str, pids))}){mine}: start its server with more --learners, "
                         f"or pass slot_timeout= to wait for a slot"
                     ) from None
-                # Slots free without a signal of their own: recheck every 0.1 s (or when the
-                # arena's state changes, e.g. the server stops).
-                self._arena.wait_state(_native.ARENA_READY, min(deadline.left(), 0.1))
+                # Slots free without a signal of their own: recheck every 20 ms (or when the arena's state
+                # changes, e.g. the server stops). A restarted learner waits here for its last life's slot,
+                # which the server frees within milliseconds of that life's end.
+                self._arena.wait_state(_native.ARENA_READY, min(deadline.left(), 0.02))
             except Evicted:
                 raise Evicted(f"job {self.job!r} evicted this process (pid {me}) earlier: something in it wrote "
                               f"into its slot what no learner writes (a stray pointer, a wrong tensor view); "
@@ -377,6 +385,26 @@ class Connection:
                             f"the server, start the server with --liveness lease; see `psd doctor --job "
                             f"{self.job}`") from None
 
+    def _slot_coming_free(self) -> bool:
+        """Whether a slot is FREE now (freed since the claim looked: ask again) or on its way: DRAINING (its
+        owner gone or released, its ring being applied), or held for this learner's rank by an earlier life of
+        it that the server has not yet found dead (the server's records)."""
+        a = self._arena
+        return self._predecessor_holds_a_slot() or any(
+            a.slot_info(i)["state"] in (_native.SLOT_FREE, _native.SLOT_DRAINING) for i in range(a.header()["n_slots"]))
+
+    def _predecessor_holds_a_slot(self, mine: int | None = None) -> bool:
+        """Whether a slot other than ``mine`` (this learner's, once it holds one) is held for its rank (the
+        server's record: an earlier life of this rank still attached, or draining since it died)."""
+        if self.rank < 0:
+            return False
+        a = self._arena
+        for i in range(a.header()["n_slots"]):
+            s = a.slot_info(i)
+            if i != mine and s["rank"] == self.rank and s["state"] != _native.SLOT_FREE:
+                return True
+        return False
+
     def _rank_progress(self) -> int:
         """Gradients this rank had applied before this attach (0 without a rank).
 
@@ -387,15 +415,7 @@ class Connection:
             return 0
         a = self._arena
         deadline = _Deadline(self.timeout)
-
-        def predecessor_busy() -> bool:
-            for i in range(a.header()["n_slots"]):
-                s = a.slot_info(i)
-                if i != self.slot and s["rank"] == self.rank and s["state"] != _native.SLOT_FREE:
-                    return True
-            return False
-
-        while predecessor_busy():
+        while self._predecessor_holds_a_slot(self.slot):
             if deadline.expired():
                 raise Timeout(f"job {self.job!r}: another learner with rank {self.rank} is still attached; "
                               f"give each learner its own rank (PSD_RANK)")

@@ -520,21 +520,28 @@ int psd_arena_grow(struct psd_map *m) {
 int psd_arena_wait_state(struct psd_map *m, uint32_t not_state, uint64_t timeout_ns) {
     struct psd_header *h = psd_hdr(m);
     uint64_t deadline = psd_now_ns() + timeout_ns;
+    /* A reader's mapping is read-only everywhere: it waits without announcing itself (the waiters count is a
+     * write, which faulted), as psd_arena_set_state broadcasts at every change whoever waits. The seq_cst load
+     * of seq comes before the state's load, as in psd_cond_prepare. */
+    bool announce = m->role != PSD_ROLE_READER;
     for (;;) {
-        uint32_t seen = psd_cond_prepare(&h->state_cond);
+        uint32_t seen = announce ? psd_cond_prepare(&h->state_cond) : atomic_load(&h->state_cond.seq);
         /* Pairs with the store-release in psd_arena_set_state. */
         if (PSD_LOAD_ACQ(&h->state) != not_state) {
-            psd_cond_done(&h->state_cond);
+            if (announce)
+                psd_cond_done(&h->state_cond);
             return 0;
         }
         uint64_t now = psd_now_ns();
         if (now >= deadline) {
-            psd_cond_done(&h->state_cond);
+            if (announce)
+                psd_cond_done(&h->state_cond);
             return PSD_ETIMEOUT;
         }
         uint64_t left = deadline - now;
         int rc = psd_cond_wait(&h->state_cond, seen, left < PSD_WAIT_SLICE_NS ? left : PSD_WAIT_SLICE_NS);
-        psd_cond_done(&h->state_cond);
+        if (announce)
+            psd_cond_done(&h->state_cond);
         if (rc == EINTR)
             return EINTR;
     }

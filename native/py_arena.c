@@ -32,6 +32,19 @@ PyObject *unless_lost(Arena *a, PyObject *r) {
     return r;
 }
 
+int check_role(Arena *a, uint32_t most) {
+    static const char *const roles[] = {"full", "learner", "reader"};
+    if (check_open(a))
+        return -1;
+    if (a->map.role <= most)
+        return 0;
+    PyErr_Format(PyExc_PermissionError,
+                 "%s: this mapping is a %s's (read-only there); the call writes what only a %s's mapping may "
+                 "(open_job(role=\"%s\"): the server, the watchdog)", a->name, roles[a->map.role % 3],
+                 roles[most % 3], roles[most % 3]);
+    return -1;
+}
+
 int check_slot(Arena *a, unsigned int slot) {
     if (check_open(a))
         return -1;

@@ -9,18 +9,6 @@
 #include <errno.h>
 #include <string.h>
 
-/* Run `call` with the GIL released, in slices, until it returns something
- * other than EINTR or a signal handler raises. */
-#define BLOCKING(rc, call)                                                                         \
-    do {                                                                                           \
-        for (;;) {                                                                                 \
-            Py_BEGIN_ALLOW_THREADS rc = (call);                                                    \
-            Py_END_ALLOW_THREADS if (rc != EINTR) break;                                           \
-            if (PyErr_CheckSignals())                                                              \
-                return NULL;                                                                       \
-        }                                                                                          \
-    } while (0)
-
 static PyObject *arena_set_spec(Arena *a, PyObject *args) {
     Py_buffer spec;
     unsigned long long hash, start;
@@ -47,8 +35,7 @@ static PyObject *arena_wait_state(Arena *a, PyObject *args) {
         return NULL;
     uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
     int rc;
-    BLOCKING(rc, psd_arena_wait_state(&a->map, not_state,
-                                      deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
+    BLOCKING(rc, psd_arena_wait_state(&a->map, not_state, psd_left_ns(deadline)));
     if (rc == PSD_ETIMEOUT)
         Py_RETURN_FALSE;
     if (rc)
@@ -78,10 +65,14 @@ static PyObject *arena_claim(Arena *a, PyObject *args) {
         return NULL;
     uint32_t slot = 0;
     uint64_t claim = 0;
-    uint64_t timeout_ns = seconds_to_ns(timeout);
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = psd_slot_claim(&a->map, pid, start, rank, timeout_ns, &slot, &claim);
-    Py_END_ALLOW_THREADS if (rc) return raise_code(rc, "claim learner slot", a->name);
+    /* A signal withdraws a request not yet answered (psd_slot_claim keeps a slot admitted meanwhile): a
+     * handler that returns (a DataLoader's SIGCHLD, a user's SIGALRM) lets the claim ask again, within the
+     * timeout. */
+    BLOCKING(rc, psd_slot_claim(&a->map, pid, start, rank, psd_left_ns(deadline), &slot, &claim));
+    if (rc)
+        return raise_code(rc, "claim learner slot", a->name);
     return Py_BuildValue("(IK)", slot, (unsigned long long)claim);
 }
 
@@ -281,7 +272,7 @@ static PyObject *wait_common(Arena *a, PyObject *args, enum wait_kind kind) {
         return NULL;
     uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
     int rc;
-#define LEFT() (deadline > psd_now_ns() ? deadline - psd_now_ns() : 0)
+#define LEFT() psd_left_ns(deadline)
     static const char *const what[] = {"wait for ring space", "wait for ring to drain",
                                        "wait for slot to be freed", "wait for the slowest learner (ssp)"};
     if (kind == WAIT_SSP)
@@ -311,7 +302,7 @@ static PyObject *wait_target(Arena *a, PyObject *args,
         return NULL;
     uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
     int rc;
-    BLOCKING(rc, wait(&a->map, slot, claim, target, deadline > psd_now_ns() ? deadline - psd_now_ns() : 0));
+    BLOCKING(rc, wait(&a->map, slot, claim, target, psd_left_ns(deadline)));
     if (rc)
         return raise_code(rc, what, a->name);
     Py_RETURN_NONE;

@@ -28,6 +28,25 @@ typedef struct {
     char name[256];
 } Arena;
 
+/* Run `call` with the GIL released until it returns something other than EINTR or a signal handler
+ * raises (PEP 475's rule for a blocking call: a handler that returns lets the wait go on). A call given a
+ * timeout takes what is left of it (psd_left_ns), so signals do not stretch the wait. */
+#define BLOCKING(rc, call)                                                                         \
+    do {                                                                                           \
+        for (;;) {                                                                                 \
+            Py_BEGIN_ALLOW_THREADS rc = (call);                                                    \
+            Py_END_ALLOW_THREADS if (rc != EINTR) break;                                           \
+            if (PyErr_CheckSignals())                                                              \
+                return NULL;                                                                       \
+        }                                                                                          \
+    } while (0)
+
+/* Nanoseconds from now to `deadline` (CLOCK_MONOTONIC, psd_now_ns), 0 once it has passed. */
+static inline uint64_t psd_left_ns(uint64_t deadline) {
+    uint64_t now = psd_now_ns();
+    return deadline > now ? deadline - now : 0;
+}
+
 extern PyTypeObject ArenaType;  /* py_arena.c */
 extern PyTypeObject PullerType; /* py_learner.c */
 extern PyTypeObject StepperType; /* py_learner.c */
@@ -38,6 +57,10 @@ Arena *new_arena(const char *name);
 void stop_loop(Arena *a);
 /* 0, or -1 with an exception set: the arena was closed (ValueError), or lost to a SIGBUS (ArenaLost). */
 int check_open(Arena *a);
+/* 0, or -1 with an exception set: closed or lost (check_open), or a mapping of a lesser role than `most`
+ * (enum psd_role: a reader's or a learner's mapping asked for a server's call, whose write would fault:
+ * PermissionError, not a SIGSEGV). A learner's mapping in its offer window may also set the state. */
+int check_role(Arena *a, uint32_t most);
 /* 0, or -1 with an exception set: closed, not grown yet, or no such slot. */
 int check_slot(Arena *a, unsigned int slot);
 /* `r` (a new reference, or NULL with an exception set), unless the mapping was lost to a SIGBUS while it was

@@ -29,7 +29,7 @@ static PyObject *mod_create(PyObject *self, PyObject *args) {
 
 static PyObject *arena_grow(Arena *a, PyObject *noargs) {
     (void)noargs;
-    if (check_open(a))
+    if (check_role(a, PSD_ROLE_FULL))
         return NULL;
     if (a->exports)
         return raise_code(PSD_EEXPORTS, "grow arena", NULL);
@@ -45,7 +45,8 @@ static PyObject *arena_grow(Arena *a, PyObject *noargs) {
 static PyObject *arena_set_state(Arena *a, PyObject *args) {
     unsigned int st;
     const char *msg = NULL;
-    if (!PyArg_ParseTuple(args, "I|z", &st, &msg) || check_open(a))
+    if (!PyArg_ParseTuple(args, "I|z", &st, &msg) ||
+        check_role(a, a->map.role == PSD_ROLE_LEARNER && a->map.offering ? PSD_ROLE_LEARNER : PSD_ROLE_FULL))
         return NULL;
     if (msg) {
         struct psd_header *h = psd_hdr(&a->map);
@@ -57,7 +58,7 @@ static PyObject *arena_set_state(Arena *a, PyObject *args) {
 
 static PyObject *arena_reap(Arena *a, PyObject *noargs) {
     (void)noargs;
-    if (check_open(a))
+    if (check_role(a, PSD_ROLE_FULL))
         return NULL;
     int32_t pids[PSD_MAX_SLOTS];
     uint32_t n = 0;
@@ -77,7 +78,7 @@ static PyObject *arena_become_server(Arena *a, PyObject *args) {
     unsigned long long start;
     double lr;
     unsigned int threads, spin_us;
-    if (!PyArg_ParseTuple(args, "iKdII", &pid, &start, &lr, &threads, &spin_us) || check_open(a))
+    if (!PyArg_ParseTuple(args, "iKdII", &pid, &start, &lr, &threads, &spin_us) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     h->cfg.lr = lr;
@@ -125,7 +126,7 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
                                      &beta1, &beta2, &eps, &wd, &lr_decay, &gamma, &eta_min, &step_size,
                                      &t_max, &warmup, &max_staleness, &async_momentum, &lease_ms, &lease_only,
                                      &grad_bf16, &overlap, &nodes, &node_lag) ||
-        check_open(a))
+        check_role(a, PSD_ROLE_FULL))
         return NULL;
     int o = name_index("optimizer", opt, optimizer_names, N_OPTIMIZERS), y = name_index("sync mode", sync, sync_names, N_SYNCS),
         c = name_index("schedule", sched, schedule_names, N_SCHEDULES);
@@ -174,7 +175,7 @@ static PyObject *arena_configure(Arena *a, PyObject *args, PyObject *kw) {
 static PyObject *arena_start_loop(Arena *a, PyObject *args) {
     PyObject *po = Py_None;
     unsigned long long buffers_set = 0;
-    if (!PyArg_ParseTuple(args, "|OK", &po, &buffers_set) || check_open(a))
+    if (!PyArg_ParseTuple(args, "|OK", &po, &buffers_set) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     if (a->loop) {
@@ -231,11 +232,14 @@ static PyObject *arena_pause(Arena *a, PyObject *args) {
     int pid;
     unsigned long long start;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iKd", &pid, &start, &timeout) || check_open(a))
+    if (!PyArg_ParseTuple(args, "iKd", &pid, &start, &timeout) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = psd_pause(&a->map, pid, start, seconds_to_ns(timeout));
-    Py_END_ALLOW_THREADS if (rc == EINTR && PyErr_CheckSignals()) return NULL;
+    uint64_t deadline = psd_now_ns() + seconds_to_ns(timeout);
+    /* A signal takes the pause request back (psd_pause): a handler that returns (the watchdog's SIGCHLD,
+     * another SIGUSR1) asks again for what is left of the timeout. It raised InterruptedError, and the
+     * watchdog died with its checkpoint half made. */
+    BLOCKING(rc, psd_pause(&a->map, pid, start, psd_left_ns(deadline)));
     if (rc)
         return raise_code(rc, "pause the update loop", a->name);
     Py_RETURN_NONE;
@@ -245,7 +249,7 @@ static PyObject *arena_hold(Arena *a, PyObject *args) {
     int pid;
     unsigned long long start;
     long long clock;
-    if (!PyArg_ParseTuple(args, "iKL", &pid, &start, &clock) || check_open(a))
+    if (!PyArg_ParseTuple(args, "iKL", &pid, &start, &clock) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     psd_hold(&a->map, pid, start, (int64_t)clock);
     Py_RETURN_NONE;
@@ -255,7 +259,7 @@ static PyObject *arena_hold(Arena *a, PyObject *args) {
  * learners that pull only what the rows log names copy everything at their next pull. */
 static PyObject *arena_note_weights_written(Arena *a, PyObject *noargs) {
     (void)noargs;
-    if (check_open(a))
+    if (check_role(a, PSD_ROLE_FULL))
         return NULL;
     /* Pairs with a learner's load-acquire of weights_epoch (psd_pull_changed, psd_rowlog_mark). */
     atomic_fetch_add_explicit(&psd_hdr(&a->map)->weights_epoch, 1, memory_order_release);
@@ -264,7 +268,7 @@ static PyObject *arena_note_weights_written(Arena *a, PyObject *noargs) {
 
 static PyObject *arena_resume(Arena *a, PyObject *noargs) {
     (void)noargs;
-    if (check_open(a))
+    if (check_role(a, PSD_ROLE_FULL))
         return NULL;
     psd_resume(&a->map);
     Py_RETURN_NONE;
@@ -272,7 +276,7 @@ static PyObject *arena_resume(Arena *a, PyObject *noargs) {
 
 static PyObject *arena_beat(Arena *a, PyObject *noargs) {
     (void)noargs;
-    if (check_open(a))
+    if (check_role(a, PSD_ROLE_FULL))
         return NULL;
     PSD_STORE_RLX(&psd_hdr(&a->map)->heartbeat_ns, psd_now_ns());
     Py_RETURN_NONE;
@@ -327,7 +331,7 @@ static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KKO|KKKKdOKK", kwlist, &clock, &generation, &ranks, &opt_steps,
                                      &rounds, &acc_count, &acc_staleness, &lr_now, &evicted, &round_applying,
                                      &round_applied) ||
-        check_open(a))
+        check_role(a, PSD_ROLE_FULL))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     if (PSD_LOAD_ACQ(&h->state) == PSD_ARENA_READY)
@@ -369,7 +373,7 @@ static PyObject *arena_restore(Arena *a, PyObject *args, PyObject *kw) {
 static PyObject *arena_note_watchdog(Arena *a, PyObject *args) {
     int pid;
     unsigned long long start;
-    if (!PyArg_ParseTuple(args, "iK", &pid, &start) || check_open(a))
+    if (!PyArg_ParseTuple(args, "iK", &pid, &start) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     atomic_store(&h->watchdog_start_time, start);
@@ -379,7 +383,7 @@ static PyObject *arena_note_watchdog(Arena *a, PyObject *args) {
 
 static PyObject *arena_note_lineage(Arena *a, PyObject *args) {
     unsigned long long lineage, origin_unix_ns = 0, origin_clock = 0;
-    if (!PyArg_ParseTuple(args, "K|KK", &lineage, &origin_unix_ns, &origin_clock) || check_open(a))
+    if (!PyArg_ParseTuple(args, "K|KK", &lineage, &origin_unix_ns, &origin_clock) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     atomic_store(&h->origin_unix_ns, origin_unix_ns);
@@ -390,7 +394,7 @@ static PyObject *arena_note_lineage(Arena *a, PyObject *args) {
 
 static PyObject *arena_note_checkpoint(Arena *a, PyObject *args) {
     unsigned long long clock, unix_ns;
-    if (!PyArg_ParseTuple(args, "KK", &clock, &unix_ns) || check_open(a))
+    if (!PyArg_ParseTuple(args, "KK", &clock, &unix_ns) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     struct psd_header *h = psd_hdr(&a->map);
     atomic_store(&h->checkpoint_clock, clock);
@@ -403,7 +407,7 @@ static PyObject *arena_note_checkpoint(Arena *a, PyObject *args) {
  * them at its next update. */
 static PyObject *arena_set_gain_level(Arena *a, PyObject *args) {
     double level, damping;
-    if (!PyArg_ParseTuple(args, "dd", &level, &damping) || check_open(a))
+    if (!PyArg_ParseTuple(args, "dd", &level, &damping) || check_role(a, PSD_ROLE_FULL))
         return NULL;
     if (!(level >= 0.0 && level <= 1.0) || !(damping >= 0.0 && damping <= 1.0)) {
         PyErr_Format(PyExc_ValueError, "the gain level and the damping are numbers from 0 to 1, not %g and %g",

@@ -203,17 +203,23 @@ static int claim_once(struct psd_map *m, pid_t pid, uint64_t start_time, int32_t
         /* Withdraw the request. The loop holds the line at WRITING while it answers, so the
          * compare-exchange fails exactly when an answer is being written: wait that out (briefly;
          * the server's death ends the wait too). After either, an admitted slot is given back; one
-         * that stays admitted for want of a server is reaped, as its owner never beats for it. */
+         * that stays admitted for want of a server is reaped, as its owner never beats for it. A
+         * signal (EINTR) is no failure: a slot admitted meanwhile is kept (given back, it would be
+         * DRAINING, and the caller's retry of the claim find no free slot: a full job's claimer then
+         * failed for a signal its handler had dealt with); else the caller asks again. */
         uint64_t mine = nonce;
         if (!atomic_compare_exchange_strong(&l->req_nonce, &mine, 0))
             await_answer(m, i, nonce, psd_now_ns() + PSD_WAIT_SLICE_NS);
-        if (PSD_LOAD_ACQ(&s->answered) == nonce && PSD_LOAD_RLX(&s->refused) == PSD_REFUSE_NONE) {
-            PSD_STORE_REL(&l->release, PSD_LOAD_RLX(&s->claims));
-            psd_cond_broadcast(&h->doorbell);
+        bool admitted = PSD_LOAD_ACQ(&s->answered) == nonce && PSD_LOAD_RLX(&s->refused) == PSD_REFUSE_NONE;
+        if (!(admitted && rc == EINTR)) {
+            if (admitted) {
+                PSD_STORE_REL(&l->release, PSD_LOAD_RLX(&s->claims));
+                psd_cond_broadcast(&h->doorbell);
+            }
+            PSD_STORE_RLX(&m->held[i], 0);
+            psd_arena_protect(m);
+            return rc;
         }
-        PSD_STORE_RLX(&m->held[i], 0);
-        psd_arena_protect(m);
-        return rc;
     }
     uint32_t refused = PSD_LOAD_RLX(&s->refused);
     if (refused != PSD_REFUSE_NONE) {

@@ -290,7 +290,9 @@ def _build() -> tuple[Flag, ...]:
              "many seconds of its start (plus the checkpoint or --init file it reads, at 100 MB/s)", 30.0,
              type=float, metavar="S", **positive("positive")),
         Flag("--server-restarts", "the watchdog gives up (and leaves the arena) when a restart would be the N+1-th "
-             "counted; each counts until a server has run healthy for 300 s after it", 10, type=int, metavar="N",
+             "counted; a server killed by a signal after it applied gradients beyond every earlier one's is no "
+             "crash loop (restarted at once, the count forgiven), and each other restart counts until a server has "
+             "run healthy for 300 s after it", 10, type=int, metavar="N",
              **at_least(0)),
         _serve("--event-log", "JSON-lines log of admissions, deaths, restarts, checkpoints, rejections ('' for "
                "none)", None, metavar="FILE", readme_default="`~/.local/state/psd/events/JOB.jsonl`"),

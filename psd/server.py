@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import secrets
+import select
 import signal
 import threading
 import time
@@ -49,7 +50,7 @@ from psd.choices import ASYNC_MOMENTUM, GRAD_DTYPES, OPTIMIZERS, OVERLAP, SCHEDU
 from psd.errors import ArenaCorrupt, Error, OutOfSharedMemory, SpecError, VersionMismatch
 from psd.events import EventLog
 from psd.flags import NODES, declared, serve_argv, serve_fields
-from psd.signals import Stop
+from psd.signals import SignalFlag
 
 __all__ = ["ASYNC_MOMENTUM", "DRAIN_TIMEOUT", "GRAD_DTYPES", "OPTIMIZERS", "SCHEDULES", "ServeConfig", "Server",
            "auto_threads", "validate_nodes"]
@@ -60,6 +61,62 @@ SPEC_CAPACITY = 1 << 20  # bytes of JSON: room for tens of thousands of tensors
 # Seconds a clean stop lets the update loop apply what was pushed before it; then it stops anyway, so SIGTERM
 # ends a server within a few seconds whatever its backlog (the loop finishes its pass: one entry per ring).
 DRAIN_TIMEOUT = 3.0
+
+
+class Deaths:
+    """A pidfd for each live learner in a slot (``os.pidfd_open``): one turns readable when its process ends, which
+    wakes the server's poll (``Server.run``), so the slot is reaped in a millisecond and a restarted learner gets
+    it back, not at the next tick. Only where the pid is this PID namespace's and ``/proc`` tells (else the lease
+    does); a pidfd is checked against the slot's start time after it is opened (a pid reused meanwhile is not the
+    learner's). The fields read are the server's own slot record, never the learner's block."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, tuple[int, int]] = {}  # slot -> (claim token, pidfd)
+        self._done: dict[int, int] = {}  # slot -> the claim token whose process is watched no more (ended, or none)
+        self.ended = False  # a pidfd found readable while its slot was still held: look again at once
+
+    def watch(self, slot: int, info: dict, usable: bool) -> None:
+        """Follow slot ``slot``'s record ``info`` (``Arena.slot_info``): a pidfd for its owner while it holds it."""
+        claims = info["claims"] if info["state"] == _native.SLOT_ACTIVE else 0
+        held = self._fds.get(slot)
+        if held is not None and (held[0] != claims or _readable(held[1])):
+            # Ended while its slot is still held: it may have died after this poll's reap looked (the reap runs
+            # first), and with its pidfd gone nothing would wake the next one. Poll again at once.
+            self.ended |= held[0] == claims
+            self._drop(slot)
+            held = None
+        if held is not None or not claims or not usable or self._done.get(slot) == claims:
+            return
+        self._done[slot] = claims  # one try per claim: a pid that cannot be followed is the reaper's poll's
+        pid = info["pid"]
+        if pid <= 0 or info["pid_ns"] != _native.pid_ns():
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone already, or no pidfds here: the next poll reaps it
+            return
+        if _native.proc_start_time(pid) != info["start_time"]:
+            os.close(fd)
+            return
+        self._fds[slot] = (claims, fd)
+
+    def fds(self) -> tuple[int, ...]:
+        """The pidfds to wait on."""
+        return tuple(fd for _, fd in self._fds.values())
+
+    def close(self) -> None:
+        for slot in list(self._fds):
+            self._drop(slot)
+
+    def _drop(self, slot: int) -> None:
+        _, fd = self._fds.pop(slot)
+        os.close(fd)
+
+
+def _readable(fd: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def validate_nodes(cfg: ServeConfig) -> None:
@@ -260,6 +317,7 @@ class Server:
         self.generation = 0
         self._loop_running = False
         self._owners: dict[int, int] = {}  # slot -> claim token last seen (a reattaching pid gets a new one)
+        self._deaths = Deaths()  # the live learners' pidfds, which wake the poll when one ends
         self._rejected: dict[int, int] = {}  # slot -> rejected count last seen
         self._dropped: dict[int, int] = {}  # slot -> dropped count last seen
         self._evictions_seen: set[tuple[int, int]] = set()  # (slot, evicted_unix_ns) of evictions logged
@@ -639,8 +697,10 @@ class Server:
         a = self.arena
         h = a.header()
         sharpness: dict[int, float] = {}
+        by_proc = not h["cfg_flags"] & _native.CFG_LEASE_ONLY
         for i in range(h["n_slots"]):
             info = a.slot_info(i)
+            self._deaths.watch(i, info, by_proc)
             if info["state"] == _native.SLOT_ACTIVE:
                 sharpness[i] = info["sharpness"]
             if info["state"] == _native.SLOT_EVICTED and (i, info["evicted_unix_ns"]) not in self._evictions_seen:
@@ -735,11 +795,14 @@ class Server:
             return min(self.config.poll_interval, FIRST_LEVEL_POLL_S)
         return self.config.poll_interval
 
-    def run(self, stop: Stop) -> None:
+    def run(self, stop: SignalFlag) -> None:
         """Supervise until ``stop`` is set."""
         while not stop.is_set():
             self.poll()
-            stop.wait(self.next_poll_s())
+            if self._deaths.ended:  # a learner ended between this poll's reap and its look at the slots
+                self._deaths.ended = False
+                continue
+            stop.wait(self.next_poll_s(), also=self._deaths.fds())  # a learner's end wakes it: reaped at once
 
     def _drain(self, a: _native.Arena, timeout: float) -> None:
         """Apply what learners had pushed when the stop came (they may go on pushing), for at most ``timeout``
@@ -785,6 +848,7 @@ class Server:
         if self._stopped or self.arena is None:
             return
         self._stopped = True
+        self._deaths.close()
         drain_timeout = DRAIN_TIMEOUT if drain_timeout is None else drain_timeout
         a = self.arena
         if remove and self._loop_running:

@@ -5,6 +5,7 @@ Python runs a signal handler in the main thread between two bytecodes, wherever 
 takes that lock again and blocks for ever (or, with more signals coming, nests until ``RecursionError``): a
 ``psd serve`` told to stop then never stops. ``SignalFlag.set()`` takes no lock: it stores a flag and writes a byte
 down a pipe, and ``wait()`` sleeps in ``poll()`` on that pipe, which a signal interrupts and Python resumes.
+``nudge()`` wakes the wait without setting the flag: a poll loop's "look now" (a SIGCHLD handler's: a child died).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import select
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -43,6 +45,7 @@ class SignalFlag:
 
     def __init__(self) -> None:
         self._flag = False
+        self._nudged = False
         r, w = os.pipe()  # non-inheritable: no exec'd child keeps it open
         os.set_blocking(r, False)
         os.set_blocking(w, False)
@@ -59,29 +62,46 @@ class SignalFlag:
         return self._flag
 
     def clear(self) -> None:
-        """Unset the flag and drop the wake-ups written so far. A ``set()`` racing with it keeps its flag and
-        its wake-up: the flag is cleared before the pipe is drained, and a flag set again meanwhile is woken
-        for again."""
+        """Unset the flag and drop the wake-ups (and nudges) written so far. A ``set()`` racing with it keeps its
+        flag and its wake-up: the flag is cleared before the pipe is drained, and a flag set again meanwhile is
+        woken for again."""
         self._flag = False
+        self._nudged = False
         self._drain()
         if self._flag:
             self._wake()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Sleep until the flag is set or ``timeout`` seconds pass; returns the flag."""
+    def nudge(self) -> None:
+        """Wake the ``wait()`` under way (or the next one) without setting the flag: it returns early, with the
+        flag as it is. For a poll loop's one waiter (a SIGCHLD handler's "a child died: look now"). Takes no lock,
+        never blocks, never raises."""
+        self._nudged = True
+        self._wake()
+
+    def wait(self, timeout: float | None = None, also: Sequence[int] = ()) -> bool:
+        """Sleep until the flag is set, a ``nudge()``, one of the descriptors ``also`` is readable (it is not read:
+        a socket whose messages the caller takes), or ``timeout`` seconds pass; returns the flag."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._flag:
+            if self._nudged:
+                self._nudged = False
+                break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
             r = self._fds[0]
-            if r < 0:  # closed: nothing can wake it but the deadline
+            if r < 0 and not also:  # closed: nothing can wake it but the deadline
                 time.sleep(left if left is not None else 0.1)
                 continue
             p = select.poll()  # not select(): it takes any descriptor number
-            p.register(r, select.POLLIN)
+            if r >= 0:
+                p.register(r, select.POLLIN)
+            for fd in also:
+                p.register(fd, select.POLLIN)
             # a handler runs inside; PEP 475 resumes the poll with what is left of its timeout
             ready = p.poll(None if left is None else max(1, math.ceil(left * 1000)))
+            if any(fd != r for fd, _ in ready):
+                break  # one of ``also``: the caller's to read
             if ready and not self._flag:
                 self._drain()  # a wake-up left from before a clear(): not this wait's
                 if self._flag:  # a set() between the check and the drain: its wake-up, for any other wait()

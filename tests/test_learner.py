@@ -37,6 +37,39 @@ def test_first_learner_brings_the_model_and_later_ones_get_its_weights(job, serv
     assert torch.equal(learner.pull_state_dict(job)["w"], torch.arange(64.0))
 
 
+@pytest.mark.timeout(60)
+def test_a_restarted_learner_waits_for_its_last_lifes_slot(job, serve):
+    """psd run restarts a killed learner at once, and its next life may ask for a slot before the server has
+    freed its last one (here a lease of 2 s decides: --liveness lease). With the job's slots all held, it waits
+    for the slot of its rank (it failed at once with NoFreeSlot, slot_timeout being 0), up to its timeout."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import HELPERS, child_env, read_line
+
+    serve(job, "--no-watchdog", "--learners", "1", "--liveness", "lease", "--lease", "2")
+    first = subprocess.Popen([sys.executable, str(HELPERS / "honest.py"), job, "0", str(10**9)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=child_env())
+    try:
+        assert read_line(first, 60) == "ready"
+    finally:
+        first.kill()
+        first.wait()
+    a = open_job(job, role="reader")
+    assert a.slot_info(0)["state"] == _native.SLOT_ACTIVE and a.slot_info(0)["rank"] == 0  # held by the dead one
+    t0 = time.monotonic()
+    model = torch.nn.Linear(8, 2, bias=False)
+    with learner.attach(model, job=job, rank=0, timeout=30) as ps:
+        waited = time.monotonic() - t0
+        assert ps.slot == 0 and a.slot_info(0)["pid"] == os.getpid()
+        model.weight.grad = torch.ones(2, 8)
+        ps.step()
+    a.close()
+    assert waited > 0.5, f"the slot was free after {waited:.2f} s: the test checks less than it says"
+
+
 def test_attach_detach_reattach(job, serve):
     serve(job, "--no-watchdog", "--learners", "1", "--lr", "1")
     m = Flat()

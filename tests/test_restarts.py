@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,43 @@ from psd.arena import ARENA_LOST_EXIT, shm_path
 from psd.server import ServeConfig
 from psd.watchdog import checkpoint
 from psd.watchdog.supervisor import GIVE_UP_EXIT, ServerState, Watchdog, WatchdogConfig
+
+
+@pytest.mark.timeout(90)
+def test_a_server_that_crashes_with_a_learner_pushing_is_still_a_crash_loop(job, tmp_path):
+    """A server that exits with an error 2 s after every start (PSD_TEST_CRASH_AFTER) while a learner pushes: each
+    life applies gradients (what the rings hold, and the learner's), yet it is a crash loop, counted and given up
+    on. Only a server killed by a signal after it applied gradients is forgiven (the test above)."""
+    from psd.signals import SignalFlag
+
+    events = tmp_path / "events.jsonl"
+    cfg = WatchdogConfig(ServeConfig(job=job, learners=1, lr=1.0, event_log=str(events)), tmp_path / "ck",
+                         checkpoint_every=0, max_restarts=2, backoff_base=0.1,
+                         extra_env={"PSD_TEST_CRASH_AFTER": "2", "OMP_NUM_THREADS": "1"})
+    wd = Watchdog(cfg)
+    stop = SignalFlag()
+    wd.start()
+    supervisor = threading.Thread(target=wd.run, args=(stop,), name="test-watchdog")
+    supervisor.start()
+    honest = subprocess.Popen([sys.executable, str(Path(__file__).parent / "helpers" / "honest.py"), job, "0",
+                               str(10**9)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=child_env())
+    try:
+        with killed_at_exit(honest):
+            assert read_line(honest, 60) == "ready"
+            honest.stdin.write("go\n")
+            honest.stdin.flush()
+            wait_until(lambda: wd.state == ServerState.FAILED, timeout=60, what="the watchdog giving up")
+            assert arena_header(job)["clock"] > 0, "no life applied anything: the test checks less than it says"
+    finally:
+        stop.set()
+        supervisor.join(timeout=60)
+        wd.stop()
+    assert wd.restarts == 2 and wd.exit_code == GIVE_UP_EXIT
+    restarts = [json.loads(line) for line in events.read_text().splitlines()]
+    restarts = [r for r in restarts if r["event"] == "server_restart"]
+    assert [r["counted"] for r in restarts] == [1, 2] and all("exited with 3" in r["reason"] for r in restarts)
+    os.unlink(shm_path(job))
 
 
 @pytest.mark.timeout(90)
@@ -59,6 +97,45 @@ def test_a_server_that_crashes_after_every_start_is_given_up_on(job, tmp_path, c
     os.unlink(shm_path(job))
     assert r.returncode == 0, r.stderr
     assert "crashed on purpose" in json.loads(r.stdout)["header"]["fail_msg"]
+
+
+KILLS_PAST_THE_LIMIT = 12  # the watchdog's default --server-restarts is 10
+
+
+@pytest.mark.timeout(120)
+def test_a_server_killed_past_its_restart_limit_while_it_trains_is_restarted_at_once_every_time(job, serve, tmp_path):
+    """A server killed from outside (an OOM kill, a preemption, psd chaos) that applied gradients in its life is no
+    crash loop: at default flags the watchdog restarts it at once every time, past --server-restarts, and the
+    learner's gradients are all applied. (It used to count every restart until 300 s of healthy running forgave
+    one: at a kill a minute the back-off grew to 10 s and the 11th kill stopped the job.)"""
+    events = tmp_path / "events.jsonl"
+    served = serve(job, "--learners", "1", "--lr", "1", "--event-log", str(events))
+    honest = subprocess.Popen([sys.executable, str(Path(__file__).parent / "helpers" / "honest.py"), job, "0",
+                               str(10**9)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=child_env())
+    with killed_at_exit(honest):
+        assert read_line(honest, 60) == "ready"
+        honest.stdin.write("go\n")
+        honest.stdin.flush()
+        for k in range(KILLS_PAST_THE_LIMIT):
+            h = arena_header(job)
+            due = h["applied"] + 20  # this server's life applies gradients before it dies
+            wait_until(lambda d=due: arena_header(job)["applied"] >= d, timeout=30, what=f"updates before kill {k + 1}")
+            h = arena_header(job)
+            os.kill(h["server_pid"], signal.SIGKILL)
+            wait_until(lambda g=h["generation"]: (lambda x: x["generation"] == g + 1 and x["state"] == 4)(
+                arena_header(job)), timeout=30, what=f"the watchdog's server after kill {k + 1}")
+        honest.stdin.write("stop\n")
+        honest.stdin.flush()
+        done = read_line(honest, 60).split()
+        assert honest.wait(timeout=60) == 0
+    assert done[0] == "done" and int(done[1]) <= int(done[2]) <= int(done[1]) + KILLS_PAST_THE_LIMIT, done
+    assert served.proc.poll() is None, "the watchdog gave up"
+    restarts = [json.loads(line) for line in events.read_text().splitlines()]
+    restarts = [r for r in restarts if r["event"] == "server_restart"]
+    assert len(restarts) == KILLS_PAST_THE_LIMIT
+    assert [r["backoff_s"] for r in restarts] == [0.0] * KILLS_PAST_THE_LIMIT
+    assert [r["counted"] for r in restarts] == [0] * KILLS_PAST_THE_LIMIT
 
 
 @pytest.mark.timeout(120)
@@ -247,10 +324,12 @@ def test_the_restart_policy_is_the_watchdogs_rule_for_its_node_link(seed):
 @pytest.mark.parametrize("max_restarts", [0, 1, 3])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_restart_policy_is_psd_runs_rule_for_a_learner(seed, max_restarts):
-    from psd.watchdog.restarts import Backoff, RestartPolicy
+    """psd run's rule (the policy its launcher gives each learner): a life that made progress is restarted at once,
+    the lives without it in a row wait 0.2 s, 0.4 s, ... (at most 10 s), and the max_restarts-th is not made."""
+    from psd.watchdog.launcher import learner_restart_policy
 
-    policy = RestartPolicy(Backoff(0.1, 10.0), limit=max_restarts - 1, first_step=2)  # Launcher._policy
-    fruitless, gave_up = 0, 0
+    policy = learner_restart_policy(max_restarts)
+    fruitless, gave_up, at_once = 0, 0, 0
     for _, progress in _lives(seed):
         fruitless = 0 if progress else fruitless + 1
         assert policy.failed(progress=progress) == fruitless
@@ -259,8 +338,9 @@ def test_the_restart_policy_is_psd_runs_rule_for_a_learner(seed, max_restarts):
             gave_up += 1
             fruitless, policy.count = 0, 0
             continue
-        assert policy.delay() == min(10.0, 0.1 * 2 ** fruitless)  # LEARNER_BACKOFF.delay(fruitless + 1)
-    assert gave_up
+        assert policy.delay() == (0.0 if progress else min(10.0, 0.2 * 2 ** (fruitless - 1)))
+        at_once += progress
+    assert gave_up and (at_once or max_restarts == 0)  # --max-restarts 0: no life is restarted
 
 
 def test_a_backoff_of_no_interval_tries_again_at_once_until_stopped():

@@ -250,6 +250,179 @@ def test_a_stop_flag_set_by_a_signal_handler_at_any_line_never_blocks():
     assert "in __enter__" in hung.stderr and "in handler" in hung.stderr, hung.stderr
 
 
+def test_a_nudge_or_a_readable_descriptor_ends_a_stop_flags_wait_early_without_setting_it():
+    """The poll loops' "look now": a nudge (a SIGCHLD handler's) or one of the descriptors given (the fork server's
+    socket, a learner's pidfd) ends the wait at once, the flag unset; without either the wait sleeps its timeout."""
+    from psd.signals import SignalFlag
+
+    flag = SignalFlag()
+    t0 = time.monotonic()
+    assert not flag.wait(0.05) and time.monotonic() - t0 >= 0.05
+    flag.nudge()
+    t0 = time.monotonic()
+    assert not flag.wait(30) and not flag.is_set() and time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    assert not flag.wait(0.05) and time.monotonic() - t0 >= 0.05, "a nudge ends one wait, not every one after"
+    r, w = os.pipe()
+    try:
+        os.write(w, b"x")
+        t0 = time.monotonic()
+        assert not flag.wait(30, also=(r,)) and time.monotonic() - t0 < 10
+        assert os.read(r, 1) == b"x", "the wait leaves the descriptor's data to its reader"
+        t0 = time.monotonic()
+        assert not flag.wait(0.05, also=(r,)) and time.monotonic() - t0 >= 0.05
+    finally:
+        os.close(r)
+        os.close(w)
+    # a real child's end, through a SIGCHLD handler that nudges
+    old = signal.signal(signal.SIGCHLD, lambda s, f: flag.nudge())
+    try:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        t0 = time.monotonic()
+        flag.wait(60)
+        assert time.monotonic() - t0 < 30 and child.wait(timeout=30) == 0
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+    flag.set()
+    assert flag.wait(0) and flag.is_set()
+
+
+def test_a_read_only_mapping_waits_for_the_state_and_is_refused_the_servers_calls(job, serve):
+    """`open_job(role="reader")` (psd status's mapping) may wait for the arena's state: the wait announced
+    itself with a write, and a reader's mapping is read-only everywhere, so the process died of SIGSEGV. A
+    reader's or a learner's call of what only the server may do (its writes would fault the same way) is a
+    PermissionError saying whose mapping it needs, and the process goes on."""
+    code = f"""
+import sys
+from psd import _native
+from psd.arena import open_job
+r = open_job({job!r}, role="reader")
+assert r.state == _native.ARENA_WAITING_SPEC
+assert r.wait_state(_native.ARENA_WAITING_SPEC, 0.05) is False  # timed out: no change
+for role in ("reader", "learner"):
+    a = r if role == "reader" else open_job({job!r}, role="learner")
+    for call, args in (("beat", ()), ("set_state", (_native.ARENA_STOPPED,)), ("reap", ()),
+                       ("set_gain_level", (1.0, 0.0)), ("note_watchdog", (1, 1)), ("resume", ())):
+        try:
+            getattr(a, call)(*args)
+        except PermissionError as e:
+            assert "only a full's mapping may" in str(e), e
+        else:
+            sys.exit(f"{{role}}: {{call}} went through")
+print("refused", flush=True)
+assert r.wait_state(_native.ARENA_WAITING_SPEC, 30.0) is True  # the state changes (the test's learner offers)
+print("changed", r.state, flush=True)
+"""
+    serve(job, "--no-watchdog", "--learners", "1")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
+    try:
+        assert proc.stdout.readline().strip() == "refused", proc.communicate(timeout=30)
+        with learner.attach(Flat(), job=job) as ps:
+            ps.step()
+            out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, (proc.returncode, out, err)
+    assert out.startswith("changed"), out
+    assert arena_header(job)["state"] == 4, "a refused call changed the arena"
+
+
+@pytest.mark.timeout(60)
+def test_the_bindings_waits_go_on_through_signals_whose_handlers_return(job, serve):
+    """A blocking call of the binding that a signal interrupts goes on when its Python handler returns (PEP 475),
+    for what is left of its timeout: the watchdog's pause for a checkpoint (a SIGCHLD, or a second SIGUSR1, raised
+    InterruptedError there and the watchdog died with its job) and a learner's claim of a slot (a DataLoader's
+    SIGCHLD, a user's SIGALRM: it failed as "the server refused this process"). Signals come every 10 ms while
+    the server is stopped (SIGSTOP), so that both wait: the pause for a loop that no longer beats, the claim for
+    an answer that never comes."""
+    from psd import _native
+    from psd.arena import open_job
+    from psd.errors import Error
+
+    s = serve(job, "--no-watchdog", "--learners", "2")
+    full = open_job(job)
+    me = os.getpid(), _native.proc_start_time(os.getpid())
+    handled = []
+    old = signal.signal(signal.SIGALRM, lambda sig, frame: handled.append(sig))
+    with learner.attach(Flat(), job=job) as ps:
+        ps.step()
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        try:
+            # stopped before the pause is asked for: a loop still running would grant it at once
+            wait_until(lambda: psutil.Process(s.proc.pid).status() == psutil.STATUS_STOPPED, what="the stop")
+            signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+            full.pause(*me, 20.0)  # returns once the stopped loop's last beat is a hung loop's (1 s)
+            paused = len(handled)
+            full.resume()
+            mine = open_job(job, role="learner")
+            t0 = time.monotonic()
+            with pytest.raises(Error) as e:
+                mine.claim(*me, -1, 1.0)
+            claimed = len(handled) - paused
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+            assert not isinstance(e.value, InterruptedError) and time.monotonic() - t0 >= 0.9, e.value
+            assert paused > 10 and claimed > 10, (paused, claimed)
+            mine.close()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+            signal.signal(signal.SIGALRM, old)
+            os.kill(s.proc.pid, signal.SIGCONT)
+    full.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_learners_slot_is_reaped_as_it_dies_not_at_the_servers_next_look(job):
+    """The server's poll sleeps on its live learners' pidfds: once its polls are a minute apart, a learner killed is
+    still reaped and its slot freed at once (without the pidfds: at the next poll, a minute on), and everything it
+    pushed is applied first."""
+    from psd import _native
+    from psd.arena import open_job
+    from psd.server import ServeConfig, Server
+    from psd.signals import SignalFlag
+
+    server = Server(ServeConfig(job=job, learners=1, lr=1.0))
+    polls = []
+    look = server.poll
+    server.poll = lambda: (polls.append(time.monotonic()), look())  # counts the server's looks
+    server.start()
+    stop = SignalFlag()
+    loop = threading.Thread(target=server.run, args=(stop,), name="test-server-poll")
+    loop.start()
+    honest = subprocess.Popen([sys.executable, str(HELPERS / "honest.py"), job, "0", str(10**9)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=child_env())
+    a = None
+    try:
+        assert honest.stdout.readline().strip() == "ready"
+        a = open_job(job, role="reader")
+        honest.stdin.write("go\n")
+        honest.stdin.flush()
+        wait_until(lambda: a.slot_info(0)["applied"] >= 50, timeout=60, what="its gradients")
+        server.config.poll_interval = 60.0
+        n = len(polls)
+        wait_until(lambda: len(polls) > n, timeout=30, what="a look after which the next is a minute away")
+        assert server._deaths.fds(), "that look opened no pidfd for the learner"
+        honest.kill()
+        honest.wait(timeout=30)
+        t0 = time.monotonic()
+        wait_until(lambda: a.slot_info(0)["state"] == _native.SLOT_FREE, timeout=40, what="the slot freed")
+        # the look after the change, the pidfd's wake, and the look again its ended pidfd asks for: no tick
+        assert time.monotonic() - t0 < 40 and len(polls) <= n + 4, (len(polls), n)
+        info = a.slot_info(0)
+        assert info["head"] == info["tail"], "freed before what it pushed was applied"
+    finally:
+        if a is not None:
+            a.close()
+        if honest.poll() is None:
+            honest.kill()
+        stop.set()
+        loop.join(timeout=60)
+        server.stop()
+
+
 @pytest.mark.parametrize("watchdog", [False, True], ids=["bare", "watchdog"])
 def test_psd_serve_stops_on_sigterms_raised_inside_its_stop_flags_wait(job, watchdog, tmp_path):
     """The wiring, not the flag alone: `psd serve` (the server bare, or its watchdog) gets a SIGTERM at every

@@ -96,6 +96,7 @@ class ForkServer:
         self._next = 0
         self._answers: dict[int, int] = {}
         self.alive = False
+        self.ended = 0  # children's ends taken so far (by any pump: a poll, a spawn's wait for its answer)
 
     def start(self, env: dict[str, str], timeout: float = 120.0) -> None:
         """Start the fork server with ``env`` (its OMP_NUM_THREADS is every learner's) and wait until it
@@ -136,6 +137,10 @@ class ForkServer:
             out.append(json.loads(line))
         return out
 
+    def fileno(self) -> int | None:
+        """The socket the server's messages come on (readable: a child was forked or ended), or None once closed."""
+        return self._sock.fileno() if self._sock is not None else None
+
     def pump(self, timeout: float) -> None:
         """Take the server's messages: pids of new children, exits."""
         for msg in self._read(timeout):
@@ -143,6 +148,7 @@ class ForkServer:
                 c = self._children.get(msg["pid"])
                 if c is not None:
                     c.returncode = int(msg["exit"])
+                    self.ended += 1
             elif "id" in msg:
                 self._answers[msg["id"]] = int(msg["pid"])
 
@@ -194,6 +200,9 @@ def _child(req: dict[str, Any], sock: socket.socket, server_pid: int) -> None:
     code = 1
     try:
         sock.close()
+        signal.set_wakeup_fd(-1)  # the server's SIGCHLD pipe (serve): not the learner's
+        for fd in _wakeup_fds:
+            os.close(fd)
         os.setsid()
         _prctl_pdeathsig()
         if os.getppid() != server_pid:  # the server died before the line above
@@ -258,8 +267,13 @@ def finish_interpreter() -> None:
     sys.stderr.flush()
 
 
+_wakeup_fds: list[int] = []  # the server's SIGCHLD pipe (read end, write end), which a forked child closes
+
+
 def serve(fd: int) -> int:
-    """The fork server's loop: import torch and psd.learner, then fork one learner per request."""
+    """The fork server's loop: import torch and psd.learner, then fork one learner per request, and report each
+    child's end as it happens (SIGCHLD wakes the loop through a pipe: a dead learner is restarted by ``psd run``
+    in milliseconds, not at the loop's next look)."""
     sock = socket.socket(fileno=fd)
     import torch  # noqa: F401  (the point: children start with it imported)
 
@@ -271,9 +285,20 @@ def serve(fd: int) -> int:
     children: set[int] = set()
     # Leave at once (no interpreter teardown: torch's takes a while); the children follow (PDEATHSIG).
     signal.signal(signal.SIGTERM, lambda s, f: os._exit(0))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    _wakeup_fds[:] = [wake_r, wake_w]
+    signal.signal(signal.SIGCHLD, lambda s, f: None)  # a handler, so that the signal is delivered and written
+    signal.set_wakeup_fd(wake_w)
     while True:
-        r, _, _ = select.select([sock], [], [], 0.05)
-        if r:
+        r, _, _ = select.select([sock, wake_r], [], [], 0.5)
+        if wake_r in r:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if sock in r:
             data = sock.recv(65536)
             if not data:
                 os._exit(0)  # psd run is gone

@@ -53,11 +53,13 @@ from psd.watchdog.supervisor import GIVE_UP_EXIT, WatchdogConfig, terminate
 
 __all__ = ["Launcher", "WorkerState"]
 
-LEARNER_BACKOFF = Backoff(0.1, 10.0)  # a learner's (or virtual worker's) restarts
+# A learner's (or virtual worker's) restarts after lives without progress: 0.2 s after the first, doubling to 10 s
+LEARNER_BACKOFF = Backoff(0.2, 10.0)
 # The watchdog's crash loop: a watchdog that lived over WATCHDOG_FRESH_AFTER seconds starts the count over; more
 # than WATCHDOG_RESTARTS in a row and psd run gives up (it restarted one that failed at every start, without end).
 WATCHDOG_RESTARTS = 10
 WATCHDOG_FRESH_AFTER = 60.0
+TICK_S = 0.1  # psd run's look at its processes and the job, when no child's death wakes it sooner
 log = logging.getLogger("psd.run")
 
 _PR_SET_PDEATHSIG = 1
@@ -80,6 +82,15 @@ def learner_sched_policy(name: str, learners: int, cpus: int | None = None) -> i
         cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
         name = "batch" if learners >= cpus else "normal"
     return LEARNER_SCHED[name]
+
+
+def learner_restart_policy(max_restarts: int) -> RestartPolicy:
+    """A learner's (or virtual worker's) restart policy under ``psd run --max-restarts``: it counts lives in a row
+    without progress (a life that made progress forgives them all, itself included); the ``max_restarts``-th is
+    not restarted. A life that made progress is restarted at once (it was killed, not crash-looping: every tenth
+    of a second its rank waits is throughput lost); one without waits 0.2 s after the first such life, doubling
+    to 10 s."""
+    return RestartPolicy(LEARNER_BACKOFF, limit=max_restarts - 1, first_step=1)
 
 
 def _prctl(option: int, arg: int) -> None:
@@ -115,9 +126,10 @@ class WorkerState(enum.Enum):
     ``resume_step``, ``ResumableSampler``; it says so in ``PSD_RESUME_FILE``),
     else what it applied itself (it started its data again). A learner that
     is killed while it trains is not crash-looping, so its count starts over;
-    one that fails at the same batch every life is. The back-off (0.1 s,
-    doubling up to 10 s) grows only with lives without progress. The rule is
-    each learner's ``RestartPolicy`` (watchdog/restarts.py), ``Launcher._policy``.
+    one that fails at the same batch every life is. A life that made progress
+    is restarted at once; the back-off (0.2 s, doubling up to 10 s) follows
+    lives without it. The rule is each learner's ``RestartPolicy``
+    (watchdog/restarts.py), ``learner_restart_policy``.
     """
 
     RUNNING = "running"
@@ -199,6 +211,7 @@ class Launcher:
                         f"as a new process (--fork-server off)")
         use = fork_server == "on" or (fork_server == "auto" and forkable(command))
         self._forks: ForkServer | None = ForkServer() if use else None
+        self._forks_ended = 0  # the fork server's children's ends seen by the last tick
 
     # -- processes ----------------------------------------------------------
 
@@ -346,10 +359,32 @@ class Launcher:
                 self._gave_up = code == GIVE_UP_EXIT or self._found_arena
                 raise Error(f"psd run: the server of job {self.job!r} could not start (its watchdog exited "
                             f"{code}); see above")
-            if self._stop.wait(self._watchdog_died(code)):
+            if self._sleep(self._watchdog_died(code)):
                 return
             self._restart_watchdog()
             deadline = time.monotonic() + allowance
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` (a back-off), or until a stop; returns whether stopped. A child's death wakes the
+        stop flag's wait (a nudge): this one goes on sleeping."""
+        end = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            self._stop.wait(left)
+        return self._stop.is_set()
+
+    def _tick(self) -> None:
+        """Wait for the next look: TICK_S, or less where a child dies (SIGCHLD, or the fork server's message
+        that one of its learners did), so that a dead learner is restarted in milliseconds, not a tick."""
+        fd = None
+        if self._forks is not None:
+            self._forks.pump(0.0)  # what came meanwhile: taken, so that the wait below waits
+            if self._forks.ended != self._forks_ended:
+                # A child's end taken since the last look (here, or by a spawn's wait for its answer, which
+                # pumps too): the socket is empty, but that learner waits for the next pass. Look at once.
+                self._forks_ended = self._forks.ended
+                return
+            fd = self._forks.fileno()
+        self._stop.wait(TICK_S, also=() if fd is None else (fd,))
 
     def _note_model(self) -> None:
         """Note whether the job has held its model (its arena seen READY), which a restarted watchdog's flags
@@ -427,10 +462,8 @@ class Launcher:
         return how
 
     def _policy(self) -> RestartPolicy:
-        """A learner's (or virtual worker's) restart policy: it counts lives in a row without progress (a life
-        that made progress forgives them all, itself included); the ``max_restarts``-th is not restarted; the
-        restart waits 0.1 s after a life that made progress, 0.2 s after the first without, doubling to 10."""
-        return RestartPolicy(LEARNER_BACKOFF, limit=self.max_restarts - 1, first_step=2)
+        """A learner's (or virtual worker's) restart policy: ``learner_restart_policy``."""
+        return learner_restart_policy(self.max_restarts)
 
     def _supervise_vws(self) -> None:
         """--stages: a stage that dies takes its virtual worker down (its peers would wait on it in their
@@ -467,7 +500,7 @@ class Launcher:
                     w.state = WorkerState.BACKOFF
                     w.restart_at = now + policy.delay()
                 log.warning("job %r: virtual worker %d lost %s; restarting its stages", self.job, vw, how)
-            elif members and all(w.state != WorkerState.RUNNING for w in members) and any(
+            if members and all(w.state != WorkerState.RUNNING for w in members) and any(
                     w.state == WorkerState.BACKOFF and now >= w.restart_at for w in members):
                 self._start_vw(vw, restart=True)
 
@@ -495,7 +528,7 @@ class Launcher:
                 w.restart_at = now + w.restart_policy.delay()
                 died.append(f"{w.rank} ({how})")
                 self.events.emit("learner_died", rank=w.rank, learner_pid=w.proc.pid, exit=how)
-            elif w.state == WorkerState.BACKOFF and now >= w.restart_at:
+            if w.state == WorkerState.BACKOFF and now >= w.restart_at:  # a life that made progress: at once
                 w.restarts += 1
                 self._start_worker(w)
                 log.warning("job %r: learner %d restarted (restart %d)", self.job, w.rank, w.restarts)
@@ -566,6 +599,7 @@ class Launcher:
         recover_from_sigbus()  # a learner that truncates the arena faults the server, never the run
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: self._stop.set())
+        signal.signal(signal.SIGCHLD, lambda s, f: self._stop.nudge())  # a learner or the watchdog died: look now
         interrupted = False
         self._found_arena = os.path.exists(shm_path(self.job))  # an earlier life's, left by a dead server
         try:
@@ -597,7 +631,7 @@ class Launcher:
                     self._watch.close()
                 if all(w.state in (WorkerState.SUCCEEDED, WorkerState.FAILED) for w in self.workers):
                     break
-                self._stop.wait(0.1)
+                self._tick()
             interrupted = self._stop.is_set()
             with contextlib.suppress(ArenaLost):  # truncated at the end: the last line is not worth the run
                 self._progress(final=True)

@@ -237,7 +237,9 @@ def _run_procs(targets: list[tuple], timeout: float = 600) -> list[dict]:
 def _server_thread(server):
     import threading
 
-    ev = threading.Event()
+    from psd.signals import SignalFlag
+
+    ev = SignalFlag()  # Server.run's stop: its wait also watches the learners' pidfds
     t = threading.Thread(target=server.run, args=(ev,), daemon=True)
     t.start()
 

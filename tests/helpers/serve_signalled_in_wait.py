@@ -22,12 +22,24 @@ import psd.watchdog.launcher
 import psd.watchdog.supervisor
 from psd.signals import SignalFlag
 
+
+class EventFlag(threading.Event):
+    """threading.Event with SignalFlag's other calls, which the poll loops make too: a nudge does nothing, the
+    descriptors are not waited on (the control needs only the Event's wait, and its lock)."""
+
+    def wait(self, timeout=None, also=()):
+        return super().wait(timeout)
+
+    def nudge(self):
+        pass
+
+
 argv = sys.argv[1:]
 if argv[:1] == ["--event"]:
     argv = argv[1:]
-    psd.cli.SignalFlag = threading.Event
-    psd.watchdog.supervisor.SignalFlag = threading.Event
-    psd.watchdog.launcher.SignalFlag = threading.Event
+    psd.cli.SignalFlag = EventFlag
+    psd.watchdog.supervisor.SignalFlag = EventFlag
+    psd.watchdog.launcher.SignalFlag = EventFlag
 faulthandler.dump_traceback_later(float(argv[0]), exit=True)
 argv = argv[1:]
 WAITS = {threading.Event.wait.__code__, SignalFlag.wait.__code__}
