@@ -252,14 +252,11 @@ def main(argv: list[str] | None = None) -> int:
            f"{PLACEBO_GAP:g} s, the measure's noise):", "",
            "| windows | n | mean s | median s | range s | cost s (mean less the placebos') |",
            "| --- | --- | --- | --- | --- | --- |"]
-    for w in ("learner", "server", "placebo"):
+    for w, label in (("learner", "learner deaths"), ("server", "server deaths"), ("placebo", "placebo")):
         xs = pooled[w]
-        c = cost.get(w)
-        md.append(f"| {w} deaths | {len(xs)} | {_fmt(_mean(xs))} | {_fmt(statistics.median(xs) if xs else None)} | "
+        md.append(f"| {label} | {len(xs)} | {_fmt(_mean(xs))} | {_fmt(statistics.median(xs) if xs else None)} | "
                   f"{_fmt(min(xs) if xs else None)} to {_fmt(max(xs) if xs else None)} | "
-                  f"{_fmt(c) if w != 'placebo' else '-'} |" if w != "placebo" else
-                  f"| placebo | {len(xs)} | {_fmt(_mean(xs))} | {_fmt(statistics.median(xs) if xs else None)} | "
-                  f"{_fmt(min(xs) if xs else None)} to {_fmt(max(xs) if xs else None)} | - |")
+                  f"{_fmt(cost[w]) if w in cost else '-'} |")
     md += ["", f"Kept at a learner kill every {args.target_learner_every:g} s and a server kill every "
            f"{args.target_server_every:g} s, "
            f"from those costs: **{projected:.4f}** (target 0.97)."]

@@ -390,8 +390,12 @@ class Connection:
         owner gone or released, its ring being applied), or held for this learner's rank by an earlier life of
         it that the server has not yet found dead (the server's records)."""
         a = self._arena
-        return self._predecessor_holds_a_slot() or any(
-            a.slot_info(i)["state"] in (_native.SLOT_FREE, _native.SLOT_DRAINING) for i in range(a.header()["n_slots"]))
+        for i in range(a.header()["n_slots"]):
+            s = a.slot_info(i)
+            # a FREE slot's rank is -1: a rank's slot counts here only while held
+            if s["state"] in (_native.SLOT_FREE, _native.SLOT_DRAINING) or (self.rank >= 0 and s["rank"] == self.rank):
+                return True
+        return False
 
     def _predecessor_holds_a_slot(self, mine: int | None = None) -> bool:
         """Whether a slot other than ``mine`` (this learner's, once it holds one) is held for its rank (the

@@ -195,13 +195,13 @@ def _die_with_parent() -> None:
 
 # -- the server process -------------------------------------------------------
 
-def _child(req: dict[str, Any], sock: socket.socket, server_pid: int) -> None:
+def _child(req: dict[str, Any], sock: socket.socket, server_pid: int, wakeup: tuple[int, int]) -> None:
     """In the forked child: become the learner ``req`` asks for, run it, exit with its status."""
     code = 1
     try:
         sock.close()
-        signal.set_wakeup_fd(-1)  # the server's SIGCHLD pipe (serve): not the learner's
-        for fd in _wakeup_fds:
+        signal.set_wakeup_fd(-1)  # the server's SIGCHLD pipe (``wakeup``, serve's): not the learner's
+        for fd in wakeup:
             os.close(fd)
         os.setsid()
         _prctl_pdeathsig()
@@ -267,9 +267,6 @@ def finish_interpreter() -> None:
     sys.stderr.flush()
 
 
-_wakeup_fds: list[int] = []  # the server's SIGCHLD pipe (read end, write end), which a forked child closes
-
-
 def serve(fd: int) -> int:
     """The fork server's loop: import torch and psd.learner, then fork one learner per request, and report each
     child's end as it happens (SIGCHLD wakes the loop through a pipe: a dead learner is restarted by ``psd run``
@@ -288,7 +285,6 @@ def serve(fd: int) -> int:
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
-    _wakeup_fds[:] = [wake_r, wake_w]
     signal.signal(signal.SIGCHLD, lambda s, f: None)  # a handler, so that the signal is delivered and written
     signal.set_wakeup_fd(wake_w)
     while True:
@@ -310,7 +306,7 @@ def serve(fd: int) -> int:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(req, sock, me)
+                    _child(req, sock, me, (wake_r, wake_w))
                 children.add(pid)
                 sock.sendall(json.dumps({"id": req["id"], "pid": pid}).encode() + b"\n")
         while children:
