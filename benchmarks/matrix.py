@@ -26,7 +26,10 @@ The noise floor: at each seed one process also trains with its mini-batches draw
 split, initial weights, lr; ``kind`` "reorder"), and each cell shows that run's gap to the baseline, worst
 over the cell's seeds, beside psd's. A cell whose psd gap is no worse than one process's against itself is
 "within noise": on the small test sets (360 digits, 500 embedding samples: a point is 3.6 and 5 samples) the
-band can be narrower than the spread of one process's own final model.
+band can be narrower than the spread of one process's own final model. ``--orders K`` trains one process in
+K other orders at each seed (the first is the noise floor's); the report's last table, the calibration, counts
+how often those runs leave the band of the baseline at their seed, beside the share of psd's runs with several
+learners that do: where one process leaves its own band often, a cell out of band says little of asynchrony.
 
 The learners' order: at each seed and learner count (every node's learners counted) one process also trains
 on exactly the mini-batches the learners draw, taken in turn (``kind`` "order";
@@ -194,7 +197,7 @@ def cells(workloads: list[str], optimizers: list[str], plans: list[str]) -> list
 
 def _key(r: dict) -> tuple:
     return (r["label"], r["kind"], r["workload"], r["optimizer"], r.get("learners"), r.get("sync"), r.get("nodes"),
-            r["seed"])
+            r["seed"], r.get("order"))
 
 
 def load(path: Path) -> list[dict]:
@@ -210,7 +213,8 @@ def diverged(metric_kind: str, value: float, untrained: float) -> bool:
 def summarize(runs: list[dict], label: str) -> list[dict]:
     """One row per cell: the psd metric's median and worst over seeds, the gap per seed, the band."""
     base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
-    reorder = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "reorder"}
+    reorder = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs
+               if r["kind"] == "reorder" and r.get("order", 1) == 1}
     own_order = {(r["workload"], r["optimizer"], r["learners"], r["seed"]): r for r in runs if r["kind"] == "order"}
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
@@ -267,6 +271,55 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
     rows.sort(key=lambda x: (order[x["workload"]], OPTIMIZERS.index(x["optimizer"]), x["nodes"], x["sync"],
                              x["learners"]))
     return rows
+
+
+def calibration(runs: list[dict], label: str) -> list[dict]:
+    """The band against one process itself, per workload and optimizer: of one process's runs with its
+    mini-batches in other orders (``kind`` "reorder", every order recorded), how many fall out of the band
+    of the baseline at their seed, and the chance that a cell of 3 seeds of such runs would (1 - (1 - p)^3);
+    beside it, the same share of psd's runs under ``label`` with several learners (every set-up pooled),
+    each against the baseline at its seed. A workload whose one process leaves its own band often measures
+    the spread of its final model as much as asynchrony."""
+    base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
+    out: dict[tuple, dict] = {}
+    for r in runs:
+        one = r["kind"] == "reorder"
+        several = r["kind"] == "psd" and r["label"] == label and r["learners"] * r["nodes"] > 1
+        b = base.get((r["workload"], r["optimizer"], r["seed"]))
+        if not (one or several) or b is None or (several and not math.isfinite(r.get("metric", math.nan))):
+            continue
+        kind = cl.METRIC[r["workload"]]
+        value = r["curve"][-1] if one else r["metric"]
+        c = out.setdefault((r["workload"], r["optimizer"]), {"one": [], "psd": [], "kind": kind})
+        c["one" if one else "psd"].append(_gap(kind, value, b["curve"][-1]))
+    rows = []
+    order = {k: i for i, k in enumerate(WORKLOADS)}
+    for (wl, opt), c in sorted(out.items(), key=lambda kv: (order[kv[0][0]], OPTIMIZERS.index(kv[0][1]))):
+        if not c["one"]:
+            continue
+        kind, pick = c["kind"], (min if c["kind"] == "accuracy" else max)
+        share = sum(not _within(kind, g, BAND[kind]) for g in c["one"]) / len(c["one"])
+        psd_share = (sum(not _within(kind, g, BAND[kind]) for g in c["psd"]) / len(c["psd"])) if c["psd"] else None
+        rows.append({"workload": wl, "metric": kind, "optimizer": opt, "runs": len(c["one"]),
+                     "gap_median": statistics.median(c["one"]), "gap_worst": pick(c["one"]), "out_share": share,
+                     "cell_of_3_out": 1 - (1 - share) ** 3, "psd_runs": len(c["psd"]), "psd_out_share": psd_share})
+    return rows
+
+
+def calibration_table(rows: list[dict]) -> str:
+    """``calibration``'s rows as markdown."""
+    out = ["## The band against one process itself", "",
+           "One process with its mini-batches in other orders (same split, initial weights and lr), each run against "
+           "the baseline at its seed: how often it leaves the band, and the chance that a cell of 3 seeds of it "
+           "would; beside it, the share of psd's runs with several learners (every set-up) out of the band.", "",
+           "| workload | optimizer | runs of one process | gap median | gap worst | out of band | a cell of 3 seeds "
+           "out | psd runs | psd out of band |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in rows:
+        psd = "-" if x["psd_out_share"] is None else f"{100 * x['psd_out_share']:.0f}%"
+        out.append(f"| {x['workload']} ({x['metric']}) | {x['optimizer']} | {x['runs']} | "
+                   f"{_fmt_gap(x, x['gap_median'])} | {_fmt_gap(x, x['gap_worst'])} | {100 * x['out_share']:.0f}% | "
+                   f"{100 * x['cell_of_3_out']:.0f}% | {x['psd_runs']} | {psd} |")
+    return "\n".join(out) + "\n"
 
 
 def _within(kind: str, gap: float, limit: float) -> bool:
@@ -397,11 +450,16 @@ def main() -> int:
     p.add_argument("--references-only", action="store_true",
                    help="run only the one-process references of the cells asked for (baseline, another order, "
                         "the learners' order), not psd")
+    p.add_argument("--orders", type=int, default=1,
+                   help="one process's runs in other orders of its mini-batches at each seed: the first is the "
+                        "noise floor, all of them the calibration of the band (how often one process fails it)")
     p.add_argument("--fresh", action="store_true", help="forget the runs recorded under --out")
     p.add_argument("--no-plots", action="store_true", help="write the report's JSON and table only (no matplotlib)")
     args = p.parse_args()
     # stopped with SIGTERM (kill, timeout): exit through the finally blocks that stop the psd servers started
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.orders < 1:
+        p.error(f"--orders must be 1 or more, not {args.orders}")
     if args.fresh and args.report:
         p.error("--fresh forgets the runs that --report would report: give one of them")
     if not args.no_plots:  # the report's plot: checked before hours of runs
@@ -437,15 +495,17 @@ def main() -> int:
     if args.fresh and log.exists():
         os.replace(log, committed_log)
     rows = summarize(runs, args.label)
+    calib = calibration(runs, args.label)
     hosts = machines(runs, args.label)
     result = {"label": args.label, "flags": args.flags, "cpus": os.cpu_count(), "machine": host,
-              "machines": hosts, "command": command_line(), "rows": rows}
+              "machines": hosts, "command": command_line(), "rows": rows, "calibration": calib}
+    report = table(rows, args.label, args.flags, hosts, result["command"]) + "\n" + calibration_table(calib)
     with staged(args.out) as out:  # the report's three files replace the old ones together
         out.write_text(f"matrix-{args.label}.json", json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n")
-        out.write_text(f"matrix-{args.label}.md", table(rows, args.label, args.flags, hosts, result["command"]))
+        out.write_text(f"matrix-{args.label}.md", report)
         if not args.no_plots:
             plot(rows, out.path(f"matrix-{args.label}.png"), args.label)
-    print(table(rows, args.label, args.flags, hosts, result["command"]))
+    print(report)
     return 0
 
 
@@ -462,10 +522,11 @@ def _run_matrix(args: argparse.Namespace, record, done: set, flags: list[str]) -
                     untrained = cl.score(wl, model, data)
                     curve = cl.train_single_curve(wl, opt, w["lr"][opt], w["batch"], w["epochs"], seed)
                     record({**b, "lr": w["lr"][opt], "untrained": untrained, "curve": curve})
-                o = {**b, "kind": "reorder"}  # the noise floor: one process, its mini-batches in another order
-                if _key(o) not in done:
-                    curve = cl.train_single_curve(wl, opt, w["lr"][opt], w["batch"], w["epochs"], seed, order=1)
-                    record({**o, "lr": w["lr"][opt], "order": 1, "curve": curve})
+                for order in range(1, args.orders + 1):  # one process, its mini-batches in other orders
+                    o = {**b, "kind": "reorder", "order": order}
+                    if _key(o) not in done:
+                        curve = cl.train_single_curve(wl, opt, w["lr"][opt], w["batch"], w["epochs"], seed, order=order)
+                        record({**o, "lr": w["lr"][opt], "curve": curve})
         for wl, opt, world in dict.fromkeys((c[0], c[1], c[2] * c[4]) for c in todo if c[2] * c[4] > 1):
             w = WORKLOADS[wl]
             for seed in range(args.seeds):  # the learners' order: one process on their batches

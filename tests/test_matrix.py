@@ -117,3 +117,22 @@ def test_the_report_sets_psd_against_one_process_on_the_learners_batches():
     assert row["against_order_worst"] == pytest.approx(-0.005) and row["against_order_in_band"]
     assert not row["in_band"]  # still 4.5 points under the baseline at seed 0
     assert "| -0.50 pt | yes |" in matrix.table([row], "x", "")
+
+
+def test_the_calibration_counts_one_process_out_of_its_own_band_over_every_order():
+    """calibration: every recorded order of one process against the baseline at its seed, beside psd's runs with
+    several learners; the noise floor of summarize stays the first order's."""
+    runs = [{"label": "baseline", "kind": "baseline", "workload": "mlp", "optimizer": "sgd", "seed": s,
+             "untrained": 0.1, "curve": [0.80, 0.90]} for s in (0, 1)]
+    runs += [{"label": "baseline", "kind": "reorder", "workload": "mlp", "optimizer": "sgd", "seed": s, "order": o,
+              "curve": [0.8, v]} for s, o, v in ((0, 1, 0.895), (1, 1, 0.90), (0, 2, 0.88), (1, 2, 0.905))]
+    runs += [{"label": "x", "kind": "psd", "workload": "mlp", "optimizer": "sgd", "learners": n, "sync": "asp",
+              "nodes": 1, "seed": s, "metric": v} for n, s, v in ((1, 0, 0.70), (4, 0, 0.85), (4, 1, 0.899))]
+    assert len({matrix._key(r) for r in runs}) == len(runs)  # each order its own run: none taken for done
+    (row,) = matrix.calibration(runs, "x")
+    assert row["runs"] == 4 and row["out_share"] == pytest.approx(0.25)  # order 2 at seed 0: 2 points under
+    assert row["gap_worst"] == pytest.approx(-0.02) and row["cell_of_3_out"] == pytest.approx(1 - 0.75 ** 3)
+    assert row["psd_runs"] == 2 and row["psd_out_share"] == pytest.approx(0.5)  # one learner's run not counted
+    noise = {(r["learners"]): r["noise_worst"] for r in matrix.summarize(runs, "x")}
+    assert noise[4] == pytest.approx(-0.005)  # the first order's, not the second's -0.02
+    assert "| mlp (accuracy) | sgd | 4 | -0.25 pt | -2.00 pt | 25% | 58% | 2 | 50% |" in matrix.calibration_table([row])
