@@ -197,7 +197,7 @@ def cells(workloads: list[str], optimizers: list[str], plans: list[str]) -> list
 
 def _key(r: dict) -> tuple:
     return (r["label"], r["kind"], r["workload"], r["optimizer"], r.get("learners"), r.get("sync"), r.get("nodes"),
-            r["seed"], r.get("order"))
+            r["seed"], r.get("order", 1) if r["kind"] == "reorder" else None)
 
 
 def load(path: Path) -> list[dict]:
@@ -276,9 +276,11 @@ def summarize(runs: list[dict], label: str) -> list[dict]:
 def calibration(runs: list[dict], label: str) -> list[dict]:
     """The band against one process itself, per workload and optimizer: of one process's runs with its
     mini-batches in other orders (``kind`` "reorder", every order recorded), how many fall out of the band
-    of the baseline at their seed, and the chance that a cell of 3 seeds of such runs would (1 - (1 - p)^3);
-    beside it, the same share of psd's runs under ``label`` with several learners (every set-up pooled),
-    each against the baseline at its seed. A workload whose one process leaves its own band often measures
+    of the baseline at their seed, and the chance that a cell of one such run at each seed would (1 minus the
+    product over the seeds of each seed's share in band: a seed whose baseline is a lucky draw weighs as it
+    does in a cell); beside it, the same share of psd's runs under ``label`` with several learners (every
+    set-up pooled; a diverged run is out of band, a refused one counts for nothing), each against the
+    baseline at its seed. A workload whose one process leaves its own band often measures
     the spread of its final model as much as asynchrony."""
     base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
     out: dict[tuple, dict] = {}
@@ -286,12 +288,15 @@ def calibration(runs: list[dict], label: str) -> list[dict]:
         one = r["kind"] == "reorder"
         several = r["kind"] == "psd" and r["label"] == label and r["learners"] * r["nodes"] > 1
         b = base.get((r["workload"], r["optimizer"], r["seed"]))
-        if not (one or several) or b is None or (several and not math.isfinite(r.get("metric", math.nan))):
+        if not (one or several) or b is None or (several and (r.get("error") or "metric" not in r)):
             continue
         kind = cl.METRIC[r["workload"]]
         value = r["curve"][-1] if one else r["metric"]
-        c = out.setdefault((r["workload"], r["optimizer"]), {"one": [], "psd": [], "kind": kind})
-        c["one" if one else "psd"].append(_gap(kind, value, b["curve"][-1]))
+        c = out.setdefault((r["workload"], r["optimizer"]), {"one": [], "psd": [], "kind": kind, "seeds": {}})
+        gap = _gap(kind, value, b["curve"][-1])  # NaN or inf where the run diverged: out of band below
+        c["one" if one else "psd"].append(gap)
+        if one:
+            c["seeds"].setdefault(r["seed"], []).append(_within(kind, gap, BAND[kind]))
     rows = []
     order = {k: i for i, k in enumerate(WORKLOADS)}
     for (wl, opt), c in sorted(out.items(), key=lambda kv: (order[kv[0][0]], OPTIMIZERS.index(kv[0][1]))):
@@ -299,10 +304,12 @@ def calibration(runs: list[dict], label: str) -> list[dict]:
             continue
         kind, pick = c["kind"], (min if c["kind"] == "accuracy" else max)
         share = sum(not _within(kind, g, BAND[kind]) for g in c["one"]) / len(c["one"])
+        cell_in = math.prod(sum(ins) / len(ins) for ins in c["seeds"].values())
         psd_share = (sum(not _within(kind, g, BAND[kind]) for g in c["psd"]) / len(c["psd"])) if c["psd"] else None
         rows.append({"workload": wl, "metric": kind, "optimizer": opt, "runs": len(c["one"]),
                      "gap_median": statistics.median(c["one"]), "gap_worst": pick(c["one"]), "out_share": share,
-                     "cell_of_3_out": 1 - (1 - share) ** 3, "psd_runs": len(c["psd"]), "psd_out_share": psd_share})
+                     "seeds": len(c["seeds"]), "cell_out": 1 - cell_in, "psd_runs": len(c["psd"]),
+                     "psd_out_share": psd_share})
     return rows
 
 
@@ -310,15 +317,16 @@ def calibration_table(rows: list[dict]) -> str:
     """``calibration``'s rows as markdown."""
     out = ["## The band against one process itself", "",
            "One process with its mini-batches in other orders (same split, initial weights and lr), each run against "
-           "the baseline at its seed: how often it leaves the band, and the chance that a cell of 3 seeds of it "
-           "would; beside it, the share of psd's runs with several learners (every set-up) out of the band.", "",
-           "| workload | optimizer | runs of one process | gap median | gap worst | out of band | a cell of 3 seeds "
-           "out | psd runs | psd out of band |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "the baseline at its seed: how often it leaves the band, and the chance that a cell of one such run at "
+           "each seed would (from each seed's share); beside it, the share of psd's runs with several learners "
+           "(every set-up) out of the band.", "",
+           "| workload | optimizer | runs of one process | seeds | gap median | gap worst | out of band | a cell of "
+           "them out | psd runs | psd out of band |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in rows:
         psd = "-" if x["psd_out_share"] is None else f"{100 * x['psd_out_share']:.0f}%"
-        out.append(f"| {x['workload']} ({x['metric']}) | {x['optimizer']} | {x['runs']} | "
+        out.append(f"| {x['workload']} ({x['metric']}) | {x['optimizer']} | {x['runs']} | {x['seeds']} | "
                    f"{_fmt_gap(x, x['gap_median'])} | {_fmt_gap(x, x['gap_worst'])} | {100 * x['out_share']:.0f}% | "
-                   f"{100 * x['cell_of_3_out']:.0f}% | {x['psd_runs']} | {psd} |")
+                   f"{100 * x['cell_out']:.0f}% | {x['psd_runs']} | {psd} |")
     return "\n".join(out) + "\n"
 
 

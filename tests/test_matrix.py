@@ -121,18 +121,34 @@ def test_the_report_sets_psd_against_one_process_on_the_learners_batches():
 
 def test_the_calibration_counts_one_process_out_of_its_own_band_over_every_order():
     """calibration: every recorded order of one process against the baseline at its seed, beside psd's runs with
-    several learners; the noise floor of summarize stays the first order's."""
+    several learners under the label (a diverged one out of band, a refused one not counted); the noise floor
+    of summarize stays the first order's."""
     runs = [{"label": "baseline", "kind": "baseline", "workload": "mlp", "optimizer": "sgd", "seed": s,
              "untrained": 0.1, "curve": [0.80, 0.90]} for s in (0, 1)]
     runs += [{"label": "baseline", "kind": "reorder", "workload": "mlp", "optimizer": "sgd", "seed": s, "order": o,
               "curve": [0.8, v]} for s, o, v in ((0, 1, 0.895), (1, 1, 0.90), (0, 2, 0.88), (1, 2, 0.905))]
-    runs += [{"label": "x", "kind": "psd", "workload": "mlp", "optimizer": "sgd", "learners": n, "sync": "asp",
-              "nodes": 1, "seed": s, "metric": v} for n, s, v in ((1, 0, 0.70), (4, 0, 0.85), (4, 1, 0.899))]
+    psd = {"kind": "psd", "workload": "mlp", "optimizer": "sgd", "sync": "asp", "nodes": 1}
+    runs += [{**psd, "label": "x", "learners": n, "seed": s, "metric": v}
+             for n, s, v in ((1, 0, 0.70), (4, 0, 0.85), (4, 1, 0.899), (8, 1, float("nan")))]
+    runs += [{**psd, "label": "x", "learners": 2, "seed": 0, "metric": float("nan"), "error": "refused"},  # not counted
+             {**psd, "label": "other", "learners": 4, "seed": 0, "metric": 0.5}]  # another label's
     assert len({matrix._key(r) for r in runs}) == len(runs)  # each order its own run: none taken for done
+    old = {k: v for k, v in runs[2].items() if k != "order"}  # a log's reorder line from before orders: order 1
+    assert matrix._key(old) == matrix._key(runs[2])
     (row,) = matrix.calibration(runs, "x")
-    assert row["runs"] == 4 and row["out_share"] == pytest.approx(0.25)  # order 2 at seed 0: 2 points under
-    assert row["gap_worst"] == pytest.approx(-0.02) and row["cell_of_3_out"] == pytest.approx(1 - 0.75 ** 3)
-    assert row["psd_runs"] == 2 and row["psd_out_share"] == pytest.approx(0.5)  # one learner's run not counted
-    noise = {(r["learners"]): r["noise_worst"] for r in matrix.summarize(runs, "x")}
+    assert row["runs"] == 4 and row["seeds"] == 2 and row["out_share"] == pytest.approx(0.25)  # order 2, seed 0
+    assert row["gap_worst"] == pytest.approx(-0.02)
+    assert row["cell_out"] == pytest.approx(0.5)  # seed 0 in band at 1 order of 2, seed 1 at both
+    assert row["psd_runs"] == 3 and row["psd_out_share"] == pytest.approx(2 / 3)  # 0.85 and the diverged run
+    noise = {r["learners"]: r["noise_worst"] for r in matrix.summarize(runs, "x")}
     assert noise[4] == pytest.approx(-0.005)  # the first order's, not the second's -0.02
-    assert "| mlp (accuracy) | sgd | 4 | -0.25 pt | -2.00 pt | 25% | 58% | 2 | 50% |" in matrix.calibration_table([row])
+    assert "| mlp (accuracy) | sgd | 4 | 2 | -0.25 pt | -2.00 pt | 25% | 50% | 3 | 67% |" in \
+        matrix.calibration_table([row])
+    # a loss: higher is worse, the band +2%
+    lm = [{"label": "baseline", "kind": "baseline", "workload": "lm", "optimizer": "adam", "seed": 0,
+           "untrained": 4.0, "curve": [2.2, 2.0]},
+          *({"label": "baseline", "kind": "reorder", "workload": "lm", "optimizer": "adam", "seed": 0, "order": o,
+             "curve": [2.2, v]} for o, v in ((1, 2.03), (2, 2.05)))]
+    (row,) = matrix.calibration(lm, "x")
+    assert row["out_share"] == pytest.approx(0.5) and row["gap_worst"] == pytest.approx(0.025)
+    assert row["psd_out_share"] is None
