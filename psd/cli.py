@@ -216,7 +216,7 @@ def _top(args: argparse.Namespace) -> int:
 def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
     from psd.watchdog.checkpoint import write_allowance
-    from psd.watchdog.supervisor import terminate
+    from psd.watchdog.supervisor import terminate, terminate_writer
 
     a = open_job(args.job, role="reader")
     try:
@@ -230,7 +230,8 @@ def _stop(args: argparse.Namespace) -> int:
         who, pid = "watchdog", watchdog[0]
         # The watchdog writes the last checkpoint after the server stopped, from the only copy left (the arena's
         # name is gone by then): a SIGKILL meanwhile loses what was trained since the last one. Its write at the
-        # slowest rate allowed for comes on top of --timeout.
+        # slowest rate allowed for comes on top of --timeout, and while it goes on writing it is not killed (up
+        # to ten times that: a loaded machine or a slow disk writes slower than the rate allowed for).
         timeout += last_checkpoint_s
     elif _native.owner_alive(*server):
         who, pid = "server", server[0]
@@ -239,7 +240,16 @@ def _stop(args: argparse.Namespace) -> int:
         print(f"job {args.job!r}: its server (pid {server[0]}) was already dead; removed {shm_path(args.job)}")
         return 0
     print(f"stopping job {args.job!r}: SIGTERM to its {who} (pid {pid})", flush=True)
-    terminate(pid, deadline=timeout)
+    if who == "watchdog":
+        cap = args.timeout + 10 * max(last_checkpoint_s, 1.0)
+        if terminate_writer(pid, deadline=timeout, idle=max(args.timeout, 1.0), cap=cap):
+            raise Error(f"job {args.job!r}: its watchdog (pid {pid}) was still running after {timeout:.1f} s, idle "
+                        f"for {max(args.timeout, 1.0):g} s or past {cap:.1f} s in all, and was killed: its "
+                        f"last checkpoint may not have been written (what was trained since the one before is "
+                        f"then lost: the job's checkpoint directory, ~/.local/state/psd/checkpoints/JOB unless "
+                        f"--checkpoint-dir said otherwise, holds the newest). Give psd stop a larger --timeout")
+    else:
+        terminate(pid, deadline=timeout)
     deadline = time.monotonic() + timeout
     while os.path.exists(shm_path(args.job)):  # the watchdog removes it after its last checkpoint
         if time.monotonic() > deadline:

@@ -438,6 +438,54 @@ def test_psd_stop_lets_the_watchdog_write_a_large_last_checkpoint(job, serve, tm
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")], "a temporary file was left"
 
 
+_DETACHED = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: None)  # a watchdog busy with its last checkpoint goes on after SIGTERM
+mode, out = sys.argv[1], sys.argv[2]
+open(out + ".ready", "w").close()
+end = time.monotonic() + (1.5 if mode == "work" else 1e9)
+while time.monotonic() < end:
+    if mode == "idle":
+        time.sleep(1)  # no CPU, no writes: stuck
+    # else: CPU time moves, as a checkpoint's copy and serialisation do
+open(out + ".done", "w").close()
+"""
+
+
+def _detached(tmp_path, mode: str) -> int:
+    """A process that is not ours to wait for (as the watchdog is not psd stop's), ignoring SIGTERM; its pid."""
+    out = str(tmp_path / mode)
+    r = subprocess.run(["sh", "-c", f'"$0" -c "$1" {mode} {out} >/dev/null 2>&1 & echo $!', sys.executable,
+                        _DETACHED], capture_output=True, text=True, timeout=30, check=True)
+    wait_until(lambda: os.path.exists(out + ".ready"), timeout=30)
+    return int(r.stdout)
+
+
+def test_psd_stop_waits_for_a_watchdog_that_works_past_its_deadline_and_kills_one_that_does_not(tmp_path):
+    """terminate_writer, what `psd stop` stops a watchdog with: past its deadline a process that still runs or
+    writes is waited for (a last checkpoint slower than the 100 MB/s allowed for, on a loaded machine: it was
+    SIGKILLed halfway and its work lost, while psd stop said "stopped"); one that neither runs nor writes for
+    the idle window is killed, and so is one that runs past the cap; each kill is reported."""
+    import time
+
+    from psd.watchdog.supervisor import terminate_writer
+
+    pid = _detached(tmp_path, "work")
+    t0 = time.monotonic()
+    assert not terminate_writer(pid, deadline=0.2, idle=1.0, cap=60.0)
+    assert (tmp_path / "work.done").exists() and time.monotonic() - t0 >= 1.0  # it finished its work
+    pid = _detached(tmp_path, "idle")
+    t0 = time.monotonic()
+    assert terminate_writer(pid, deadline=0.2, idle=1.0, cap=60.0)
+    assert 1.0 <= time.monotonic() - t0 < 30  # the deadline, then the idle window
+    wait_until(lambda: _native.proc_start_time(pid) == 0, timeout=30)  # SIGKILLed: gone (a zombie counts so)
+    assert not (tmp_path / "idle.done").exists()
+    pid = _detached(tmp_path, "busy")  # works for ever
+    t0 = time.monotonic()
+    assert terminate_writer(pid, deadline=0.2, idle=1.0, cap=1.5)
+    assert 1.5 <= time.monotonic() - t0 < 30
+
+
 def test_a_checkpoint_write_removes_what_a_killed_writer_left(tmp_path):
     """A writer killed mid-write leaves `.ckpt-....tmp-PID`; the next write removes those of dead writers (whose
     files would otherwise fill the directory, one checkpoint's size each), once untouched for 10 minutes. It

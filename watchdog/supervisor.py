@@ -52,7 +52,7 @@ from psd.signals import SignalFlag, Stop
 from psd.watchdog import checkpoint
 from psd.watchdog.restarts import Backoff, RestartPolicy
 
-__all__ = ["GIVE_UP_EXIT", "ServerState", "Watchdog", "WatchdogConfig", "terminate"]
+__all__ = ["GIVE_UP_EXIT", "ServerState", "Watchdog", "WatchdogConfig", "terminate", "terminate_writer"]
 
 log = logging.getLogger("psd.watchdog")
 
@@ -152,6 +152,57 @@ def terminate(proc_or_pid, deadline: float = 5.0, sig: int = signal.SIGTERM) -> 
                 pass
             return
         time.sleep(0.01)
+
+
+def _work_done(pid: int) -> tuple[int, int] | None:
+    """How far process ``pid`` has got: its CPU time in clock ticks (user and system, /proc/PID/stat) and the
+    bytes it has written (``wchar`` of /proc/PID/io; -1 where that file is not ours to read); None where the
+    process is gone. Either moving means it is working (a checkpoint is copied, serialised, then written)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        ticks = int(fields[11]) + int(fields[12])  # utime and stime, the stat line's 14th and 15th fields
+    except (OSError, ValueError, IndexError):
+        return None
+    written = -1
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            written = next((int(line.split()[1]) for line in f if line.startswith("wchar:")), -1)
+    except (OSError, ValueError):
+        pass
+    return ticks, written
+
+
+def terminate_writer(pid: int, deadline: float, idle: float, cap: float, sig: int = signal.SIGTERM) -> bool:
+    """Stop process ``pid`` (not our child) that may have much to do on its way out (the watchdog's last
+    checkpoint): ``sig``, then wait until it is gone; SIGKILL it once ``deadline`` seconds have passed and it
+    has neither run nor written for ``idle`` seconds (``_work_done``), or at ``cap`` seconds whatever it does.
+    A checkpoint slower than the rate a deadline allowed for (a loaded machine, a slow disk) is waited for
+    while it moves, not killed halfway: that lost what was trained since the last checkpoint. True if it had
+    to be killed."""
+    start = _native.proc_start_time(pid)
+    if start == 0:
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    t0 = time.monotonic()
+    done, moved = _work_done(pid), t0
+    while _native.owner_alive(pid, start):
+        now = time.monotonic()
+        d = _work_done(pid)
+        if d is not None and d != done:
+            moved = now
+            done = d
+        if now - t0 > cap or (now - t0 > deadline and now - moved > idle):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+            return True
+        time.sleep(0.01)
+    return False
 
 
 class Watchdog:
