@@ -215,7 +215,7 @@ def _top(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     """SIGTERM the watchdog (it checkpoints, stops the server, removes the arena); else the server; else clean."""
-    from psd.watchdog.checkpoint import write_allowance
+    from psd.watchdog.checkpoint import LOAD_RATE, write_allowance
     from psd.watchdog.supervisor import terminate, terminate_writer
 
     a = open_job(args.job, role="reader")
@@ -241,13 +241,22 @@ def _stop(args: argparse.Namespace) -> int:
         return 0
     print(f"stopping job {args.job!r}: SIGTERM to its {who} (pid {pid})", flush=True)
     if who == "watchdog":
+        idle = max(args.timeout, 1.0)
         cap = args.timeout + 10 * max(last_checkpoint_s, 1.0)
-        if terminate_writer(pid, deadline=timeout, idle=max(args.timeout, 1.0), cap=cap):
+
+        def waiting(cap: float) -> None:
+            print(f"job {args.job!r}: its watchdog is still at work after {timeout:.1f} s (the last checkpoint of "
+                  f"{last_checkpoint_s * LOAD_RATE / 1e9:.2f} GB); waiting while it works, up to {cap:.0f} s",
+                  flush=True)
+
+        if terminate_writer(pid, watchdog[1], deadline=timeout, idle=idle, cap=cap, waiting=waiting):
+            left = (f"; its server (pid {server[0]}) is still running: `psd stop --job {args.job}` again stops it"
+                    if _native.owner_alive(*server) else "")
             raise Error(f"job {args.job!r}: its watchdog (pid {pid}) was still running after {timeout:.1f} s, idle "
-                        f"for {max(args.timeout, 1.0):g} s or past {cap:.1f} s in all, and was killed: its "
-                        f"last checkpoint may not have been written (what was trained since the one before is "
-                        f"then lost: the job's checkpoint directory, ~/.local/state/psd/checkpoints/JOB unless "
-                        f"--checkpoint-dir said otherwise, holds the newest). Give psd stop a larger --timeout")
+                        f"for {idle:g} s or past {cap:.1f} s in all, and was killed: its last checkpoint may not "
+                        f"have been written (what was trained since the one before is then lost: the job's "
+                        f"checkpoint directory, ~/.local/state/psd/checkpoints/JOB unless --checkpoint-dir said "
+                        f"otherwise, holds the newest){left}. Give psd stop a larger --timeout")
     else:
         terminate(pid, deadline=timeout)
     deadline = time.monotonic() + timeout

@@ -342,8 +342,8 @@ def _build() -> tuple[Flag, ...]:
         Flag("--interval", "seconds between refreshes", 1.0, type=float, commands=("top",)),
         Flag("--iterations", "stop after this many refreshes (0: never)", 0, type=int, commands=("top",)),
         Flag("--timeout", "seconds to wait (psd stop: for the job to stop, plus the time its last checkpoint "
-             "takes at 100 MB/s, and longer while the watchdog still works on it)", 30.0, type=float,
-             commands=("stop", "checkpoint")),
+             "takes at 100 MB/s, and while the watchdog still works on it up to ten times that)", 30.0, type=float,
+             commands=("stop", "checkpoint"), **at_least(0)),
         Flag("--checkpoint-dir", "where to write it when the job has no watchdog (default: the job's checkpoint "
              "dir)", None, commands=("checkpoint",)),
         Flag("--keep", "checkpoints to keep when the job has no watchdog (with one, its own --keep)", 3, type=int,

@@ -452,13 +452,15 @@ open(out + ".done", "w").close()
 """
 
 
-def _detached(tmp_path, mode: str) -> int:
-    """A process that is not ours to wait for (as the watchdog is not psd stop's), ignoring SIGTERM; its pid."""
+def _detached(tmp_path, mode: str) -> tuple[int, int]:
+    """A process that is not ours to wait for (as the watchdog is not psd stop's), ignoring SIGTERM; its pid and
+    start time."""
     out = str(tmp_path / mode)
     r = subprocess.run(["sh", "-c", f'"$0" -c "$1" {mode} {out} >/dev/null 2>&1 & echo $!', sys.executable,
                         _DETACHED], capture_output=True, text=True, timeout=30, check=True)
     wait_until(lambda: os.path.exists(out + ".ready"), timeout=30)
-    return int(r.stdout)
+    pid = int(r.stdout)
+    return pid, _native.proc_start_time(pid)
 
 
 def test_psd_stop_waits_for_a_watchdog_that_works_past_its_deadline_and_kills_one_that_does_not(tmp_path):
@@ -470,20 +472,49 @@ def test_psd_stop_waits_for_a_watchdog_that_works_past_its_deadline_and_kills_on
 
     from psd.watchdog.supervisor import terminate_writer
 
-    pid = _detached(tmp_path, "work")
-    t0 = time.monotonic()
-    assert not terminate_writer(pid, deadline=0.2, idle=1.0, cap=60.0)
-    assert (tmp_path / "work.done").exists() and time.monotonic() - t0 >= 1.0  # it finished its work
-    pid = _detached(tmp_path, "idle")
-    t0 = time.monotonic()
-    assert terminate_writer(pid, deadline=0.2, idle=1.0, cap=60.0)
-    assert 1.0 <= time.monotonic() - t0 < 30  # the deadline, then the idle window
-    wait_until(lambda: _native.proc_start_time(pid) == 0, timeout=30)  # SIGKILLed: gone (a zombie counts so)
-    assert not (tmp_path / "idle.done").exists()
-    pid = _detached(tmp_path, "busy")  # works for ever
-    t0 = time.monotonic()
-    assert terminate_writer(pid, deadline=0.2, idle=1.0, cap=1.5)
-    assert 1.5 <= time.monotonic() - t0 < 30
+    pids = []
+    try:
+        pids.append(pid := _detached(tmp_path, "work"))
+        told = []
+        t0 = time.monotonic()
+        assert not terminate_writer(*pid, deadline=0.2, idle=1.0, cap=60.0, waiting=told.append)
+        assert (tmp_path / "work.done").exists() and time.monotonic() - t0 > 0.2  # it finished its work
+        assert told == [60.0]  # told once, as the deadline passed
+        pids.append(pid := _detached(tmp_path, "idle"))
+        t0 = time.monotonic()
+        assert terminate_writer(*pid, deadline=0.2, idle=1.0, cap=60.0)
+        assert 1.0 <= time.monotonic() - t0 < 30  # the idle window (which began at the signal), past the deadline
+        wait_until(lambda: _native.proc_start_time(pid[0]) == 0, timeout=30)  # SIGKILLed: gone (or a zombie)
+        pids.append(pid := _detached(tmp_path, "busy"))  # works for ever
+        t0 = time.monotonic()
+        assert terminate_writer(*pid, deadline=0.2, idle=1.0, cap=1.5)
+        assert 1.5 <= time.monotonic() - t0 < 30
+        pids.append(pid := _detached(tmp_path, "other"))  # a pid whose start time is not the one recorded
+        assert not terminate_writer(pid[0], pid[1] + 1, deadline=0.0, idle=0.0, cap=0.0, sig=signal.SIGKILL)
+        assert _native.owner_alive(*pid)  # another process than the one meant: not signalled
+    finally:
+        for p, start in pids:
+            if _native.owner_alive(p, start):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_psd_stop_reports_a_watchdog_it_had_to_kill(job, serve):
+    """A watchdog that does nothing after psd stop's SIGTERM (stopped here with SIGSTOP) is killed once --timeout
+    and the idle window have passed, and psd stop says so and exits 1, naming the server it left running; a
+    second psd stop stops that server."""
+    s = serve(job, "--learners", "1")
+    wait_until(lambda: arena_header(job)["watchdog_pid"] == s.proc.pid, timeout=30)  # the job names its watchdog
+    os.kill(s.proc.pid, signal.SIGSTOP)
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job, "--timeout", "1"],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"its watchdog (pid {s.proc.pid})" in r.stderr and "was killed" in r.stderr, r.stderr
+    server = arena_header(job)["server_pid"]
+    assert f"its server (pid {server}) is still running" in r.stderr, r.stderr
+    assert s.proc.wait(timeout=30) == -signal.SIGKILL
+    r = subprocess.run([sys.executable, "-m", "psd.cli", "stop", "--job", job, "--timeout", "30"],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0 and "stopped" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_checkpoint_write_removes_what_a_killed_writer_left(tmp_path):

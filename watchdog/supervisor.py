@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,36 +174,69 @@ def _work_done(pid: int) -> tuple[int, int] | None:
     return ticks, written
 
 
-def terminate_writer(pid: int, deadline: float, idle: float, cap: float, sig: int = signal.SIGTERM) -> bool:
-    """Stop process ``pid`` (not our child) that may have much to do on its way out (the watchdog's last
-    checkpoint): ``sig``, then wait until it is gone; SIGKILL it once ``deadline`` seconds have passed and it
-    has neither run nor written for ``idle`` seconds (``_work_done``), or at ``cap`` seconds whatever it does.
-    A checkpoint slower than the rate a deadline allowed for (a loaded machine, a slow disk) is waited for
-    while it moves, not killed halfway: that lost what was trained since the last checkpoint. True if it had
-    to be killed."""
-    start = _native.proc_start_time(pid)
-    if start == 0:
+def _waits_on_disk(pid: int) -> bool:
+    """Whether a thread of process ``pid`` sleeps in the kernel uninterruptibly (state D: an fsync, a write
+    to a slow disk), which neither CPU time nor bytes written show while it lasts."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "D":
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+def terminate_writer(pid: int, start: int, deadline: float, idle: float, cap: float, sig: int = signal.SIGTERM,
+                     waiting: Callable[[float], None] | None = None) -> bool:
+    """Stop process ``pid`` (not our child; ``start``: its start time, as the header recorded it) that may
+    have much to do on its way out (the watchdog's last checkpoint): ``sig``, then wait until it is gone;
+    SIGKILL it once ``deadline`` seconds have passed and for ``idle`` seconds it has neither run, written nor
+    waited on the disk (``_work_done``, ``_waits_on_disk``), or at ``cap`` seconds whatever it does. A
+    checkpoint slower than the rate a deadline allowed for (a loaded machine, a slow disk) is waited for while
+    it moves, not killed halfway: that lost what was trained since the last checkpoint. ``waiting(cap)`` is
+    called once as the deadline passes with the process still working. Signals go through a pidfd, so a
+    reused pid is never signalled. True if it had to be killed."""
+    if not _native.owner_alive(pid, start):
         return False
     try:
-        os.kill(pid, sig)
+        pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return False
-    t0 = time.monotonic()
-    done, moved = _work_done(pid), t0
-    while _native.owner_alive(pid, start):
-        now = time.monotonic()
-        d = _work_done(pid)
-        if d is not None and d != done:
-            moved = now
-            done = d
-        if now - t0 > cap or (now - t0 > deadline and now - moved > idle):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return False
-            return True
-        time.sleep(0.01)
-    return False
+    try:
+        if not _native.owner_alive(pid, start):  # the pid named another process by the time the fd was opened
+            return False
+        try:
+            signal.pidfd_send_signal(pidfd, sig)
+        except ProcessLookupError:
+            return False
+        t0 = time.monotonic()
+        done, moved, told = _work_done(pid), t0, False
+        while _native.owner_alive(pid, start):
+            now = time.monotonic()
+            d = _work_done(pid)
+            if (d is not None and d != done) or _waits_on_disk(pid):
+                moved = now
+            done = d if d is not None else done
+            if now - t0 > cap or (now - t0 > deadline and now - moved > idle):
+                if not _native.owner_alive(pid, start):  # it ended meanwhile (a zombie counts so)
+                    return False
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    return False
+                return True
+            if not told and now - t0 > deadline and waiting is not None:
+                waiting(cap)
+                told = True
+            time.sleep(0.01)
+        return False
+    finally:
+        os.close(pidfd)
 
 
 class Watchdog:
