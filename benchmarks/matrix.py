@@ -195,9 +195,19 @@ def cells(workloads: list[str], optimizers: list[str], plans: list[str]) -> list
     return out
 
 
+def _order(r: dict) -> int | None:
+    """A reorder run's order (a log's line from before orders: 1); None for any other run."""
+    return r.get("order", 1) if r["kind"] == "reorder" else None
+
+
 def _key(r: dict) -> tuple:
     return (r["label"], r["kind"], r["workload"], r["optimizer"], r.get("learners"), r.get("sync"), r.get("nodes"),
-            r["seed"], r.get("order", 1) if r["kind"] == "reorder" else None)
+            r["seed"], _order(r))
+
+
+def _baselines(runs: list[dict]) -> dict[tuple, dict]:
+    """The baseline run of each (workload, optimizer, seed)."""
+    return {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
 
 
 def load(path: Path) -> list[dict]:
@@ -212,9 +222,8 @@ def diverged(metric_kind: str, value: float, untrained: float) -> bool:
 
 def summarize(runs: list[dict], label: str) -> list[dict]:
     """One row per cell: the psd metric's median and worst over seeds, the gap per seed, the band."""
-    base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
-    reorder = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs
-               if r["kind"] == "reorder" and r.get("order", 1) == 1}
+    base = _baselines(runs)
+    reorder = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if _order(r) == 1}
     own_order = {(r["workload"], r["optimizer"], r["learners"], r["seed"]): r for r in runs if r["kind"] == "order"}
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
@@ -282,7 +291,7 @@ def calibration(runs: list[dict], label: str) -> list[dict]:
     set-up pooled; a diverged run is out of band, a refused one counts for nothing), each against the
     baseline at its seed. A workload whose one process leaves its own band often measures
     the spread of its final model as much as asynchrony."""
-    base = {(r["workload"], r["optimizer"], r["seed"]): r for r in runs if r["kind"] == "baseline"}
+    base = _baselines(runs)
     out: dict[tuple, dict] = {}
     for r in runs:
         one = r["kind"] == "reorder"
@@ -303,7 +312,7 @@ def calibration(runs: list[dict], label: str) -> list[dict]:
         if not c["one"]:
             continue
         kind, pick = c["kind"], (min if c["kind"] == "accuracy" else max)
-        share = sum(not _within(kind, g, BAND[kind]) for g in c["one"]) / len(c["one"])
+        share = sum(not x for ins in c["seeds"].values() for x in ins) / len(c["one"])
         cell_in = math.prod(sum(ins) / len(ins) for ins in c["seeds"].values())
         psd_share = (sum(not _within(kind, g, BAND[kind]) for g in c["psd"]) / len(c["psd"])) if c["psd"] else None
         rows.append({"workload": wl, "metric": kind, "optimizer": opt, "runs": len(c["one"]),

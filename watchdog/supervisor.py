@@ -26,6 +26,7 @@ import contextlib
 import enum
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -155,15 +156,24 @@ def terminate(proc_or_pid, deadline: float = 5.0, sig: int = signal.SIGTERM) -> 
         time.sleep(0.01)
 
 
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (which may hold spaces and parentheses): the
+    state first; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _work_done(pid: int) -> tuple[int, int] | None:
     """How far process ``pid`` has got: its CPU time in clock ticks (user and system, /proc/PID/stat) and the
     bytes it has written (``wchar`` of /proc/PID/io; -1 where that file is not ours to read); None where the
     process is gone. Either moving means it is working (a checkpoint is copied, serialised, then written)."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         ticks = int(fields[11]) + int(fields[12])  # utime and stime, the stat line's 14th and 15th fields
-    except (OSError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError):
         return None
     written = -1
     try:
@@ -181,14 +191,7 @@ def _waits_on_disk(pid: int) -> bool:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    for t in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "D":
-                    return True
-        except (OSError, IndexError):
-            continue
-    return False
+    return any((fields := _stat_fields(f"/proc/{pid}/task/{t}/stat")) and fields[0] == "D" for t in tasks)
 
 
 def terminate_writer(pid: int, start: int, deadline: float, idle: float, cap: float, sig: int = signal.SIGTERM,
@@ -233,7 +236,7 @@ def terminate_writer(pid: int, start: int, deadline: float, idle: float, cap: fl
             if not told and now - t0 > deadline and waiting is not None:
                 waiting(cap)
                 told = True
-            time.sleep(0.01)
+            select.select([pidfd], [], [], 0.05)  # readable once it has exited: no need to look again sooner
         return False
     finally:
         os.close(pidfd)
