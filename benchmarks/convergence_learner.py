@@ -9,6 +9,8 @@ Workloads, each with its metric (``METRIC``: test accuracy, higher is better, or
 - ``cnn``: a small convolutional network with BatchNorm on scikit-learn's 8x8 digits
   (``sklearn.datasets.load_digits``: 1797 images, no download; needs ``pip install scikit-learn``);
 - ``cnn_edge``: the same, for the matrix's runs at a learning rate near one process's stability edge;
+- ``cnn_cos``: the same CNN with its learning rate annealed to 0 over the run (``SCHEDULE``: torch's
+  ``CosineAnnealingLR`` over one process's steps; psd's ``--schedule cosine --t-max`` over the job's updates);
 - ``logistic``: a linear (multinomial logistic) model on the generated problem;
 - ``lm``: a character-level LSTM language model on real English text, the Python reference manual as the
   standard library ships it (``pydoc_data.topics``): test loss in nats a character;
@@ -34,8 +36,10 @@ import torch
 from psd.workloads import Dataset, epoch_batches, make_classification, make_mlp, make_utterances, shard
 
 # Each workload's metric: "accuracy" (higher is better) or "loss" (lower is better).
-METRIC = {"mlp": "accuracy", "cnn": "accuracy", "cnn_edge": "accuracy", "logistic": "accuracy", "lm": "loss",
-          "embed": "accuracy"}
+METRIC = {"mlp": "accuracy", "cnn": "accuracy", "cnn_edge": "accuracy", "cnn_cos": "accuracy",
+          "logistic": "accuracy", "lm": "loss", "embed": "accuracy"}
+# Workloads whose learning rate follows a schedule over the run (else constant): "cosine", annealed to 0.
+SCHEDULE = {"cnn_cos": "cosine"}
 
 
 def make_digits(seed: int = 0) -> Dataset:
@@ -105,7 +109,7 @@ def workload(name: str, seed: int = 0) -> tuple[Dataset, torch.nn.Module]:
     if name == "mlp":
         data = make_classification(seed)
         return data, make_mlp(data.dim, data.classes, seed=seed)
-    if name in ("cnn", "cnn_edge"):
+    if name in ("cnn", "cnn_edge", "cnn_cos"):
         return make_digits(seed), make_cnn(seed=seed)
     if name == "logistic":
         data = make_classification(seed)
@@ -195,13 +199,17 @@ def train_single_curve(name: str, optimizer: str, lr: float, batch: int, epochs:
     x, y = data.x_train, data.y_train
     g = torch.Generator().manual_seed(1000 + seed + 104729 * order)
     epochs_of = (learners_order(len(x), world, batch, epochs, seed) if world > 0
-                 else ([*epoch_batches(len(x), batch, 1, g)] for _ in range(epochs)))
+                 else [[*epoch_batches(len(x), batch, 1, g)] for _ in range(epochs)])
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, sum(map(len, epochs_of)))
+             if SCHEDULE.get(name) == "cosine" else None)
     curve = []
     for batches in epochs_of:
         for idx in batches:
             opt.zero_grad()
             loss_of(name, model, x[idx], y[idx]).backward()
             opt.step()
+            if sched is not None:
+                sched.step()
         curve.append(score(name, model, data))
     return curve
 

@@ -83,6 +83,11 @@ WORKLOADS: dict[str, dict] = {
     # improving, but near the edge of stability, where a delayed gradient with full momentum diverges
     # (benchmarks/delay_stability.py).
     "cnn_edge": {"epochs": 5, "batch": 8, "lr": {"momentum": 0.05, "nesterov": 0.05}},
+    # The same CNN at the same learning rates, annealed to 0 over the run (convergence_learner.SCHEDULE): one
+    # process's last weights settle, where at a constant lr its final accuracy swings by points from one data
+    # order to the next (the README, "The band against one process itself").
+    "cnn_cos": {"epochs": 3, "batch": 8, "lr": {"sgd": 0.02, "momentum": 0.004, "nesterov": 0.004, "adam": 0.0005,
+                                                 "adamw": 0.0005, "adagrad": 0.003}},
     "logistic": {"epochs": 3, "batch": 4, "lr": {"sgd": 0.0015, "momentum": 0.00015, "nesterov": 0.00015,
                                                   "adam": 0.0003, "adamw": 0.0003, "adagrad": 0.006}},
     "lm": {"epochs": 3, "batch": 8, "lr": {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 0.003,
@@ -107,8 +112,25 @@ def _learner_cmd(workload: str, seed: int, w: dict) -> list[str]:
             "--epochs", str(w["epochs"]), "--batch-size", str(w["batch"]), "--seed", str(seed)]
 
 
-def _server_flags(opt: str, lr: float, sync: str, flags: list[str]) -> list[str]:
-    return ["--lr", repr(lr), "--optimizer", opt, *(["--sync", sync] if sync != "asp" else []), *flags]
+def job_updates(workload: str, learners: int, sync: str, nodes: int, seed: int) -> int:
+    """The updates one node's server makes in a cell: its learners' mini-batches (every node's learners share
+    the data), one update per gradient, or per K of them under kasync:K. A schedule's ``--t-max``: what one
+    process's steps are to its own schedule."""
+    w = WORKLOADS[workload]
+    n_train = len(cl.workload(workload, seed)[0].x_train)
+    world = learners * nodes
+    grads = sum(len(cl.learner_batches(n_train, r, world, w["batch"], w["epochs"], seed)) for r in range(learners))
+    k = int(sync.split(":")[1]) if sync.startswith("kasync:") else 1
+    return grads // k
+
+
+def _server_flags(workload: str, opt: str, learners: int, sync: str, nodes: int, seed: int,
+                  flags: list[str]) -> list[str]:
+    schedule = cl.SCHEDULE.get(workload)
+    return ["--lr", repr(WORKLOADS[workload]["lr"][opt]), "--optimizer", opt,
+            *(["--sync", sync] if sync != "asp" else []),
+            *(["--schedule", schedule, "--t-max", str(job_updates(workload, learners, sync, nodes, seed))]
+              if schedule else []), *flags]
 
 
 def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -125,7 +147,6 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
     from psd.status import job_status
 
     w = WORKLOADS[workload]
-    lr = w["lr"][opt]
     job = f"matrix-{os.getpid()}-{time.monotonic_ns() % 10**9}"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as state:
@@ -135,7 +156,8 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
             procs = [subprocess.Popen(
                 [sys.executable, "-m", "psd.cli", "run", "--job", f"{job}-{r}", "--learners", str(learners),
                  "--nnodes", str(nodes), "--node-rank", str(r), "--master-port", str(port), "--checkpoint-every",
-                 "0", "-q", *_server_flags(opt, lr, sync, flags), "--", *_learner_cmd(workload, seed, w)],
+                 "0", "-q", *_server_flags(workload, opt, learners, sync, nodes, seed, flags),
+                 "--", *_learner_cmd(workload, seed, w)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for r in range(nodes)]
             outs = []
             for p in procs:
@@ -157,7 +179,7 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
             model.load_state_dict(learner.pull_state_dict(job))  # the job's model, as `psd export` gives it
             return {"metric": cl.score(workload, model, data), "seconds": round(time.monotonic() - t0, 1),
                     "scored": "job's model", "staleness_mean": round(st["staleness_mean"], 2),
-                    "updates": st["clock"]}
+                    "updates": st["clock"], "lr_now": st["lr_now"]}
 
 
 @contextlib.contextmanager
@@ -172,7 +194,7 @@ def serving(job: str, workload: str, opt: str, learners: int, sync: str, seed: i
     # In this tree: `python -m` puts the working directory first on the path, and a server started from
     # another checkout would run that checkout's psd (benchmarks/matrix_ab.py compares two trees)
     server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--quiet", "--job", job, "--learners",
-                               str(learners), *_server_flags(opt, w["lr"][opt], sync, flags)], env=env,
+                               str(learners), *_server_flags(workload, opt, learners, sync, 1, seed, flags)], env=env,
                               stderr=server_stderr, text=True, cwd=ROOT)
     try:
         wait_for_job(job, timeout=60, server_pid=server.pid)

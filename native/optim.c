@@ -30,8 +30,10 @@ struct step_scalars {
     float neg_step_size, bc2_sqrt, decay_mul, neg_clr;
     float gscale;
     int first; /* the momentum buffer starts as the first gradient */
-    int squares_taken; /* Adagrad: the state already holds this update's squares (psd_adagrad_take) */
+    int squares_taken; /* the state already holds this update's gradients (kasync: psd_adagrad_take's
+                          squares; psd_adam_take's moments, g then the sum of the steps' directions) */
     float inv_k;       /* and 1 / K, K gradients a round: the sum's floor (adagrad_body) */
+    float decay_mul_k; /* AdamW, taken: decay_mul^K, the decoupled decay of a round's K steps */
 };
 
 double psd_scheduled_lr(const struct psd_config *c, uint64_t t) {
@@ -370,10 +372,26 @@ PSD_INLINE uint32_t adam_body(const struct step_scalars *k, const int decay, con
     return bad;
 }
 
+/* Taken (kasync, psd_adam_take): g is the round's sum of its K steps' directions, the moments hold them
+ * already; the weights move by lr times it, after AdamW's decoupled decay of K steps. */
+PSD_INLINE uint32_t adam_taken_body(const struct step_scalars *k, const int decoupled, float *restrict w,
+                                    const float *restrict g, uint64_t lo, uint64_t hi) {
+    const float dmk = k->decay_mul_k, neg_lr = k->neg_lr;
+    uint32_t bad = 0;
+    for (uint64_t i = lo; i < hi; i++) {
+        float u = psd_take1(g[i], &bad);
+        float p = decoupled ? w[i] * dmk : w[i];
+        w[i] = p + neg_lr * u;
+    }
+    return bad;
+}
+
 PSD_KERNEL static uint32_t adam_range(const struct step_scalars *k, int decoupled, float *restrict w,
                                       const float *restrict g, float *restrict m, float *restrict v, uint64_t lo,
                                       uint64_t hi) {
     const int decay = k->wd == 0.0f ? 0 : decoupled ? 2 : 1, low = k->b1_weight < 0.5f;
+    if (k->squares_taken)
+        return decay == 2 ? adam_taken_body(k, 1, w, g, lo, hi) : adam_taken_body(k, 0, w, g, lo, hi);
 #define PSD_ADAM(d, l) adam_body(k, d, l, w, g, m, v, lo, hi)
     switch (decay) {
     case 2:
@@ -456,6 +474,75 @@ void psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, co
     run_chunks(n, threads, beat, nonfinite, take_item, &a);
 }
 
+/* psd_adam_take's body over [lo, hi) of float32 values: the moments as adam_body takes them (torch.lerp's
+ * side `low`, Adam's L2 decay `l2`), acc the step direction (first) or plus it. */
+PSD_INLINE uint32_t adam_take_body(const struct step_scalars *k, const int l2, const int low, const int first,
+                                   float *restrict acc, float *restrict m, float *restrict v, const float *restrict g,
+                                   const float *restrict w, uint64_t lo, uint64_t hi) {
+    const float wd = k->wd, b1w = k->b1_weight, b1w_c = 1.0f - k->b1_weight, b2 = k->b2, omb2 = k->one_minus_b2;
+    const float bc2 = k->bc2_sqrt, eps = k->eps, inv_bc1 = -k->neg_step_size; /* 1 / bc1 (lr 1) */
+    uint32_t bad = 0;
+    for (uint64_t i = lo; i < hi; i++) {
+        float d = psd_take1(g[i], &bad);
+        if (l2)
+            d = fmaf(wd, w[i], d);
+        float a = m[i];
+        float mi = low ? a + b1w * (d - a) : d - (d - a) * b1w_c;
+        float vi = v[i] * b2 + omb2 * (d * d);
+        m[i] = mi;
+        v[i] = vi;
+        float u = inv_bc1 * (mi / (sqrtf(vi) / bc2 + eps));
+        acc[i] = first ? u : acc[i] + u;
+    }
+    return bad;
+}
+
+PSD_KERNEL static uint32_t adam_take_range(const struct step_scalars *k, int l2, int first, float *restrict acc,
+                                           float *restrict m, float *restrict v, const float *restrict g,
+                                           const float *restrict w, uint64_t lo, uint64_t hi) {
+    const int low = k->b1_weight < 0.5f;
+#define PSD_TAKE(d, l, f) adam_take_body(k, d, l, f, acc, m, v, g, w, lo, hi)
+    if (first)
+        return l2 ? (low ? PSD_TAKE(1, 1, 1) : PSD_TAKE(1, 0, 1)) : (low ? PSD_TAKE(0, 1, 1) : PSD_TAKE(0, 0, 1));
+    return l2 ? (low ? PSD_TAKE(1, 1, 0) : PSD_TAKE(1, 0, 0)) : (low ? PSD_TAKE(0, 1, 0) : PSD_TAKE(0, 0, 0));
+#undef PSD_TAKE
+}
+
+struct adam_take_args {
+    const struct step_scalars *k;
+    float *acc, *m, *v;
+    const void *g;
+    uint32_t gdtype;
+    const float *w;
+    int l2, first;
+};
+
+static uint32_t adam_take_item(const void *ctx, uint64_t lo, uint64_t hi) {
+    const struct adam_take_args *a = ctx;
+    if (a->gdtype != PSD_DTYPE_BF16)
+        return adam_take_range(a->k, a->l2, a->first, a->acc, a->m, a->v, a->g, a->w, lo, hi);
+    float wide[PSD_CHUNK];
+    psd_bf16_widen(wide, (const uint16_t *)a->g + lo, hi - lo);
+    return adam_take_range(a->k, a->l2, a->first, a->acc + lo, a->m + lo, a->v + lo, wide, a->w + lo, 0, hi - lo);
+}
+
+void psd_adam_take(float *acc, float *m, float *v, const void *g, uint32_t gdtype, const float *w,
+                   const struct psd_config *c, uint64_t t, uint64_t n, int first, int threads, struct psd_beat *beat,
+                   _Atomic uint64_t *nonfinite) {
+    struct step_scalars k = {0};
+    k.wd = (float)c->weight_decay;
+    k.b1_weight = (float)(1.0 - c->beta1);
+    k.b2 = (float)c->beta2;
+    k.one_minus_b2 = (float)(1.0 - c->beta2);
+    k.eps = (float)c->eps;
+    double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
+    k.neg_step_size = (float)(-1.0 / bc1);
+    k.bc2_sqrt = (float)sqrt(bc2);
+    const struct adam_take_args a = {&k, acc, m, v, g, gdtype, w, c->optimizer == PSD_OPT_ADAM && c->weight_decay != 0.0,
+                                     first};
+    run_chunks(n, threads, beat, nonfinite, adam_take_item, &a);
+}
+
 static uint32_t step_range(const struct psd_config *c, const struct step_scalars *k, float *w, const float *g,
                            float *s0, float *s1, uint64_t lo, uint64_t hi) {
     switch (c->optimizer) {
@@ -519,6 +606,7 @@ void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, c
     k.neg_step_size = (float)-(lr / bc1);
     k.bc2_sqrt = (float)sqrt(bc2);
     k.decay_mul = (float)(1.0 - lr * c->weight_decay);
+    k.decay_mul_k = (float)pow(1.0 - lr * c->weight_decay, (double)(c->sync_param > 1 ? c->sync_param : 1));
     k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * c->lr_decay));
     if (c->optimizer == PSD_OPT_SGD && c->weight_decay == 0.0 && gscale == 1.0f) {
         psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat, nonfinite); /* the plain, fastest path */

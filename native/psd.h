@@ -557,8 +557,20 @@ void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len
  * *nonfinite. */
 void psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, const float *w, double weight_decay,
                       uint64_t n, int first, int threads, struct psd_beat *beat, _Atomic uint64_t *nonfinite);
+/* kasync with Adam or AdamW: one gradient of a round taken as the step of one process it is: the moments m
+ * and v take it (with Adam's L2 weight decay, d = g + weight_decay * w; the weights do not move within a
+ * round), and acc = (first) or += its step direction m_hat / (sqrt(v_hat) + eps) at bias-correction step
+ * `t` (the round's K gradients are steps t, t + 1, ... of one process). The round's update (with
+ * PSD_CFG_LOOP_SQUARES_TAKEN) then moves the weights by lr times that sum (and AdamW's decoupled decay
+ * K times), touching no moment: the K steps one process makes, on gradients the round's weights gave. Adam
+ * of the sum of K gradients instead normalises it to one step's size (m and v of the sum are K and K^2
+ * times a gradient's), K times fewer weight moves. Runs as psd_adagrad_take does. */
+void psd_adam_take(float *acc, float *m, float *v, const void *g, uint32_t gdtype, const float *w,
+                   const struct psd_config *c, uint64_t t, uint64_t n, int first, int threads, struct psd_beat *beat,
+                   _Atomic uint64_t *nonfinite);
 /* A flag of the update loop's own copy of the configuration, never stored in an arena (psd_layout.h's
- * PSD_CFG_* are): the Adagrad update being applied finds its squares already in the state. */
+ * PSD_CFG_* are): the update being applied finds the state already holding its gradients (kasync: Adagrad's
+ * squares, psd_adagrad_take; Adam's moments and step directions, psd_adam_take). */
 #define PSD_CFG_LOOP_SQUARES_TAKEN (1u << 31)
 /* dst (weights) -= lr * staleness * the optimizer's update direction. */
 int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, uint64_t hi, double staleness);

@@ -281,10 +281,15 @@ static void copy_beating(struct psd_loop *L, float *dst, const void *src, uint32
         PSD_ADD_RLX(&L->nonfinite, bad);
 }
 
-/* Whether a round's gradients put their squares into Adagrad's state as they come (kasync, where each
- * gradient is one process's step: psd_adagrad_take), the round's update then adding none. */
+/* Whether a round's gradients go into the optimizer's state as they come (kasync, where each gradient is
+ * one process's step: Adagrad's squares, psd_adagrad_take; Adam's moments, psd_adam_take), the round's
+ * update then adding none. */
 static bool squares_as_taken(const struct psd_config *c) {
     return c->sync_mode == PSD_SYNC_KASYNC && c->optimizer == PSD_OPT_ADAGRAD;
+}
+
+static bool moments_as_taken(const struct psd_config *c) {
+    return c->sync_mode == PSD_SYNC_KASYNC && (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
@@ -294,6 +299,7 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
     struct psd_header *h = psd_hdr(m);
     float *acc = psd_accumulator(m);
     float *squares = squares_as_taken(&L->cfg) ? psd_state(m, 0) : NULL;
+    bool moments = moments_as_taken(&L->cfg);
     uint64_t mark = PSD_LOAD_RLX(&h->rounds) + 1;
     for (uint64_t k = 0; k < L->n_pieces; k++) {
         const struct psd_piece_geom *pg = &L->pieces[k];
@@ -301,7 +307,12 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         bool first = ps->round != mark;
         bool dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
         uint32_t dtype = map[k] == PSD_PIECE_DENSE_BF16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
-        if (dense && squares) /* a bfloat16 span starts where a float32 one would */
+        if (dense && moments) { /* gradient j of the round: step steps * K + j + 1 of one process */
+            uint64_t t = ps->steps * (L->cfg.sync_param > 1 ? L->cfg.sync_param : 1) + PSD_LOAD_RLX(&h->acc_count) + 1;
+            psd_adam_take(acc + pg->off, psd_state(m, 0) + pg->off, psd_state(m, 1) + pg->off, g + pg->off, dtype,
+                          psd_weights(m) + pg->off, &L->cfg, t, pg->len, first, (int)L->threads, &L->beat,
+                          &L->nonfinite);
+        } else if (dense && squares) /* a bfloat16 span starts where a float32 one would */
             psd_adagrad_take(acc + pg->off, squares + pg->off, g + pg->off, dtype, psd_weights(m) + pg->off,
                              L->cfg.weight_decay, pg->len, first, (int)L->threads, &L->beat, &L->nonfinite);
         else if (dense && first)
@@ -365,7 +376,7 @@ static void apply_round(struct psd_loop *L, uint64_t mark) {
     for (uint64_t k = 0; k < L->n_pieces; k++)
         L->round_map[k] = psd_piece_at(m, k)->round == mark ? PSD_PIECE_DENSE : PSD_PIECE_ABSENT;
     float gscale = L->cfg.sync_mode == PSD_SYNC_KASYNC ? 1.0f : 1.0f / (float)count;
-    if (squares_as_taken(&L->cfg))
+    if (squares_as_taken(&L->cfg) || moments_as_taken(&L->cfg))
         L->cfg.cfg_flags |= PSD_CFG_LOOP_SQUARES_TAKEN;
     update_weights(L, psd_accumulator(m), L->round_map, gscale, staleness, mark);
     L->cfg.cfg_flags &= ~PSD_CFG_LOOP_SQUARES_TAKEN;

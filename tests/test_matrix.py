@@ -152,3 +152,16 @@ def test_the_calibration_counts_one_process_out_of_its_own_band_over_every_order
     (row,) = matrix.calibration(lm, "x")
     assert row["out_share"] == pytest.approx(0.5) and row["gap_worst"] == pytest.approx(0.025)
     assert row["psd_out_share"] is None
+
+
+def test_a_scheduled_workload_anneals_over_the_updates_the_job_makes():
+    """``cnn_cos`` anneals its lr to 0 over the run, one process over its own steps (torch's
+    CosineAnnealingLR) and psd over the job's updates (``--schedule cosine --t-max``, from
+    ``matrix.job_updates``): the count the server is told is the count it makes, and its last update is at
+    an lr near 0 (a schedule cut short, or run past its end, would leave one side training at another lr)."""
+    assert matrix._server_flags("cnn_cos", "sgd", 2, "kasync:2", 1, 0, [])[-2:] == [
+        "--t-max", str(matrix.job_updates("cnn_cos", 2, "asp", 1, 0) // 2)]
+    run = matrix.run_psd("cnn_cos", "sgd", 2, "asp", 1, 0, [], start=forked.start)
+    assert run["updates"] == matrix.job_updates("cnn_cos", 2, "asp", 1, 0)
+    lr = matrix.WORKLOADS["cnn_cos"]["lr"]["sgd"]
+    assert 0 <= run["lr_now"] < lr * 1e-4, run

@@ -291,6 +291,53 @@ def test_kasync_adagrad_takes_each_gradients_square(job, serve, weight_decay):
     served.stop()
 
 
+def kasync_adam_reference(optimizer: str, k: int, lr: float, weight_decay: float, rule: str):
+    """torch.optim's Adam (AdamW) on linear_problem's 6 mini-batches as kasync:K takes them, K gradients a
+    round, all on the round's weights: ``rule`` "each" steps torch's optimizer once per gradient (one
+    process's K steps), "sum" once per round on the sum of its K gradients (what Adam of the sum does)."""
+    model, x, y = linear_problem()
+    l2 = weight_decay if optimizer == "adam" else 0.0  # Adam's decay: on the round's weights, added below
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=lr, weight_decay=weight_decay - l2)
+    for r in range(6 // k):
+        grads = []
+        for i in range(k * r, k * r + k):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[i:i + 2]), y[i:i + 2]).backward()
+            grads.append([p.grad + l2 * p.detach() for p in model.parameters()])
+        for gs in (grads if rule == "each" else [[sum(g) for g in zip(*grads, strict=True)]]):
+            for p, g in zip(model.parameters(), gs, strict=True):
+                p.grad = g
+            opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("optimizer,weight_decay", [("adam", 0.0), ("adam", 0.01), ("adamw", 0.01)])
+def test_kasync_adam_takes_each_gradient_as_a_step(job, serve, optimizer, weight_decay):
+    """kasync:3 with Adam or AdamW: each gradient is one process's step, so the moments take each gradient
+    and the round moves the weights by the three steps one process would make on them. Adam of the three's
+    sum normalises it to one step's size: a third of the movement (the CNN under kasync:2 lost 0.8-2.5
+    points to it in one process, benchmarks/results/matrix/README.md). With weight decay, the round's
+    weights stand for the weights within it: Adam's L2 decay is taken on them (the reference does the same),
+    and AdamW's decay applied three times where torch decays the weights of each step in turn (within
+    1e-5)."""
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", optimizer,
+                   "--sync", "kasync:3", "--weight-decay", str(weight_decay), "--threads", "2")
+    model, x, y = linear_problem()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    with learner.attach(model, job=job) as ps:
+        run_steps(ps, model, x, y, 6)
+        assert ps.clock == 2
+        ours = learner.pull_state_dict(job)
+    each = kasync_adam_reference(optimizer, 3, 0.01, weight_decay, "each")
+    summed = kasync_adam_reference(optimizer, 3, 0.01, weight_decay, "sum")
+    for k, v in each.items():
+        moved, moved_by_sum = (v - init[k]).abs().max(), (summed[k] - init[k]).abs().max()
+        assert moved > 2 * moved_by_sum, k  # the two rules differ on this problem: 3 steps against 1
+        assert torch.allclose(ours[k], v, rtol=0, atol=1e-5), (k, (ours[k] - v).abs().max())
+    served.stop()
+
+
 class TwoLayers(torch.nn.Module):
     """A 300 x 300 layer (90,300 floats: the update loop's kernels split it across threads) and a head that
     only some mini-batches use (a tensor absent from some gradients of a round, and from whole rounds)."""
