@@ -112,24 +112,25 @@ def _learner_cmd(workload: str, seed: int, w: dict) -> list[str]:
             "--epochs", str(w["epochs"]), "--batch-size", str(w["batch"]), "--seed", str(seed)]
 
 
-def job_updates(workload: str, learners: int, sync: str, nodes: int, seed: int) -> int:
-    """The updates one node's server makes in a cell: its learners' mini-batches (every node's learners share
-    the data), one update per gradient, or per K of them under kasync:K. A schedule's ``--t-max``: what one
-    process's steps are to its own schedule."""
+def job_updates(workload: str, learners: int, sync: str, nodes: int, seed: int, node: int = 0) -> int:
+    """The updates node ``node``'s server makes in a cell: its learners' mini-batches (every node's learners
+    share the data; node n's are ranks n x learners + r), one update per gradient, or per K of them under
+    kasync:K. A schedule's ``--t-max``: what one process's steps are to its own schedule."""
     w = WORKLOADS[workload]
     n_train = len(cl.workload(workload, seed)[0].x_train)
     world = learners * nodes
-    grads = sum(len(cl.learner_batches(n_train, r, world, w["batch"], w["epochs"], seed)) for r in range(learners))
+    grads = sum(len(cl.learner_batches(n_train, node * learners + r, world, w["batch"], w["epochs"], seed))
+                for r in range(learners))
     k = int(sync.split(":")[1]) if sync.startswith("kasync:") else 1
     return grads // k
 
 
 def _server_flags(workload: str, opt: str, learners: int, sync: str, nodes: int, seed: int,
-                  flags: list[str]) -> list[str]:
+                  flags: list[str], node: int = 0) -> list[str]:
     schedule = cl.SCHEDULE.get(workload)
     return ["--lr", repr(WORKLOADS[workload]["lr"][opt]), "--optimizer", opt,
             *(["--sync", sync] if sync != "asp" else []),
-            *(["--schedule", schedule, "--t-max", str(job_updates(workload, learners, sync, nodes, seed))]
+            *(["--schedule", schedule, "--t-max", str(job_updates(workload, learners, sync, nodes, seed, node))]
               if schedule else []), *flags]
 
 
@@ -156,7 +157,7 @@ def run_psd(workload: str, opt: str, learners: int, sync: str, nodes: int, seed:
             procs = [subprocess.Popen(
                 [sys.executable, "-m", "psd.cli", "run", "--job", f"{job}-{r}", "--learners", str(learners),
                  "--nnodes", str(nodes), "--node-rank", str(r), "--master-port", str(port), "--checkpoint-every",
-                 "0", "-q", *_server_flags(workload, opt, learners, sync, nodes, seed, flags),
+                 "0", "-q", *_server_flags(workload, opt, learners, sync, nodes, seed, flags, r),
                  "--", *_learner_cmd(workload, seed, w)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for r in range(nodes)]
             outs = []

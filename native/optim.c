@@ -538,8 +538,8 @@ void psd_adam_take(float *acc, float *m, float *v, const void *g, uint32_t gdtyp
     double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
     k.neg_step_size = (float)(-1.0 / bc1);
     k.bc2_sqrt = (float)sqrt(bc2);
-    const struct adam_take_args a = {&k, acc, m, v, g, gdtype, w, c->optimizer == PSD_OPT_ADAM && c->weight_decay != 0.0,
-                                     first};
+    const int l2 = c->optimizer == PSD_OPT_ADAM && c->weight_decay != 0.0;
+    const struct adam_take_args a = {&k, acc, m, v, g, gdtype, w, l2, first};
     run_chunks(n, threads, beat, nonfinite, adam_take_item, &a);
 }
 
@@ -644,9 +644,11 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, ui
     }
     case PSD_OPT_ADAM:
     case PSD_OPT_ADAMW: {
-        /* Adam moves lr * m_hat / (sqrt(v_hat) + eps) per step. */
-        double bc1 = 1.0 - pow(h->cfg.beta1, (double)t), bc2 = 1.0 - pow(h->cfg.beta2, (double)t);
-        float scale = (float)(lr * staleness / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->cfg.eps;
+        /* Adam moves lr * m_hat / (sqrt(v_hat) + eps) per step; under kasync:K an update is K steps, the
+         * moments K steps on (psd_adam_take). */
+        double k = h->cfg.sync_mode == PSD_SYNC_KASYNC && h->cfg.sync_param > 1 ? (double)h->cfg.sync_param : 1.0;
+        double bc1 = 1.0 - pow(h->cfg.beta1, (double)t * k), bc2 = 1.0 - pow(h->cfg.beta2, (double)t * k);
+        float scale = (float)(lr * staleness * k / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->cfg.eps;
         for (uint64_t i = lo; i < hi; i++)
             dst[i] -= scale * (s0[i] / (sqrtf(s1[i]) / bc2_sqrt + eps));
         return 0;

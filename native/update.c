@@ -288,8 +288,10 @@ static bool squares_as_taken(const struct psd_config *c) {
     return c->sync_mode == PSD_SYNC_KASYNC && c->optimizer == PSD_OPT_ADAGRAD;
 }
 
+/* (kasync:1 is asp's arithmetic, bit for bit: its round's sum is its one gradient.) */
 static bool moments_as_taken(const struct psd_config *c) {
-    return c->sync_mode == PSD_SYNC_KASYNC && (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
+    return c->sync_mode == PSD_SYNC_KASYNC && c->sync_param > 1 &&
+           (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
@@ -307,7 +309,10 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         bool first = ps->round != mark;
         bool dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
         uint32_t dtype = map[k] == PSD_PIECE_DENSE_BF16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
-        if (dense && moments) { /* gradient j of the round: step steps * K + j + 1 of one process */
+        /* The round's j-th gradient: Adam's step steps * K + j + 1 of one process, exact for a tensor that
+         * every gradient carries; one that some leave out is counted as if they had (its bias correction
+         * ends sooner: a per-tensor count of gradients would take a word of layout more). */
+        if (dense && moments) {
             uint64_t t = ps->steps * (L->cfg.sync_param > 1 ? L->cfg.sync_param : 1) + PSD_LOAD_RLX(&h->acc_count) + 1;
             psd_adam_take(acc + pg->off, psd_state(m, 0) + pg->off, psd_state(m, 1) + pg->off, g + pg->off, dtype,
                           psd_weights(m) + pg->off, &L->cfg, t, pg->len, first, (int)L->threads, &L->beat,

@@ -291,10 +291,11 @@ def test_kasync_adagrad_takes_each_gradients_square(job, serve, weight_decay):
     served.stop()
 
 
-def kasync_adam_reference(optimizer: str, k: int, lr: float, weight_decay: float, rule: str):
+def kasync_adam_reference(optimizer: str, k: int, lr: float, weight_decay: float, rule: str, bf16: bool = False):
     """torch.optim's Adam (AdamW) on linear_problem's 6 mini-batches as kasync:K takes them, K gradients a
     round, all on the round's weights: ``rule`` "each" steps torch's optimizer once per gradient (one
-    process's K steps), "sum" once per round on the sum of its K gradients (what Adam of the sum does)."""
+    process's K steps), "sum" once per round on the sum of its K gradients (what Adam of the sum does);
+    ``bf16``: each gradient rounded to bfloat16 first, as ``--grad-dtype bf16`` pushes it."""
     model, x, y = linear_problem()
     l2 = weight_decay if optimizer == "adam" else 0.0  # Adam's decay: on the round's weights, added below
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
@@ -304,7 +305,8 @@ def kasync_adam_reference(optimizer: str, k: int, lr: float, weight_decay: float
         for i in range(k * r, k * r + k):
             model.zero_grad()
             torch.nn.functional.mse_loss(model(x[i:i + 2]), y[i:i + 2]).backward()
-            grads.append([p.grad + l2 * p.detach() for p in model.parameters()])
+            grads.append([(p.grad.bfloat16().float() if bf16 else p.grad) + l2 * p.detach()
+                          for p in model.parameters()])
         for gs in (grads if rule == "each" else [[sum(g) for g in zip(*grads, strict=True)]]):
             for p, g in zip(model.parameters(), gs, strict=True):
                 p.grad = g
@@ -312,25 +314,29 @@ def kasync_adam_reference(optimizer: str, k: int, lr: float, weight_decay: float
     return model.state_dict()
 
 
-@pytest.mark.parametrize("optimizer,weight_decay", [("adam", 0.0), ("adam", 0.01), ("adamw", 0.01)])
-def test_kasync_adam_takes_each_gradient_as_a_step(job, serve, optimizer, weight_decay):
+@pytest.mark.parametrize("optimizer,weight_decay,dtype", [("adam", 0.0, "float32"), ("adam", 0.01, "float32"),
+                                                          ("adamw", 0.01, "float32"), ("adamw", 0.01, "bf16")])
+def test_kasync_adam_takes_each_gradient_as_a_step(job, serve, optimizer, weight_decay, dtype):
     """kasync:3 with Adam or AdamW: each gradient is one process's step, so the moments take each gradient
     and the round moves the weights by the three steps one process would make on them. Adam of the three's
     sum normalises it to one step's size: a third of the movement (the CNN under kasync:2 lost 0.8-2.5
     points to it in one process, benchmarks/results/matrix/README.md). With weight decay, the round's
     weights stand for the weights within it: Adam's L2 decay is taken on them (the reference does the same),
     and AdamW's decay applied three times where torch decays the weights of each step in turn (within
-    1e-5)."""
+    1e-5). A bfloat16 gradient is widened as it is taken (the reference rounds its gradients the same way).
+    Every tensor is in every gradient here: one that some gradients leave out takes Adam's step count as if
+    they had not (native/update.c accumulate)."""
     served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", optimizer,
-                   "--sync", "kasync:3", "--weight-decay", str(weight_decay), "--threads", "2")
+                   "--sync", "kasync:3", "--weight-decay", str(weight_decay), "--threads", "2",
+                   "--grad-dtype", dtype, "--async-momentum", "off")
     model, x, y = linear_problem()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     with learner.attach(model, job=job) as ps:
         run_steps(ps, model, x, y, 6)
         assert ps.clock == 2
         ours = learner.pull_state_dict(job)
-    each = kasync_adam_reference(optimizer, 3, 0.01, weight_decay, "each")
-    summed = kasync_adam_reference(optimizer, 3, 0.01, weight_decay, "sum")
+    each = kasync_adam_reference(optimizer, 3, 0.01, weight_decay, "each", dtype == "bf16")
+    summed = kasync_adam_reference(optimizer, 3, 0.01, weight_decay, "sum", dtype == "bf16")
     for k, v in each.items():
         moved, moved_by_sum = (v - init[k]).abs().max(), (summed[k] - init[k]).abs().max()
         assert moved > 2 * moved_by_sum, k  # the two rules differ on this problem: 3 steps against 1
@@ -399,6 +405,22 @@ def test_kasync_1_adagrad_is_asp_bit_for_bit(job, serve, dtype):
     k1 = adagrad_job(job + "-k1", serve, "kasync:1", dtype)[2]
     for k, v in asp.items():
         assert torch.equal(k1[k], v), k
+
+
+def test_kasync_1_adam_is_asp_bit_for_bit(job, serve):
+    """kasync:1 with AdamW: a round's sum is its one gradient, so the loop steps Adam on it as asp does (the
+    take of each gradient into the moments is for K > 1), to the bit."""
+    out = {}
+    for sync in ("asp", "kasync:1"):
+        served = serve(f"{job}-{sync[0]}", "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer",
+                       "adamw", "--sync", sync, "--async-momentum", "off")
+        model, x, y = linear_problem()
+        with learner.attach(model, job=f"{job}-{sync[0]}") as ps:
+            run_steps(ps, model, x, y, 6)
+            out[sync] = learner.pull_state_dict(f"{job}-{sync[0]}")
+        served.stop()
+    for k, v in out["asp"].items():
+        assert torch.equal(out["kasync:1"][k], v), k
 
 
 def test_a_round_without_its_first_squares_steps_within_the_lr(job, serve):
