@@ -179,7 +179,8 @@ def _build() -> tuple[Flag, ...]:
         # -- training semantics
         _training("--sync", "asp (fully asynchronous), ssp:S (a learner computes only while at most S pushes "
                   "ahead of the slowest live learner), bsp (average one gradient per learner, then update), "
-                  "kasync:K (sum every K gradients into one update: each one process's step)", "asp", metavar="MODE",
+                  "kasync:K (sum every K gradients into one update: each one process's step; Adagrad and Adam take "
+                  "each gradient into their state)", "asp", metavar="MODE",
                   readme_default="`asp`"),
         _training("--push-every", "learners push the mean of W mini-batches' gradients as one gradient (a wave)",
                   1, type=int, metavar="W", **at_least(1)),
