@@ -526,18 +526,23 @@ static uint32_t adam_take_item(const void *ctx, uint64_t lo, uint64_t hi) {
     return adam_take_range(a->k, a->l2, a->first, a->acc + lo, a->m + lo, a->v + lo, wide, a->w + lo, 0, hi - lo);
 }
 
+/* Adam's scalars at step t: the moments' weights, eps, the bias corrections, the step size -lr / bc1. */
+static void adam_scalars(struct step_scalars *k, const struct psd_config *c, double lr, uint64_t t) {
+    k->wd = (float)c->weight_decay;
+    k->b1_weight = (float)(1.0 - c->beta1);
+    k->b2 = (float)c->beta2;
+    k->one_minus_b2 = (float)(1.0 - c->beta2);
+    k->eps = (float)c->eps;
+    double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
+    k->neg_step_size = (float)-(lr / bc1);
+    k->bc2_sqrt = (float)sqrt(bc2);
+}
+
 void psd_adam_take(float *acc, float *m, float *v, const void *g, uint32_t gdtype, const float *w,
                    const struct psd_config *c, uint64_t t, uint64_t n, int first, int threads, struct psd_beat *beat,
                    _Atomic uint64_t *nonfinite) {
     struct step_scalars k = {0};
-    k.wd = (float)c->weight_decay;
-    k.b1_weight = (float)(1.0 - c->beta1);
-    k.b2 = (float)c->beta2;
-    k.one_minus_b2 = (float)(1.0 - c->beta2);
-    k.eps = (float)c->eps;
-    double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
-    k.neg_step_size = (float)(-1.0 / bc1);
-    k.bc2_sqrt = (float)sqrt(bc2);
+    adam_scalars(&k, c, 1.0, t); /* the direction alone: acc is multiplied by the round's lr */
     const int l2 = c->optimizer == PSD_OPT_ADAM && c->weight_decay != 0.0;
     const struct adam_take_args a = {&k, acc, m, v, g, gdtype, w, l2, first};
     run_chunks(n, threads, beat, nonfinite, adam_take_item, &a);
@@ -598,15 +603,10 @@ void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, c
     k.first = t == 1;
     k.squares_taken = (c->cfg_flags & PSD_CFG_LOOP_SQUARES_TAKEN) != 0;
     k.inv_k = 1.0f / (float)(c->sync_param > 1 ? c->sync_param : 1);
-    k.b1_weight = (float)(1.0 - c->beta1);
-    k.b2 = (float)c->beta2;
-    k.one_minus_b2 = (float)(1.0 - c->beta2);
-    k.eps = (float)c->eps;
-    double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
-    k.neg_step_size = (float)-(lr / bc1);
-    k.bc2_sqrt = (float)sqrt(bc2);
+    adam_scalars(&k, c, lr, t);
     k.decay_mul = (float)(1.0 - lr * c->weight_decay);
-    k.decay_mul_k = (float)pow(1.0 - lr * c->weight_decay, (double)(c->sync_param > 1 ? c->sync_param : 1));
+    if (k.squares_taken) /* a kasync round: K steps' decoupled decay (adam_taken_body) */
+        k.decay_mul_k = (float)pow(1.0 - lr * c->weight_decay, (double)psd_kasync_k(c));
     k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * c->lr_decay));
     if (c->optimizer == PSD_OPT_SGD && c->weight_decay == 0.0 && gscale == 1.0f) {
         psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat, nonfinite); /* the plain, fastest path */
@@ -646,7 +646,7 @@ int psd_predict(const struct psd_map *m, float *dst, uint64_t n, uint64_t lo, ui
     case PSD_OPT_ADAMW: {
         /* Adam moves lr * m_hat / (sqrt(v_hat) + eps) per step; under kasync:K an update is K steps, the
          * moments K steps on (psd_adam_take). */
-        double k = h->cfg.sync_mode == PSD_SYNC_KASYNC && h->cfg.sync_param > 1 ? (double)h->cfg.sync_param : 1.0;
+        double k = (double)psd_kasync_k(&h->cfg);
         double bc1 = 1.0 - pow(h->cfg.beta1, (double)t * k), bc2 = 1.0 - pow(h->cfg.beta2, (double)t * k);
         float scale = (float)(lr * staleness * k / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)h->cfg.eps;
         for (uint64_t i = lo; i < hi; i++)

@@ -557,6 +557,10 @@ void psd_sparse_add(float *acc, const void *span, uint64_t len, uint64_t row_len
  * *nonfinite. */
 void psd_adagrad_take(float *acc, float *sum, const void *g, uint32_t gdtype, const float *w, double weight_decay,
                       uint64_t n, int first, int threads, struct psd_beat *beat, _Atomic uint64_t *nonfinite);
+/* The gradients one update takes: kasync's K (more than 1), else 1. */
+static inline uint64_t psd_kasync_k(const struct psd_config *c) {
+    return c->sync_mode == PSD_SYNC_KASYNC && c->sync_param > 1 ? c->sync_param : 1;
+}
 /* kasync with Adam or AdamW: one gradient of a round taken as the step of one process it is: the moments m
  * and v take it (with Adam's L2 weight decay, d = g + weight_decay * w; the weights do not move within a
  * round), and acc = (first) or += its step direction m_hat / (sqrt(v_hat) + eps) at bias-correction step

@@ -290,8 +290,7 @@ static bool squares_as_taken(const struct psd_config *c) {
 
 /* (kasync:1 is asp's arithmetic, bit for bit: its round's sum is its one gradient.) */
 static bool moments_as_taken(const struct psd_config *c) {
-    return c->sync_mode == PSD_SYNC_KASYNC && c->sync_param > 1 &&
-           (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
+    return psd_kasync_k(c) > 1 && (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;
@@ -313,7 +312,7 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
          * every gradient carries; one that some leave out is counted as if they had (its bias correction
          * ends sooner: a per-tensor count of gradients would take a word of layout more). */
         if (dense && moments) {
-            uint64_t t = ps->steps * (L->cfg.sync_param > 1 ? L->cfg.sync_param : 1) + PSD_LOAD_RLX(&h->acc_count) + 1;
+            uint64_t t = ps->steps * psd_kasync_k(&L->cfg) + PSD_LOAD_RLX(&h->acc_count) + 1;
             psd_adam_take(acc + pg->off, psd_state(m, 0) + pg->off, psd_state(m, 1) + pg->off, g + pg->off, dtype,
                           psd_weights(m) + pg->off, &L->cfg, t, pg->len, first, (int)L->threads, &L->beat,
                           &L->nonfinite);

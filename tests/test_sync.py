@@ -407,6 +407,46 @@ def test_kasync_1_adagrad_is_asp_bit_for_bit(job, serve, dtype):
         assert torch.equal(k1[k], v), k
 
 
+@pytest.mark.xfail(strict=True, reason="known gap: under kasync with Adam a tensor absent from some gradients of a "
+                   "round takes Adam's step count as if it were in all (native/update.c accumulate; an exact count "
+                   "needs a word per tensor in the layout)")
+def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_out(job, serve):
+    """kasync:3 with Adam on TwoLayers and USES_B's mini-batches (its head in some gradients of a round only,
+    its first layer through the head): torch.optim steps each tensor once per gradient that carries it, and
+    its bias correction counts those steps. psd counts every gradient of a round for every tensor the round
+    moved, so the head's and, through it, the first layer's weights drift from torch's (0.017 of 0.078 of
+    movement, measured by a review). Strict: the day psd counts a tensor's own steps, this passes and says so."""
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", "adam", "--sync",
+                   "kasync:3", "--async-momentum", "off")
+    torch.manual_seed(5)
+    model = TwoLayers()
+    x, y = torch.randn(40, 300), torch.randn(40, 4)
+    ref = TwoLayers()
+    ref.load_state_dict(model.state_dict())
+    with learner.attach(model, job=job) as ps:
+        for i, use_b in enumerate(USES_B):
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[2 * i:2 * i + 2], use_b), y[2 * i:2 * i + 2]).backward()
+            ps.step()
+            ps.flush()
+            ps.pull()
+        ours = learner.pull_state_dict(job)
+    served.stop()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for r in range(len(USES_B) // 3):
+        grads = []
+        for i in range(3 * r, 3 * r + 3):  # the round's gradients, all on its weights
+            ref.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ref(x[2 * i:2 * i + 2], USES_B[i]), y[2 * i:2 * i + 2]).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
+        for gs in grads:  # one torch step per gradient: a tensor without one does not step
+            for p, g in zip(ref.parameters(), gs, strict=True):
+                p.grad = g
+            opt.step()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(ours[k], v, rtol=0, atol=1e-5), (k, (ours[k] - v).abs().max())
+
+
 def test_kasync_1_adam_is_asp_bit_for_bit(job, serve):
     """kasync:1 with AdamW: a round's sum is its one gradient, so the loop steps Adam on it as asp does (the
     take of each gradient into the moments is for K > 1), to the bit."""
