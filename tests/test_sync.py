@@ -361,6 +361,19 @@ class TwoLayers(torch.nn.Module):
 USES_B = [True, False, True, False, False, False, True, True, False]
 
 
+def train_two_layers(job, model, x, y):
+    """TwoLayers ``model`` attached to ``job``, one step a mini-batch of USES_B, each pulled before the next
+    (deterministic): the job's final weights."""
+    with learner.attach(model, job=job) as ps:
+        for i, use_b in enumerate(USES_B):
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[2 * i:2 * i + 2], use_b), y[2 * i:2 * i + 2]).backward()
+            ps.step()
+            ps.flush()
+            ps.pull()
+        return learner.pull_state_dict(job)
+
+
 def adagrad_job(job, serve, sync, dtype="float32"):
     """TwoLayers trained through a one-learner Adagrad job (weight decay, lr decay, 2 update threads) on
     USES_B's mini-batches: its initial weights, its data and the job's final weights."""
@@ -372,14 +385,7 @@ def adagrad_job(job, serve, sync, dtype="float32"):
     x, y = torch.randn(40, 300), torch.randn(40, 4)
     x[:, :50] = 0.0  # weights that only ever see their decay
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    with learner.attach(model, job=job) as ps:
-        for i, use_b in enumerate(USES_B):
-            model.zero_grad(set_to_none=True)
-            torch.nn.functional.mse_loss(model(x[2 * i:2 * i + 2], use_b), y[2 * i:2 * i + 2]).backward()
-            ps.step()
-            ps.flush()
-            ps.pull()
-        ours = learner.pull_state_dict(job)
+    ours = train_two_layers(job, model, x, y)
     served.stop()
     return init, (x, y), ours
 
@@ -423,14 +429,7 @@ def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_ou
     x, y = torch.randn(40, 300), torch.randn(40, 4)
     ref = TwoLayers()
     ref.load_state_dict(model.state_dict())
-    with learner.attach(model, job=job) as ps:
-        for i, use_b in enumerate(USES_B):
-            model.zero_grad(set_to_none=True)
-            torch.nn.functional.mse_loss(model(x[2 * i:2 * i + 2], use_b), y[2 * i:2 * i + 2]).backward()
-            ps.step()
-            ps.flush()
-            ps.pull()
-        ours = learner.pull_state_dict(job)
+    ours = train_two_layers(job, model, x, y)
     served.stop()
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     for r in range(len(USES_B) // 3):
