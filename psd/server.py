@@ -259,6 +259,26 @@ def _unlink(name: str) -> None:
         _native.unlink(name)
 
 
+WATCHDOG_ENV = "PSD_SERVER_WATCHDOG"  # "pid:start_time" of the watchdog that started this server
+
+
+def own_watchdog() -> tuple[int, int] | None:
+    """(pid, start time) of the watchdog that started this server (``WATCHDOG_ENV``, set by
+    watchdog/supervisor.py), if it is this process's parent still; else None (``--no-watchdog`` by hand).
+
+    The server writes it into the header before its own pid, which is what makes it alive to others: a second
+    watchdog for the job then sees this one alive and refuses to start, where before this watchdog's first
+    look at the arena it saw a server without a live watchdog and adopted it (two watchdogs on one job)."""
+    pid, _, start = os.environ.get(WATCHDOG_ENV, "").partition(":")
+    try:
+        pid_n, start_n = int(pid), int(start)
+    except ValueError:
+        return None
+    if pid_n != os.getppid() or _native.proc_start_time(pid_n) != start_n:
+        return None
+    return pid_n, start_n
+
+
 def _initial_spec(path: str) -> list[ParamSpec]:
     """The model of --init's file, from its header alone (no tensor read): float32 parameters only."""
     from safetensors import safe_open
@@ -405,6 +425,9 @@ class Server:
                 # below would otherwise offer its own model, and the job would silently ignore --init.
                 self._offer_own(spec)
         me = os.getpid()
+        watchdog = own_watchdog()
+        if watchdog is not None:  # named before this server is: see own_watchdog
+            self.arena.note_watchdog(*watchdog)
         self.generation = self.arena.become_server(
             me, _native.proc_start_time(me), cfg.lr, self.threads, cfg.spin_us
         )

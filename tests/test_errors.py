@@ -125,6 +125,43 @@ def test_second_server_for_a_running_job(job, serve):
     assert os.path.exists(shm_path(job)), "the failed second server must not remove the first's arena"
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_a_server_names_its_watchdog_before_itself(job, named):
+    """A server a watchdog starts writes that watchdog into the header before its own pid, which is what makes
+    the server alive to others: a second `psd serve` then always finds the watchdog alive and refuses. It had
+    adopted the server, as a watchdog whose predecessor died does, when it came before the first watchdog's
+    own first look at the arena (a fresh clone's suite: test_second_server_for_a_running_job hung, two
+    watchdogs on one job). Here this test process stands for the watchdog (the server's parent, named in
+    PSD_SERVER_WATCHDOG) and never writes the header itself; a name that is not the server's parent is
+    ignored, and the second `psd serve` adopts that server (what a restarted watchdog does)."""
+    from psd import _native
+    from psd.arena import wait_for_job
+    from psd.server import WATCHDOG_ENV
+
+    me = os.getpid() if named else os.getppid()
+    env = child_env() | {WATCHDOG_ENV: f"{me}:{_native.proc_start_time(me)}"}
+    server = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--no-watchdog", "--quiet", "--job", job,
+                               "--learners", "1"], env=env, stderr=subprocess.DEVNULL)
+    second = None
+    try:
+        wait_for_job(job, timeout=60, server_pid=server.pid)
+        if named:
+            r = psd_cli("serve", "--job", job)
+            assert r.returncode == 1 and "already has a running server" in r.stderr, r.stderr
+            assert f"watchdog pid {me}" in r.stderr, r.stderr
+        else:
+            second = subprocess.Popen([sys.executable, "-m", "psd.cli", "serve", "--job", job], env=child_env(),
+                                      stderr=subprocess.PIPE, text=True)
+            line = second.stderr.readline()
+            assert "adopted running server pid" in line, line
+    finally:
+        if second is not None:
+            second.terminate()
+            second.wait(timeout=60)
+        server.terminate()
+        server.wait(timeout=60)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ring-depth", "3"], "--ring-depth must be a power of two"),
     (["--learners", "0"], "--learners must be 1.."),

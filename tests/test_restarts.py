@@ -390,9 +390,13 @@ def test_a_lost_arena_of_a_job_without_a_model_yet_starts_on_a_new_one(job, serv
     from conftest import spawn
 
     s = serve(job, "--learners", "1", "--lr", "1", "--checkpoint-dir", str(tmp_path / "ck"), "--server-restarts", "3")
-    while "waiting for the first learner" not in read_line(s.proc, timeout=60):
-        pass
-    wait_until(lambda: arena_header(job)["watchdog_pid"] == s.proc.pid, what="the watchdog's look at the arena")
+    # Both lines, in either order: the server waits for a model, and the watchdog has mapped its arena (it
+    # says the server runs only from its own mapping; the header names the watchdog from the server's start)
+    seen = {"waiting for the first learner": False, "running (": False}
+    while not all(seen.values()):
+        line = read_line(s.proc, timeout=60)
+        seen.update({k: True for k in seen if k in line})
+    assert arena_header(job)["watchdog_pid"] == s.proc.pid
     first = arena_header(job)["server_pid"]
     os.truncate(shm_path(job), size)  # at 0 the server dies of SIGBUS at its next look at the header
     wait_until(lambda: _next_server(job, first, _native.ARENA_WAITING_SPEC), timeout=20,

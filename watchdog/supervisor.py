@@ -49,7 +49,7 @@ from psd.arena import (
 )
 from psd.errors import ArenaLost, Error
 from psd.events import EventLog
-from psd.server import ServeConfig
+from psd.server import WATCHDOG_ENV, ServeConfig
 from psd.signals import SignalFlag, Stop
 from psd.watchdog import checkpoint
 from psd.watchdog.restarts import Backoff, RestartPolicy
@@ -302,7 +302,11 @@ class Watchdog:
     def _spawn(self, resume: bool, source: Path | None = None) -> None:
         """Start a server; with ``resume``, one that loads ``source`` (a checkpoint file), or where none is given,
         ``_resume_source()``."""
-        env = dict(os.environ, **self.config.extra_env)
+        me = os.getpid()
+        # The server names this watchdog in the header before it names itself (psd/server.py own_watchdog): a
+        # second `psd serve` that finds the server alive finds its watchdog alive too, and refuses; it adopted
+        # the server as if its watchdog had died when it came before this watchdog's first look at the arena.
+        env = dict(os.environ, **self.config.extra_env, **{WATCHDOG_ENV: f"{me}:{_native.proc_start_time(me)}"})
         resume_from = (source or self._resume_source()) if resume else None
         init = self.config.serve.init if not self._had_model else None  # until the job holds a model: --init's
         self.proc = subprocess.Popen(self._server_argv(resume_from, init), env=env, start_new_session=True)
