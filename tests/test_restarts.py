@@ -410,17 +410,22 @@ TRUNCATE_IN_SNAPSHOT = """
 import os, signal, sys, time
 from psd.arena import HeaderView, open_job, shm_path
 job, watchdog, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-h = HeaderView(open_job(job, role="reader"))
+a = open_job(job)  # full: this script keeps the stopped server's heartbeat fresh
+h = HeaderView(a)
 server = h.server_pid
-# The server stopped: the watchdog's snapshot waits for its update loop to pause (up to 1 s since its last beat,
-# native/pause.c), so the truncation lands inside the snapshot however this machine schedules us.
+# The server stopped, its heartbeat kept fresh here (as a loop inside a long update would): the watchdog's snapshot
+# waits for the update loop to pause (native/pause.c: a loop that stopped beating is no wait) and its hang check
+# sees a live server, so the truncation lands inside the snapshot however late this machine runs the watchdog.
 os.kill(server, signal.SIGSTOP)
 try:
+    a.beat()
     os.kill(watchdog, signal.SIGUSR1)  # a checkpoint now
     deadline = time.monotonic() + 30
     while not h.pause_req:  # the snapshot began: it waits for the loop, then copies the weights
         if time.monotonic() > deadline:
             sys.exit("the watchdog never paused the loop for its checkpoint")
+        a.beat()
+        time.sleep(0.001)
     os.truncate(shm_path(job), size)
 finally:
     os.kill(server, signal.SIGCONT)  # it dies of SIGBUS at its next touch of what is gone
