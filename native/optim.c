@@ -481,6 +481,7 @@ PSD_INLINE uint32_t adam_take_body(const struct step_scalars *k, const int l2, c
                                    const float *restrict w, uint64_t lo, uint64_t hi) {
     const float wd = k->wd, b1w = k->b1_weight, b1w_c = 1.0f - k->b1_weight, b2 = k->b2, omb2 = k->one_minus_b2;
     const float bc2 = k->bc2_sqrt, eps = k->eps, inv_bc1 = -k->neg_step_size; /* 1 / bc1 (lr 1) */
+    const float dm = k->decay_mul; /* AdamW: 1 - lr wd, the decay of the steps before this one; else 1 */
     uint32_t bad = 0;
     for (uint64_t i = lo; i < hi; i++) {
         float d = psd_take1(g[i], &bad);
@@ -492,7 +493,7 @@ PSD_INLINE uint32_t adam_take_body(const struct step_scalars *k, const int l2, c
         m[i] = mi;
         v[i] = vi;
         float u = inv_bc1 * (mi / (sqrtf(vi) / bc2 + eps));
-        acc[i] = first ? u : acc[i] + u;
+        acc[i] = first ? u : acc[i] * dm + u;
     }
     return bad;
 }
@@ -539,10 +540,13 @@ static void adam_scalars(struct step_scalars *k, const struct psd_config *c, dou
 }
 
 void psd_adam_take(float *acc, float *m, float *v, const void *g, uint32_t gdtype, const float *w,
-                   const struct psd_config *c, uint64_t t, uint64_t n, int first, int threads, struct psd_beat *beat,
-                   _Atomic uint64_t *nonfinite) {
+                   const struct psd_config *c, double lr, uint64_t t, uint64_t n, int first, int threads,
+                   struct psd_beat *beat, _Atomic uint64_t *nonfinite) {
     struct step_scalars k = {0};
     adam_scalars(&k, c, 1.0, t); /* the direction alone: acc is multiplied by the round's lr */
+    /* AdamW: one process's later steps decay what the earlier ones moved (x = x (1 - lr wd) - lr u each), so
+     * the sum weighs an earlier direction by the decay since: acc = acc (1 - lr wd) + u. Adam: acc + u. */
+    k.decay_mul = c->optimizer == PSD_OPT_ADAMW ? (float)(1.0 - lr * c->weight_decay) : 1.0f;
     const int l2 = c->optimizer == PSD_OPT_ADAM && c->weight_decay != 0.0;
     const struct adam_take_args a = {&k, acc, m, v, g, gdtype, w, l2, first};
     run_chunks(n, threads, beat, nonfinite, adam_take_item, &a);
@@ -605,8 +609,8 @@ void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, c
     k.inv_k = 1.0f / (float)(c->sync_param > 1 ? c->sync_param : 1);
     adam_scalars(&k, c, lr, t);
     k.decay_mul = (float)(1.0 - lr * c->weight_decay);
-    if (k.squares_taken) /* a kasync round: K steps' decoupled decay (adam_taken_body) */
-        k.decay_mul_k = (float)pow(1.0 - lr * c->weight_decay, (double)psd_kasync_k(c));
+    if (k.squares_taken) /* a kasync round of Adam: the decoupled decay of the t steps it took (adam_taken_body) */
+        k.decay_mul_k = (float)pow(1.0 - lr * c->weight_decay, (double)t);
     k.neg_clr = (float)-(lr / (1.0 + (double)(t - 1) * c->lr_decay));
     if (c->optimizer == PSD_OPT_SGD && c->weight_decay == 0.0 && gscale == 1.0f) {
         psd_apply_sgd(w, g, gdtype, n, (float)lr, threads, beat, nonfinite); /* the plain, fastest path */

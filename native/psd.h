@@ -527,7 +527,8 @@ double psd_rule_staleness(const struct psd_header *h);
 /* One update of the configured optimizer with gradient g * gscale (n float32, or bfloat16 when
  * gdtype is PSD_DTYPE_BF16: widened a chunk at a time) and momentum `momentum` (momentum / nesterov:
  * psd_async_momentum's); t is the 1-based step (Adam's bias correction, the momentum buffer's first
- * step). Beats `beat` every PSD_CHUNK floats (of the master thread's share) at most. */
+ * step), but for a kasync round of Adam whose moments took its gradients (PSD_CFG_LOOP_SQUARES_TAKEN) the
+ * number of them the tensors took, the steps of AdamW's decay. Beats `beat` every PSD_CHUNK floats (of the master thread's share) at most. */
 void psd_optimizer_step(const struct psd_config *c, double momentum, float *w, const void *g, uint32_t gdtype,
                         float gscale, float *s0, float *s1, uint64_t n, double lr, uint64_t t, int threads,
                         struct psd_beat *beat, _Atomic uint64_t *nonfinite);
@@ -564,14 +565,15 @@ static inline uint64_t psd_kasync_k(const struct psd_config *c) {
 /* kasync with Adam or AdamW: one gradient of a round taken as the step of one process it is: the moments m
  * and v take it (with Adam's L2 weight decay, d = g + weight_decay * w; the weights do not move within a
  * round), and acc = (first) or += its step direction m_hat / (sqrt(v_hat) + eps) at bias-correction step
- * `t` (the round's K gradients are steps t, t + 1, ... of one process). The round's update (with
- * PSD_CFG_LOOP_SQUARES_TAKEN) then moves the weights by lr times that sum (and AdamW's decoupled decay
- * K times), touching no moment: the K steps one process makes, on gradients the round's weights gave. Adam
+ * `t` (the tensor's own step: one more than the gradients it took, struct psd_piece's taken); AdamW's sum
+ * weighs each earlier direction by the decay (1 - lr weight_decay, `lr` the round's) of each step since. The
+ * round's update (with PSD_CFG_LOOP_SQUARES_TAKEN) then moves the weights by lr times that sum (after AdamW's
+ * decoupled decay once for each gradient the tensor took, round_taken), touching no moment: the K steps one process makes, on gradients the round's weights gave. Adam
  * of the sum of K gradients instead normalises it to one step's size (m and v of the sum are K and K^2
  * times a gradient's), K times fewer weight moves. Runs as psd_adagrad_take does. */
 void psd_adam_take(float *acc, float *m, float *v, const void *g, uint32_t gdtype, const float *w,
-                   const struct psd_config *c, uint64_t t, uint64_t n, int first, int threads, struct psd_beat *beat,
-                   _Atomic uint64_t *nonfinite);
+                   const struct psd_config *c, double lr, uint64_t t, uint64_t n, int first, int threads,
+                   struct psd_beat *beat, _Atomic uint64_t *nonfinite);
 /* A flag of the update loop's own copy of the configuration, never stored in an arena (psd_layout.h's
  * PSD_CFG_* are): the update being applied finds the state already holding its gradients (kasync: Adagrad's
  * squares, psd_adagrad_take; Adam's moments and step directions, psd_adam_take). */

@@ -31,8 +31,9 @@
  *                                     gradient accumulator of bsp / kasync)
  *   [buffers_off, +n_buffers*8)      the model's buffers (BatchNorm statistics, counters),
  *                                     float64, merged from the learners' deltas
- *   [pieces_off, +16*n_pieces)       struct psd_piece: per trainable tensor, its own
- *                                     optimizer step count and bsp/kasync round mark
+ *   [pieces_off, +32*n_pieces)       struct psd_piece: per trainable tensor, its own
+ *                                     optimizer step count, bsp/kasync round mark and
+ *                                     (kasync with Adam) the gradients it took
  *   [rowlog_off, +24*rowlog cap)     struct psd_rowlog_entry: the rows log, what each update
  *                                     changed (a sparse tensor's rows, a dense tensor whole),
  *                                     so that a learner pulls only those (psd_rowlog_cap)
@@ -73,13 +74,14 @@
 /* Bump on any change to the structs below. The identity line (the first
  * fields of psd_header up to and including psd_version) never moves, so any
  * version of psd can read which version made an arena. */
-/* 15: round_applying, round_applied, round_slot, round_head (a round a killed server was finishing is
+/* 17: struct psd_piece's taken and round_taken (kasync with Adam counts each tensor's own gradients);
+ * 15: round_applying, round_applied, round_slot, round_head (a round a killed server was finishing is
  * finished by the next, neither lost nor applied again but for the update in flight);
  * 14: staleness_held_bits (the momentum rule's staleness held when learners leave); 13: cfg nodes and
  * node_lag (several nodes' staleness in the momentum rule); 12: damping_bits, --overlap auto waits for
  * momentum too; 11: auto waits but for momentum at 2+ slots;
  * 10: cfg_flags' overlap bits */
-#define PSD_LAYOUT_VERSION 16
+#define PSD_LAYOUT_VERSION 17
 #define PSD_VERSION_LEN 24
 #define PSD_MSG_LEN 256
 #define PSD_MAX_SLOTS 4096
@@ -593,7 +595,14 @@ enum psd_piece_kind {
 struct psd_piece {
     uint64_t steps; /* optimizer updates this tensor received */
     uint64_t round; /* bsp / kasync: rounds + 1 of the round whose sum it is in */
+    /* kasync:K (K > 1) with Adam / AdamW, where each gradient is one process's step (psd_adam_take):
+     * the gradients this tensor took into its moments (Adam's step count for it, as torch.optim's
+     * per-tensor `step`: one per gradient that carries it), and how many of them in round `round`
+     * (AdamW's decoupled decay of that round, once a gradient). 0 in every other mode. */
+    uint64_t taken;
+    uint64_t round_taken;
 };
+#define PSD_PIECE_WORDS 4 /* uint64 words of a struct psd_piece (psd/state.py pieces_view) */
 
 /* One entry of the rows log, written only by the update loop: entry i sits at index
  * i % psd_rowlog_cap(n_train). The loop stores `seq` = PSD_ROWLOG_WRITING, then store-releases the
@@ -725,7 +734,7 @@ _Static_assert(sizeof(struct psd_entry) == PSD_CACHELINE, "entry header is one l
 _Static_assert(sizeof(struct psd_rank) == PSD_CACHELINE, "a rank is one line");
 _Static_assert(sizeof(pthread_mutex_t) <= PSD_CACHELINE, "a mutex fits its line");
 _Static_assert(sizeof(struct psd_slot) % PSD_CACHELINE == 0, "slot is whole lines");
-_Static_assert(sizeof(struct psd_piece) == 16, "a piece is two words");
+_Static_assert(sizeof(struct psd_piece) == 8 * PSD_PIECE_WORDS, "a piece is PSD_PIECE_WORDS words");
 
 /* What a layout built by another compiler or ABI would disagree on. */
 static inline uint32_t psd_fingerprint(void) {

@@ -391,6 +391,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     PyModule_AddIntConstant(m, "LAYOUT_VERSION", PSD_LAYOUT_VERSION);
+    PyModule_AddIntConstant(m, "PIECE_WORDS", PSD_PIECE_WORDS);
     PyModule_AddIntConstant(m, "HEADER_SIZE", PSD_HEADER_SIZE);
     PyModule_AddIntConstant(m, "MAX_SLOTS", PSD_MAX_SLOTS);
     PyModule_AddIntConstant(m, "MAX_RING", PSD_MAX_RING);

@@ -167,6 +167,14 @@ static bool dense_gradient(struct psd_loop *L, const float *span, const struct p
     return true;
 }
 
+/* The step argument of tensor k's update (psd_optimizer_step's t): its step, one more than the updates it
+ * received; a kasync round of Adam whose moments took the gradients (adam_taken): how many of the round's
+ * gradients it took, the steps of AdamW's decay the round makes. */
+static uint64_t step_arg(const struct psd_map *m, uint64_t k, bool adam_taken) {
+    const struct psd_piece *ps = psd_piece_at(m, k);
+    return adam_taken ? ps->round_taken : ps->steps + 1;
+}
+
 /* Apply gradient g (an entry's, or the accumulator) to the tensors that `map`
  * says have one, each at its own step count. Runs of dense tensors at the same
  * step go to the optimizer as one range (one call for a whole dense model). */
@@ -182,9 +190,11 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
         every_dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
     if (every_dense)
         psd_rowlog_put(&L->log, PSD_ROWLOG_ALL, PSD_ROWLOG_WHOLE);
+    bool adam_taken = (cfg->cfg_flags & PSD_CFG_LOOP_SQUARES_TAKEN) &&
+                      (cfg->optimizer == PSD_OPT_ADAM || cfg->optimizer == PSD_OPT_ADAMW);
     for (uint64_t k = 0; k < L->n_pieces;) {
         const struct psd_piece_geom *pg = &L->pieces[k];
-        uint64_t t = psd_piece_at(m, k)->steps + 1;
+        uint64_t t = step_arg(m, k, adam_taken);
         if (map[k] == PSD_PIECE_ABSENT) {
             k++;
         } else if (map[k] == PSD_PIECE_SPARSE &&
@@ -211,7 +221,7 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             psd_piece_at(m, k++)->steps = t;
         } else {
             uint64_t j = k + 1;
-            while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && psd_piece_at(m, j)->steps + 1 == t)
+            while (j < L->n_pieces && map[j] == PSD_PIECE_DENSE && step_arg(m, j, adam_taken) == t)
                 j++;
             for (uint64_t i = k; i < j && !every_dense; i++)
                 psd_rowlog_put(&L->log, i, PSD_ROWLOG_WHOLE);
@@ -219,7 +229,7 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             psd_optimizer_step(cfg, mom, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
                                (int)L->threads, &L->beat, &L->nonfinite);
             for (; k < j; k++)
-                psd_piece_at(m, k)->steps = t;
+                psd_piece_at(m, k)->steps = adam_taken ? psd_piece_at(m, k)->steps + 1 : t;
         }
     }
 }
@@ -308,14 +318,17 @@ static void accumulate(struct psd_loop *L, const float *g, const uint8_t *map) {
         bool first = ps->round != mark;
         bool dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
         uint32_t dtype = map[k] == PSD_PIECE_DENSE_BF16 ? PSD_DTYPE_BF16 : PSD_DTYPE_F32;
-        /* The round's j-th gradient: Adam's step steps * K + j + 1 of one process, exact for a tensor that
-         * every gradient carries; one that some leave out is counted as if they had (its bias correction
-         * ends sooner: a per-tensor count of gradients would take a word of layout more). */
+        /* Adam's step of one process for this tensor: one more than the gradients it took (as torch.optim
+         * counts a tensor's own steps: a gradient that leaves it out is none), and the round's count of them
+         * for AdamW's decay. Counted after the take: a server killed inside it takes the entry again. */
         if (dense && moments) {
-            uint64_t t = ps->steps * psd_kasync_k(&L->cfg) + PSD_LOAD_RLX(&h->acc_count) + 1;
+            uint64_t t = ps->taken + 1;
+            double lr = psd_scheduled_lr(&L->cfg, PSD_LOAD_RLX(&h->opt_steps)); /* the round's (update_weights) */
             psd_adam_take(acc + pg->off, psd_state(m, 0) + pg->off, psd_state(m, 1) + pg->off, g + pg->off, dtype,
-                          psd_weights(m) + pg->off, &L->cfg, t, pg->len, first, (int)L->threads, &L->beat,
+                          psd_weights(m) + pg->off, &L->cfg, lr, t, pg->len, first, (int)L->threads, &L->beat,
                           &L->nonfinite);
+            ps->taken = t;
+            ps->round_taken = first ? 1 : ps->round_taken + 1;
         } else if (dense && squares) /* a bfloat16 span starts where a float32 one would */
             psd_adagrad_take(acc + pg->off, squares + pg->off, g + pg->off, dtype, psd_weights(m) + pg->off,
                              L->cfg.weight_decay, pg->len, first, (int)L->threads, &L->beat, &L->nonfinite);

@@ -147,9 +147,11 @@ def buffers_view(arena: _native.Arena, h: Mapping) -> torch.Tensor:
 
 
 def pieces_view(arena: _native.Arena, h: Mapping) -> torch.Tensor:
-    """The update loop's per-tensor state (optimizer steps, bsp round mark), int64 (n_pieces, 2)."""
-    return torch.frombuffer(arena, dtype=torch.int64, count=2 * h["n_pieces"],
-                            offset=h["pieces_off"]).view(h["n_pieces"], 2)
+    """The update loop's per-tensor state, int64 (n_pieces, PIECE_WORDS): optimizer steps, bsp / kasync round
+    mark, and under kasync with Adam the gradients the tensor took and how many of them in that round
+    (native/psd_layout.h struct psd_piece)."""
+    return torch.frombuffer(arena, dtype=torch.int64, count=_native.PIECE_WORDS * h["n_pieces"],
+                            offset=h["pieces_off"]).view(h["n_pieces"], _native.PIECE_WORDS)
 
 
 def in_model_dtypes(spec: list[ParamSpec], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

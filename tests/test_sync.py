@@ -361,11 +361,11 @@ class TwoLayers(torch.nn.Module):
 USES_B = [True, False, True, False, False, False, True, True, False]
 
 
-def train_two_layers(job, model, x, y):
-    """TwoLayers ``model`` attached to ``job``, one step a mini-batch of USES_B, each pulled before the next
-    (deterministic): the job's final weights."""
+def train_two_layers(job, model, x, y, uses=USES_B, start=0):
+    """TwoLayers ``model`` attached to ``job``, one step a mini-batch of ``uses`` (mini-batch ``start`` on), each
+    pulled before the next (deterministic): the job's final weights."""
     with learner.attach(model, job=job) as ps:
-        for i, use_b in enumerate(USES_B):
+        for i, use_b in enumerate(uses, start):
             model.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(model(x[2 * i:2 * i + 2], use_b), y[2 * i:2 * i + 2]).backward()
             ps.step()
@@ -413,17 +413,17 @@ def test_kasync_1_adagrad_is_asp_bit_for_bit(job, serve, dtype):
         assert torch.equal(k1[k], v), k
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: under kasync with Adam a tensor absent from some gradients of a "
-                   "round takes Adam's step count as if it were in all (native/update.c accumulate; an exact count "
-                   "needs a word per tensor in the layout)")
-def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_out(job, serve):
-    """kasync:3 with Adam on TwoLayers and USES_B's mini-batches (its head in some gradients of a round only,
-    its first layer through the head): torch.optim steps each tensor once per gradient that carries it, and
-    its bias correction counts those steps. psd counts every gradient of a round for every tensor the round
-    moved, so the head's and, through it, the first layer's weights drift from torch's (0.017 of 0.078 of
-    movement, measured by a review). Strict: the day psd counts a tensor's own steps, this passes and says so."""
-    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", "adam", "--sync",
-                   "kasync:3", "--async-momentum", "off")
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_out(job, serve, optimizer):
+    """kasync:3 with Adam or AdamW on TwoLayers and USES_B's mini-batches (its head in some gradients of a round
+    only, its first layer through the head): torch.optim steps each tensor once per gradient that carries it, its
+    bias correction counts those steps, and AdamW decays it once for each. psd counts the gradients each tensor
+    took (struct psd_piece's taken, round_taken). Before, every tensor a round moved counted every gradient of
+    the round: the head's and, through it, the first layer's weights drifted from torch's (0.017 of 0.078 of
+    movement)."""
+    wd = ["--weight-decay", "0.1"] if optimizer == "adamw" else []
+    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", optimizer, "--sync",
+                   "kasync:3", "--async-momentum", "off", *wd)
     torch.manual_seed(5)
     model = TwoLayers()
     x, y = torch.randn(40, 300), torch.randn(40, 4)
@@ -431,17 +431,61 @@ def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_ou
     ref.load_state_dict(model.state_dict())
     ours = train_two_layers(job, model, x, y)
     served.stop()
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for r in range(len(USES_B) // 3):
+    opt = (torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1) if optimizer == "adamw"
+           else torch.optim.Adam(ref.parameters(), lr=0.01))
+    two_layers_adam_reference(ref, opt, x, y, USES_B, 3)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(ours[k], v, rtol=0, atol=1e-5), (k, (ours[k] - v).abs().max())
+
+
+def two_layers_adam_reference(ref, opt, x, y, uses, k):
+    """kasync:``k`` of torch.optim ``opt`` on TwoLayers ``ref``: each round's ``k`` gradients of ``uses``'s
+    mini-batches computed on the round's weights, then one step of ``opt`` per gradient."""
+    for r in range(len(uses) // k):
         grads = []
-        for i in range(3 * r, 3 * r + 3):  # the round's gradients, all on its weights
+        for i in range(k * r, k * r + k):  # the round's gradients, all on its weights
             ref.zero_grad(set_to_none=True)
-            torch.nn.functional.mse_loss(ref(x[2 * i:2 * i + 2], USES_B[i]), y[2 * i:2 * i + 2]).backward()
+            torch.nn.functional.mse_loss(ref(x[2 * i:2 * i + 2], uses[i]), y[2 * i:2 * i + 2]).backward()
             grads.append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
         for gs in grads:  # one torch step per gradient: a tensor without one does not step
             for p, g in zip(ref.parameters(), gs, strict=True):
                 p.grad = g
             opt.step()
+
+
+@pytest.mark.parametrize("written", ["layout 17", "before layout 17"])
+def test_kasync_adam_s_step_counts_survive_a_checkpoint_taken_mid_round(job, serve, tmp_path, written):
+    """kasync:3 Adam on TwoLayers, checkpointed (`psd checkpoint`) two gradients into its second round, stopped and
+    resumed from it: the tensors' own step counts come back with the moments and the open round, and the job ends
+    where torch.optim does (USES_B: the head in some gradients only). A checkpoint written before layout 17 (its
+    per-tensor rows without the counts) restores them as those builds counted, exact where every gradient
+    carries every tensor (that case here): restored as 0, the bias correction would start again (0.003 off)."""
+    uses = USES_B if written == "layout 17" else [True] * len(USES_B)
+    args = ("--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", "adam", "--sync", "kasync:3",
+            "--async-momentum", "off")
+    first = serve(job, *args)
+    torch.manual_seed(5)
+    model = TwoLayers()
+    x, y = torch.randn(40, 300), torch.randn(40, 4)
+    ref = TwoLayers()
+    ref.load_state_dict(model.state_dict())
+    train_two_layers(job, model, x, y, uses[:5])
+    subprocess.run([sys.executable, "-m", "psd.cli", "checkpoint", "--job", job, "--checkpoint-dir", str(tmp_path)],
+                   env=child_env(), check=True, capture_output=True, timeout=60)
+    first.stop()
+    from psd.watchdog import checkpoint
+
+    (path,) = checkpoint.list_checkpoints(tmp_path)
+    ckpt = checkpoint.load(path)
+    assert ckpt.optim["acc_count"] == 2 and tuple(ckpt.pieces.shape) == (4, _native.PIECE_WORDS)
+    if written == "before layout 17":
+        ckpt.pieces = ckpt.pieces[:, :2].clone()
+        path.unlink()
+        checkpoint.write(ckpt, tmp_path)
+    second = serve(job, *args, "--resume", str(tmp_path))
+    ours = train_two_layers(job, model, x, y, uses[5:], start=5)
+    second.stop()
+    two_layers_adam_reference(ref, torch.optim.Adam(ref.parameters(), lr=0.01), x, y, uses, 3)
     for k, v in ref.state_dict().items():
         assert torch.allclose(ours[k], v, rtol=0, atol=1e-5), (k, (ours[k] - v).abs().max())
 

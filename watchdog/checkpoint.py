@@ -49,7 +49,7 @@ FORMAT = "psd-checkpoint/2"
 _READABLE = ("psd-checkpoint/1", FORMAT)  # /1: no buffers, no per-tensor state
 SUFFIX = ".safetensors"
 OPTSTATE = "__psd_optstate__"  # the tensor holding the optimizer state vectors
-PIECES = "__psd_pieces__"  # the update loop's per-tensor state: (optimizer steps, bsp round mark) each
+PIECES = "__psd_pieces__"  # the update loop's per-tensor state (psd/state.py pieces_view), a row each
 log = logging.getLogger("psd.watchdog")
 
 
@@ -98,7 +98,7 @@ class Checkpoint:
     # state: the arena's state vectors (momentum; Adam's m, v; the bsp/kasync accumulator), each n_train long.
     optim: dict = field(default_factory=dict)
     optstate: torch.Tensor | None = None
-    pieces: torch.Tensor | None = None  # int64 (n_pieces, 2): per trainable tensor, steps and round mark
+    pieces: torch.Tensor | None = None  # int64 (n_pieces, PIECE_WORDS): per tensor, psd/state.py pieces_view
     # Learners the server evicted whose records it still kept (their process may still run): a server that
     # restores this checkpoint keeps refusing them (EVICTED_FIELDS each).
     evicted: list[dict] = field(default_factory=list)
@@ -313,9 +313,19 @@ def restore_optimizer_state(arena: _native.Arena, ckpt: Checkpoint) -> bool:
     pieces = pieces_view(arena, h)
     if ckpt.pieces is not None and tuple(ckpt.pieces.shape) == tuple(pieces.shape):
         pieces.copy_(ckpt.pieces)
+        return True
+    if ckpt.pieces is not None and tuple(ckpt.pieces.shape) == (pieces.shape[0], 2):
+        pieces[:, :2] = ckpt.pieces  # written before tensors counted the gradients they took (layout 17)
     else:  # written before tensors counted their own steps: every tensor had every step
         pieces[:, 0] = optim.get("opt_steps", 0)
         pieces[:, 1] = optim.get("rounds", 0) + 1 if optim.get("acc_count") else 0
+    pieces[:, 2:] = 0
+    if made["sync"] == "kasync" and h["sync_param"] > 1 and made["optimizer"] in ("adam", "adamw"):
+        # As the builds that wrote it counted Adam's steps: each tensor in every gradient of every round
+        in_round = pieces[:, 1] == optim.get("rounds", 0) + 1
+        acc = int(optim.get("acc_count", 0))
+        pieces[:, 2] = pieces[:, 0] * h["sync_param"] + in_round * acc
+        pieces[:, 3] = in_round * acc
     return True
 
 
