@@ -167,6 +167,18 @@ static bool dense_gradient(struct psd_loop *L, const float *span, const struct p
     return true;
 }
 
+/* Whether a round's gradients go into the optimizer's state as they come (kasync, where each gradient is
+ * one process's step: Adagrad's squares, psd_adagrad_take; Adam's moments, psd_adam_take), the round's
+ * update then adding none. */
+static bool squares_as_taken(const struct psd_config *c) {
+    return c->sync_mode == PSD_SYNC_KASYNC && c->optimizer == PSD_OPT_ADAGRAD;
+}
+
+/* (kasync:1 is asp's arithmetic, bit for bit: its round's sum is its one gradient.) */
+static bool moments_as_taken(const struct psd_config *c) {
+    return psd_kasync_k(c) > 1 && (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
+}
+
 /* The step argument of tensor k's update (psd_optimizer_step's t): its step, one more than the updates it
  * received; a kasync round of Adam whose moments took the gradients (adam_taken): how many of the round's
  * gradients it took, the steps of AdamW's decay the round makes. */
@@ -190,8 +202,7 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
         every_dense = map[k] == PSD_PIECE_DENSE || map[k] == PSD_PIECE_DENSE_BF16;
     if (every_dense)
         psd_rowlog_put(&L->log, PSD_ROWLOG_ALL, PSD_ROWLOG_WHOLE);
-    bool adam_taken = (cfg->cfg_flags & PSD_CFG_LOOP_SQUARES_TAKEN) &&
-                      (cfg->optimizer == PSD_OPT_ADAM || cfg->optimizer == PSD_OPT_ADAMW);
+    bool adam_taken = (cfg->cfg_flags & PSD_CFG_LOOP_SQUARES_TAKEN) && moments_as_taken(cfg);
     for (uint64_t k = 0; k < L->n_pieces;) {
         const struct psd_piece_geom *pg = &L->pieces[k];
         uint64_t t = step_arg(m, k, adam_taken);
@@ -228,8 +239,8 @@ static void apply_pieces(struct psd_loop *L, const float *g, const uint8_t *map,
             uint64_t lo = pg->off, hi = L->pieces[j - 1].off + L->pieces[j - 1].len;
             psd_optimizer_step(cfg, mom, w + lo, g + lo, PSD_DTYPE_F32, gscale, s0 + lo, s1 + lo, hi - lo, lr, t,
                                (int)L->threads, &L->beat, &L->nonfinite);
-            for (; k < j; k++)
-                psd_piece_at(m, k)->steps = adam_taken ? psd_piece_at(m, k)->steps + 1 : t;
+            for (; k < j; k++) /* one update more: t, but where t is AdamW's count of decays (adam_taken) */
+                psd_piece_at(m, k)->steps++;
         }
     }
 }
@@ -289,18 +300,6 @@ static void copy_beating(struct psd_loop *L, float *dst, const void *src, uint32
     }
     if (bad)
         PSD_ADD_RLX(&L->nonfinite, bad);
-}
-
-/* Whether a round's gradients go into the optimizer's state as they come (kasync, where each gradient is
- * one process's step: Adagrad's squares, psd_adagrad_take; Adam's moments, psd_adam_take), the round's
- * update then adding none. */
-static bool squares_as_taken(const struct psd_config *c) {
-    return c->sync_mode == PSD_SYNC_KASYNC && c->optimizer == PSD_OPT_ADAGRAD;
-}
-
-/* (kasync:1 is asp's arithmetic, bit for bit: its round's sum is its one gradient.) */
-static bool moments_as_taken(const struct psd_config *c) {
-    return psd_kasync_k(c) > 1 && (c->optimizer == PSD_OPT_ADAM || c->optimizer == PSD_OPT_ADAMW);
 }
 
 /* bsp / kasync: add an entry's gradient to the round's sum, tensor by tensor;

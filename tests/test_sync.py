@@ -421,9 +421,7 @@ def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_ou
     took (struct psd_piece's taken, round_taken). Before, every tensor a round moved counted every gradient of
     the round: the head's and, through it, the first layer's weights drifted from torch's (0.017 of 0.078 of
     movement)."""
-    wd = ["--weight-decay", "0.1"] if optimizer == "adamw" else []
-    served = serve(job, "--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", optimizer, "--sync",
-                   "kasync:3", "--async-momentum", "off", *wd)
+    served = serve(job, *kasync_adam_flags(optimizer))
     torch.manual_seed(5)
     model = TwoLayers()
     x, y = torch.randn(40, 300), torch.randn(40, 4)
@@ -431,11 +429,23 @@ def test_kasync_adam_counts_a_tensor_s_own_steps_when_some_gradients_leave_it_ou
     ref.load_state_dict(model.state_dict())
     ours = train_two_layers(job, model, x, y)
     served.stop()
-    opt = (torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1) if optimizer == "adamw"
-           else torch.optim.Adam(ref.parameters(), lr=0.01))
-    two_layers_adam_reference(ref, opt, x, y, USES_B, 3)
+    two_layers_adam_reference(ref, torch_adam(optimizer, ref), x, y, USES_B, 3)
     for k, v in ref.state_dict().items():
         assert torch.allclose(ours[k], v, rtol=0, atol=1e-5), (k, (ours[k] - v).abs().max())
+
+
+def kasync_adam_flags(optimizer: str) -> tuple[str, ...]:
+    """psd serve's flags for kasync:3 ``optimizer`` (adam, or adamw at weight decay 0.1) at lr 0.01."""
+    wd = ("--weight-decay", "0.1") if optimizer == "adamw" else ()
+    return ("--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", optimizer, "--sync", "kasync:3",
+            "--async-momentum", "off", *wd)
+
+
+def torch_adam(optimizer: str, ref: torch.nn.Module) -> torch.optim.Optimizer:
+    """torch.optim's twin of kasync_adam_flags' optimizer for ``ref``."""
+    if optimizer == "adamw":
+        return torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    return torch.optim.Adam(ref.parameters(), lr=0.01)
 
 
 def two_layers_adam_reference(ref, opt, x, y, uses, k):
@@ -453,16 +463,17 @@ def two_layers_adam_reference(ref, opt, x, y, uses, k):
             opt.step()
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 @pytest.mark.parametrize("written", ["layout 17", "before layout 17"])
-def test_kasync_adam_s_step_counts_survive_a_checkpoint_taken_mid_round(job, serve, tmp_path, written):
-    """kasync:3 Adam on TwoLayers, checkpointed (`psd checkpoint`) two gradients into its second round, stopped and
-    resumed from it: the tensors' own step counts come back with the moments and the open round, and the job ends
-    where torch.optim does (USES_B: the head in some gradients only). A checkpoint written before layout 17 (its
-    per-tensor rows without the counts) restores them as those builds counted, exact where every gradient
-    carries every tensor (that case here): restored as 0, the bias correction would start again (0.003 off)."""
+def test_kasync_adam_s_step_counts_survive_a_checkpoint_taken_mid_round(job, serve, tmp_path, written, optimizer):
+    """kasync:3 Adam or AdamW on TwoLayers, checkpointed (`psd checkpoint`) two gradients into its second round,
+    stopped and resumed from it: the tensors' own step counts (and AdamW's count of the round's decay) come back
+    with the moments and the open round, and the job ends where torch.optim does (USES_B: the head in some
+    gradients only). A checkpoint written before layout 17 (its per-tensor rows without the counts) restores them
+    as those builds counted, exact where every gradient carries every tensor (that case here): restored as 0, the
+    bias correction would start again (0.003 off)."""
     uses = USES_B if written == "layout 17" else [True] * len(USES_B)
-    args = ("--no-watchdog", "--learners", "1", "--lr", "0.01", "--optimizer", "adam", "--sync", "kasync:3",
-            "--async-momentum", "off")
+    args = kasync_adam_flags(optimizer)
     first = serve(job, *args)
     torch.manual_seed(5)
     model = TwoLayers()
@@ -485,7 +496,7 @@ def test_kasync_adam_s_step_counts_survive_a_checkpoint_taken_mid_round(job, ser
     second = serve(job, *args, "--resume", str(tmp_path))
     ours = train_two_layers(job, model, x, y, uses[5:], start=5)
     second.stop()
-    two_layers_adam_reference(ref, torch.optim.Adam(ref.parameters(), lr=0.01), x, y, uses, 3)
+    two_layers_adam_reference(ref, torch_adam(optimizer, ref), x, y, uses, 3)
     for k, v in ref.state_dict().items():
         assert torch.allclose(ours[k], v, rtol=0, atol=1e-5), (k, (ours[k] - v).abs().max())
 
