@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ASYNC_MOMENTUM", "DEFAULT_JOB", "GRAD_DTYPES", "LEARNER_SCHED_CHOICES", "LIVENESS", "OPTIMIZERS",
-           "OUTER_OPTIMIZERS", "OVERLAP", "PULL_MODES", "SCHEDULES", "default_job"]
+__all__ = ["ASYNC_MOMENTUM", "DEFAULT_JOB", "GRAD_DTYPES", "LEARNER_SCHED_CHOICES", "LIVENESS", "NODE_STATES",
+           "OPTIMIZERS", "OUTER_OPTIMIZERS", "OVERLAP", "PULL_MODES", "SCHEDULES", "default_job"]
 
 # --optimizer: the server's optimizers, in the order of enum psd_optimizer (psd_layout.h).
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "adagrad")
@@ -26,6 +26,8 @@ GRAD_DTYPES = ("float32", "bf16")
 SCHEDULES = ("constant", "step", "cosine")
 # --outer-optimizer (several nodes); its index travels in the node link's join handshake.
 OUTER_OPTIMIZERS = ("avg", "sum", "nesterov")
+# --node-state (several nodes): whether the exchange combines the optimizer state too (psd/nodelink.py).
+NODE_STATES = ("auto", "sum", "local")
 # --liveness: how the server tells a dead learner.
 LIVENESS = ("auto", "lease")
 # How learners get the weights (attach(pull=...), PSD_PULL, psd run --pull, psd bench --pull-modes).

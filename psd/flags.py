@@ -24,6 +24,7 @@ from psd.choices import (
     GRAD_DTYPES,
     LEARNER_SCHED_CHOICES,
     LIVENESS,
+    NODE_STATES,
     OPTIMIZERS,
     OUTER_OPTIMIZERS,
     OVERLAP,
@@ -252,6 +253,12 @@ def _build() -> tuple[Flag, ...]:
                "their sum: every node's progress, as one node with all the learners would make) or nesterov "
                "(DiLoCo's outer SGD with Nesterov momentum on minus the mean delta)", "sum",
                choices=OUTER_OPTIMIZERS, metavar="O", readme_default="`sum`"),
+        _nodes("--node-state", "with --outer-optimizer sum under asp or ssp: sum combines the optimizer state too "
+               "(the momentum buffer, Adam's moments and step counts, Adagrad's sums), each node's change since the "
+               "last exchange added as the weights' are, so that N nodes train as one node with all the learners; "
+               "auto does so for momentum, nesterov, adam and adamw and keeps Adagrad's sums per node (the "
+               "convergence matrix: docs/training.md); local keeps each node's own state (always so with avg, "
+               "nesterov, bsp and kasync)", "auto", choices=NODE_STATES, metavar="S", readme_default="`auto`"),
         _nodes("--outer-lr", "nesterov: the outer learning rate", 0.7, type=float, metavar="LR",
                **positive("positive")),
         _nodes("--outer-momentum", "nesterov: the outer momentum", 0.9, type=float, metavar="M",

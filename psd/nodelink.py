@@ -131,6 +131,123 @@ class _Agreed:
     anchor: Any  # torch.Tensor, float32, n_train
     momentum: Any  # torch.Tensor or None
     round: int
+    state: Any = None  # --node-state auto: the agreed optimizer state, float32 (vectors, n_train); else None
+    steps: Any = None  # and each trainable tensor's agreed optimizer step count, int64 (n_pieces)
+
+
+@dataclass
+class _Local:
+    """A node's own copy, read while its update loop applies nothing: weights, optimizer state, step counts."""
+
+    w: Any
+    state: Any = None
+    steps: Any = None
+
+
+# Per optimizer, the header field whose value each of its state vectors decays by in one update (None: kept
+# whole, Adagrad's sum of squares); the momentum buffer decays by the momentum the loop applies now.
+STATE_DECAYS = {"momentum": ("momentum_now",), "nesterov": ("momentum_now",), "adam": ("beta1", "beta2"),
+                "adamw": ("beta1", "beta2"), "adagrad": (None,)}
+_NONNEGATIVE = {"adam": (1,), "adamw": (1,), "adagrad": (0,)}  # sums of squares: kept >= 0 after an adoption
+
+
+class _StateExchange:
+    """What ``--node-state sum`` (and ``auto``, but for Adagrad) adds to an exchange: the optimizer state, combined
+    as the weights are.
+
+    Each state vector of the update loop's optimizer (native/optim.c: the momentum buffer; Adam's m and v;
+    Adagrad's sum) moves by one update as ``s = beta s + (a term of the gradient)``. Node n, ``k_n`` updates
+    of a tensor past the agreed state ``s0``, sends ``s_n - beta^k_n s0``, what its own gradients added,
+    and ``k_n ln(beta)``; the agreed state is ``exp(sum k_n ln beta) s0 + sum (s_n - beta^k_n s0)``: ``s0``
+    decayed by every node's updates, plus every node's additions, as one node applying all the gradients
+    would hold it (to first order in ``1 - beta`` for the additions, which no node decays by the others'
+    updates), and each tensor's step count (Adam's bias correction) the sum of theirs. Without it each node
+    keeps its own: Adam's moments average over each node's gradients alone, Adagrad's sums hold a node's
+    squares (a step sqrt(N) times one node's), and the momentum buffer decays once per local update. ``auto``
+    keeps Adagrad's per node: combined, the matrix's LM lost 6.6% of loss on 2 x 2 where per node it is in band.
+    Measured: benchmarks/results/matrix/README.md, "Two nodes: the optimizer state in the exchange"."""
+
+    def __init__(self, arena: Any, optimizer: str) -> None:
+        import torch
+
+        from psd.arena import decode_spec, piece_geometry
+
+        self.optimizer = optimizer
+        self.decays = STATE_DECAYS[optimizer]
+        self.lens = torch.tensor([n for n, _ in piece_geometry(decode_spec(arena.spec()))], dtype=torch.int64)
+        self.n_pieces = len(self.lens)
+
+    @staticmethod
+    def applies(cfg: Any, training: dict) -> bool:
+        """Whether a node of this job combines its optimizer state in the exchange."""
+        opt = training["optimizer"]
+        return (cfg.outer_optimizer == "sum" and training["sync"] in ("asp", "ssp") and opt in STATE_DECAYS
+                and (cfg.node_state == "sum" or (cfg.node_state == "auto" and opt != "adagrad")))
+
+    def views(self, arena: Any) -> tuple[list, Any]:
+        """(the optimizer's state vectors, each a tensor over the mapping; each tensor's step count, over it)."""
+        from psd.state import pieces_view
+        from psd.watchdog.checkpoint import state_views
+
+        h = arena.header()
+        return state_views(arena, h)[: len(self.decays)], pieces_view(arena, h)[:, 0]
+
+    def read(self, arena: Any) -> tuple[Any, Any]:
+        import torch
+
+        vecs, steps = self.views(arena)
+        return torch.stack([v.clone() for v in vecs]), steps.clone()
+
+    def log_decays(self, arena: Any) -> Any:
+        """ln(beta) of each state vector for one update, as the loop applies it now."""
+        import math
+
+        import torch
+
+        h = arena.header()
+        out = []
+        for name in self.decays:
+            beta = 1.0 if name is None else float(h[name])
+            out.append(math.log(beta) if beta > 0 else -1e4)  # a momentum of 0 keeps nothing of s0
+        return torch.tensor(out, dtype=torch.float64)
+
+    def expand(self, per_piece: Any) -> Any:
+        """(vectors, n_pieces) -> (vectors, n_train): each tensor's value over its elements."""
+        import torch
+
+        return torch.repeat_interleave(per_piece, self.lens, dim=1)
+
+    def payload(self, arena: Any, local: _Local, agreed: _Agreed) -> Any:
+        """This node's part of the state's all-reduce: its additions, its k ln(beta), its k (float32)."""
+        import torch
+
+        k = (local.steps - agreed.steps).to(torch.float64)  # updates of each tensor since the agreed state
+        lk = self.log_decays(arena)[:, None] * k[None, :]  # (vectors, n_pieces)
+        adds = local.state - self.expand(torch.exp(lk)).float() * agreed.state
+        return torch.cat([adds.flatten(), lk.flatten().float(), k.float()])
+
+    def combine(self, summed: Any, agreed: _Agreed) -> tuple[Any, Any]:
+        """The new agreed (state, steps) from the all-reduced payload."""
+        import torch
+
+        v, n = agreed.state.shape
+        p = self.n_pieces
+        adds = summed[: v * n].view(v, n)
+        lk = summed[v * n: v * n + v * p].view(v, p).to(torch.float64)
+        k = summed[v * n + v * p:].to(torch.float64).round().to(torch.int64)
+        state = self.expand(torch.exp(lk)).float() * agreed.state + adds
+        for i in _NONNEGATIVE.get(self.optimizer, ()):
+            state[i].clamp_(min=0.0)
+        return state, agreed.steps + k
+
+    def adopt(self, arena: Any, d_state: Any, d_steps: Any) -> None:
+        """Add the agreed state's change to the node's own (the loop held)."""
+        vecs, steps = self.views(arena)
+        for i, v in enumerate(vecs):
+            v.add_(d_state[i])
+        for i in _NONNEGATIVE.get(self.optimizer, ()):
+            vecs[i].clamp_(min=0.0)
+        steps.add_(d_steps)
 
 
 class NodeLink:
@@ -155,6 +272,7 @@ class NodeLink:
         self._watch = ArenaWatch(cfg.job)  # the one arena reopen (psd/arena.py), as the watchdog's
         self.arena: _native.Arena | None = None
         self.agreed: _Agreed | None = None
+        self._sx: _StateExchange | None = None  # --node-state where it applies: the state in the exchange
         self.base = 0  # the local clock that exchange point 0 stands for
         self.adopted = 0  # local exchanges adopted since `base`
         self.stop = SignalFlag()  # SIGINT/SIGTERM's handler sets it
@@ -175,6 +293,9 @@ class NodeLink:
             if a is not None and a.state == _native.ARENA_READY and HeaderView(a).n_params:
                 a.remap()
                 self.arena = a
+                training = a.training()
+                self._sx = _StateExchange(a, training["optimizer"]) if _StateExchange.applies(self.cfg, training) \
+                    else None
                 return
         raise JobNotFound(f"job {job!r} has no weights yet: the node link waits for the first learner "
                           f"to attach (start the node's learners, or give --init)")
@@ -330,15 +451,21 @@ class NodeLink:
         n = self._weights().numel()
         mine = self.agreed
         outer = OUTER_OPTIMIZERS.index(c.outer_optimizer)
-        meta = torch.tensor([mine.round if mine else -1, n, outer], dtype=torch.int64)
+        sx = self._sx
+        meta = torch.tensor([mine.round if mine else -1, n, outer, 1 if sx else 0], dtype=torch.int64)
         pg.broadcast(meta, root).wait()
+        if int(meta[3]) != (1 if sx else 0):
+            raise Error(f"node {source} {'combines' if int(meta[3]) else 'does not combine'} the optimizer state in "
+                        f"the exchange, this node {'does' if sx else 'does not'}: run the same --optimizer, --sync, "
+                        f"--outer-optimizer and --node-state on every node")
         if int(meta[1]) != n or int(meta[2]) != outer:
             k = int(meta[2])
             theirs = OUTER_OPTIMIZERS[k] if 0 <= k < len(OUTER_OPTIMIZERS) else f"#{k}"
             raise Error(f"node {source} trains a model of {int(meta[1])} parameters with --outer-optimizer "
                         f"{theirs}, this node one of {n} with {c.outer_optimizer}: "
                         f"run the same model and flags on every node")
-        anchor = mine.anchor.clone() if mine else self._snapshot()
+        local = self._snapshot() if mine is None or (sx and mine.state is None) else None
+        anchor = mine.anchor.clone() if mine else local.w
         momentum = torch.zeros(n) if c.outer_optimizer == "nesterov" else None
         if mine is not None and mine.momentum is not None and momentum is not None:
             momentum.copy_(mine.momentum)
@@ -347,18 +474,40 @@ class NodeLink:
         if momentum is not None:
             pg.broadcast(momentum, root).wait()
         new = _Agreed(anchor, momentum, int(meta[0]) if int(meta[0]) >= 0 else 0)
-        if mine is None or mine.round != new.round or not torch.equal(before, anchor):
-            self._adopt(anchor - before)
+        d_state = d_steps = None
+        if sx:
+            state, steps = (mine.state.clone(), mine.steps.clone()) if mine and mine.state is not None \
+                else (local.state, local.steps)
+            s_before, t_before = state.clone(), steps.clone()
+            pg.broadcast(state, root).wait()
+            pg.broadcast(steps, root).wait()
+            new.state, new.steps = state, steps
+            if not (torch.equal(s_before, state) and torch.equal(t_before, steps)):
+                d_state, d_steps = state - s_before, steps - t_before
+        if mine is None or mine.round != new.round or not torch.equal(before, anchor) or d_state is not None:
+            self._adopt(anchor - before, d_state, d_steps)
         self.agreed = new
 
-    def _snapshot(self):
+    def _snapshot(self) -> _Local:
         with self._stopped():
-            return self._weights().clone()
+            return self._read_local()
 
-    def _adopt(self, step) -> None:
+    def _read_local(self) -> _Local:
+        """The node's weights, and where the exchange combines it, its optimizer state (the loop held)."""
+        local = _Local(self._weights().clone())
+        if self._sx is not None:
+            local.state, local.steps = self._sx.read(self.arena)
+        return local
+
+    def _adopt(self, step, d_state=None, d_steps=None) -> None:
         with self._stopped():
-            self._weights().add_(step)
-            self.arena.note_weights_written()  # learners pulling only changed rows copy everything next
+            self._write_adopted(step, d_state, d_steps)
+
+    def _write_adopted(self, step, d_state, d_steps) -> None:
+        self._weights().add_(step)
+        self.arena.note_weights_written()  # learners pulling only changed rows copy everything next
+        if d_state is not None and self._sx is not None:
+            self._sx.adopt(self.arena, d_state, d_steps)
 
     def _reform(self, why: str) -> None:
         """Leave the current epoch and form the next: survivors, plus whoever asked to join."""
@@ -422,19 +571,21 @@ class NodeLink:
             self._state_due()  # the last exchange's, once it is due
         t0 = time.monotonic()
         held = c.max_node_lag == 0  # the loop stopped at this exchange point by itself
-        if held:
-            w_x = self._weights().clone()
-        else:
-            w_x = self._snapshot()
+        local = self._read_local() if held else self._snapshot()
+        w_x = local.w
         flag = 1.0 if self.rank == 0 and self._joiners() else 0.0
         payload = torch.cat([w_x - self.agreed.anchor, torch.tensor([flag])])
         if c.node_compress == "bf16":
             payload = payload.bfloat16()
         p = len(self.members)
+        sx = self._sx
+        # the optimizer state travels as float32 (bf16 would round Adam's squares and the step counts)
+        extra = sx.payload(self.arena, local, self.agreed) if sx is not None else None
         work = self.pg.allreduce([payload])
+        work_state = self.pg.allreduce([extra]) if extra is not None else None
         deadline = time.monotonic() + c.node_timeout + 1
         for _ in _CLOCK_POLL.tries():  # the loop trains on meanwhile, up to the hold
-            if work.is_completed():
+            if work.is_completed() and (work_state is None or work_state.is_completed()):
                 break
             self._state_due()  # the last round's, while this one waits on a slow peer
             if time.monotonic() > deadline:
@@ -443,6 +594,8 @@ class NodeLink:
                 return
         try:
             work.wait()
+            if work_state is not None:
+                work_state.wait()
         except RuntimeError as e:
             raise _Reform(f"the exchange of round {self.agreed.round + 1} failed ({e})") from None
         mean = payload[:-1].float() / p
@@ -456,17 +609,22 @@ class NodeLink:
             m = self.agreed.momentum
             m.mul_(c.outer_momentum).add_(g)
             new = old - c.outer_lr * (g + c.outer_momentum * m)
+        d_state = d_steps = None
+        if sx is not None:
+            state, steps = sx.combine(extra, self.agreed)
+            d_state, d_steps = state - local.state, steps - local.steps
+            self.agreed.state, self.agreed.steps = state, steps
         if held:
-            self._weights().add_(new - w_x)
-            self.arena.note_weights_written()
+            self._write_adopted(new - w_x, d_state, d_steps)
         else:
-            self._adopt(new - w_x)
+            self._adopt(new - w_x, d_state, d_steps)
         self.agreed.anchor = new
         self.agreed.round += 1
         self.adopted = j
         self._hold(self._point(j + 1 + c.max_node_lag))
         self.exchanges += 1
-        self.bytes_sent += int(payload.numel() * payload.element_size() * 2 * (p - 1) / p)  # ring: 2(p-1)/p
+        sent = payload.numel() * payload.element_size() + (extra.numel() * 4 if extra is not None else 0)
+        self.bytes_sent += int(sent * 2 * (p - 1) / p)  # ring: 2(p-1)/p
         self.last_exchange_unix = time.time()
         self.last_exchange_ms = (time.monotonic() - t0) * 1000
         self._state_due()
@@ -484,7 +642,8 @@ class NodeLink:
         g = self.agreed
         if g is None:
             return
-        tensors = {"anchor": g.anchor} | ({"momentum": g.momentum} if g.momentum is not None else {})
+        tensors = {"anchor": g.anchor} | ({"momentum": g.momentum} if g.momentum is not None else {}) \
+            | ({"state": g.state, "steps": g.steps} if g.state is not None else {})
         save_atomic(tensors, agreed_path(self.cfg.job),
                     {"round": str(g.round), "outer_optimizer": self.cfg.outer_optimizer})
         self._saved_at = time.monotonic()
@@ -501,6 +660,8 @@ class NodeLink:
                 meta = f.metadata()
                 anchor = f.get_tensor("anchor")
                 momentum = f.get_tensor("momentum") if "momentum" in f.keys() else None
+                state = f.get_tensor("state") if "state" in f.keys() else None
+                steps = f.get_tensor("steps") if "steps" in f.keys() else None
         except (OSError, ValueError, RuntimeError) as e:
             log.warning("node %d: %s is unreadable (%s); starting from the node's weights", self.rank, path, e)
             return
@@ -513,6 +674,10 @@ class NodeLink:
             momentum = torch.zeros_like(anchor)
         self.agreed = _Agreed(anchor, momentum if self.cfg.outer_optimizer == "nesterov" else None,
                               int(meta["round"]))
+        sx = self._sx
+        if sx is not None and state is not None and steps is not None \
+                and tuple(state.shape) == (len(sx.decays), anchor.numel()) and tuple(steps.shape) == (sx.n_pieces,):
+            self.agreed.state, self.agreed.steps = state, steps  # else the first epoch agrees on a node's own
         log.info("node %d: resuming the agreed state of round %d from %s", self.rank, self.agreed.round, path)
 
     # -- life -----------------------------------------------------------------

@@ -184,6 +184,7 @@ class ServeConfig:
     master_port: int = declared("master_port")
     sync_every: int = declared("sync_every")
     outer_optimizer: str = declared("outer_optimizer")
+    node_state: str = declared("node_state")
     outer_lr: float = declared("outer_lr")
     outer_momentum: float = declared("outer_momentum")
     max_node_lag: int = declared("max_node_lag")

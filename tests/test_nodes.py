@@ -146,10 +146,11 @@ def test_a_node_that_never_arrives_is_a_clear_timeout(job, tmp_path):
 def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_path):
     """Node 1's link SIGKILLed alone: its watchdog restarts it and it rejoins. Then all of node 1
     SIGKILLed: node 0 goes on alone after at most the timeout; node 1 started again rejoins; both stop,
-    leaving nothing in /dev/shm."""
+    leaving nothing in /dev/shm. With Adam, whose moments and step counts the exchange combines: a link
+    that rejoins receives them with the weights."""
     port, timeout = free_port(), 3
-    flags = ("--learners", "1", "--lr", "0.01", "--sync-every", "5", "--max-node-lag", "1", "--node-timeout",
-             str(timeout))
+    flags = ("--learners", "1", "--lr", "0.01", "--optimizer", "adam", "--sync-every", "5", "--max-node-lag", "1",
+             "--node-timeout", str(timeout))
     procs = [node(job, r, port, tmp_path, *flags, learner=("--forever",)) for r in range(2)]
     n0, n1 = f"{job}-n0", f"{job}-n1"
     try:
@@ -186,3 +187,77 @@ def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_p
     assert not os.path.exists(shm_path(n0)), "node 0 stops cleanly"
     assert n1_code == 130 and not n1_left, "the restarted node 1 stops cleanly"
     assert "forming the next epoch" in (tmp_path / "node0.err").read_text()
+
+
+def _combined_reference(optimizer: str, lr: float, rounds: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What two nodes in lockstep that combine their optimizer state hold after ``rounds`` exchanges, each node
+    taking one step a round of its learner's fixed gradient (node_learner.fixed_grad) from the agreed weights
+    and state: (weights, state vectors, each tensor's step count), in float64. The combination
+    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + sum_n (s_n - beta s0), steps summed; weights: the sum of
+    the nodes' deltas."""
+    sys.path.insert(0, str(HELPERS))
+    from sync_learner import fixed_grad
+
+    b1, b2, mu, eps = 0.9, 0.999, 0.9, 1e-8
+    w = torch.zeros(4, dtype=torch.float64)
+    vecs = 2 if optimizer == "adam" else 1
+    s = torch.zeros(vecs, 4, dtype=torch.float64)
+    t = 0
+    for r in range(rounds):
+        dw, adds = torch.zeros(4, dtype=torch.float64), torch.zeros_like(s)
+        for n in range(2):
+            g = fixed_grad(n, r).reshape(-1).double()
+            if optimizer == "adam":
+                m = b1 * s[0] + (1 - b1) * g
+                v = b2 * s[1] + (1 - b2) * g * g
+                step = t + 1
+                dw -= lr / (1 - b1 ** step) * m / ((v / (1 - b2 ** step)).sqrt() + eps)
+                adds += torch.stack([m - b1 * s[0], v - b2 * s[1]])
+            elif optimizer == "momentum":
+                b = g if t == 0 else mu * s[0] + g
+                dw -= lr * b
+                adds += (b - mu * s[0])[None]
+            else:  # adagrad
+                acc = s[0] + g * g
+                dw -= lr * g / (acc.sqrt() + 1e-10)
+                adds += (acc - s[0])[None]
+        beta = {"adam": torch.tensor([[b1], [b2]]), "momentum": torch.tensor([[mu]]),
+                "adagrad": torch.tensor([[1.0]])}[optimizer].double()
+        s = beta ** 2 * s + adds
+        w, t = w + dw, t + 2
+    return w, s, t
+
+
+@pytest.mark.parametrize("optimizer,node_state", [("adam", "auto"), ("momentum", "auto"), ("adagrad", "sum"),
+                                                  ("adagrad", "auto")])
+def test_two_nodes_combine_their_optimizer_state_as_one_node(job, tmp_path, optimizer, node_state):
+    """2 nodes x 1 learner in lockstep (--max-node-lag 0), --node-state auto (sum for Adagrad): each exchange adds
+    the nodes' changes of the optimizer state as it adds their weights', so the agreed moments (Adam's m and
+    v, the momentum buffer, Adagrad's sum) decay once per update of either node, hold both nodes' gradients,
+    and each tensor's step count (Adam's bias correction) counts both nodes' steps: 2 a round, where a node
+    keeping its own state counts 1. Fixed gradients (no timing in the arithmetic); checked against the rule
+    computed here, in the agreed state the links save at the stop (weights, state, step counts). auto keeps
+    Adagrad's sums per node: nothing of the state in the agreed state then."""
+    from safetensors import safe_open
+
+    lr, steps = 0.1, 4
+    port = free_port()
+    procs = [node(job, r, port, tmp_path, "--learners", "1", "--optimizer", optimizer, "--lr", repr(lr),
+                  "--async-momentum", "off", "--max-node-lag", "0", "--node-timeout", "20", "--node-state", node_state,
+                  learner=("--steps", str(steps), "--fixed-grad")) for r in range(2)]
+    for r, p in enumerate(procs):
+        assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
+    logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
+    for r in range(2):
+        saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
+        with safe_open(str(saved), "pt") as f:
+            rounds = int(f.metadata()["round"])
+            if optimizer == "adagrad" and node_state == "auto":
+                assert set(f.keys()) == {"anchor"}, f"node {r}: {f.keys()}"
+                continue
+            anchor, state, pieces = f.get_tensor("anchor"), f.get_tensor("state"), f.get_tensor("steps")
+        assert rounds == steps, logs
+        w, s, t = _combined_reference(optimizer, lr, rounds)
+        assert pieces.tolist() == [t], f"node {r}: step counts {pieces.tolist()}, not {t}\n{logs}"
+        assert torch.allclose(state.double(), s, rtol=1e-5, atol=1e-7), f"node {r}: {state} != {s}\n{logs}"
+        assert torch.allclose(anchor.double(), w, rtol=1e-5, atol=1e-6), f"node {r}: {anchor} != {w}\n{logs}"

@@ -41,6 +41,7 @@ __all__ = [
     "load_allowance",
     "save_atomic",
     "snapshot",
+    "state_views",
     "write",
     "write_allowance",
 ]
@@ -282,11 +283,11 @@ def _optimizer_state(arena: _native.Arena) -> tuple[dict, torch.Tensor | None]:
     h = arena.header()
     optim = dict(arena.training(), **{k: h[k] for k in ("opt_steps", "rounds", "acc_count", "acc_staleness",
                                                          "lr_now", "round_applying", "round_applied")})
-    views = _state_views(arena, h)
+    views = state_views(arena, h)
     return optim, torch.stack([v.clone() for v in views]) if views else None
 
 
-def _state_views(arena: _native.Arena, h: dict) -> list[torch.Tensor]:
+def state_views(arena: _native.Arena, h: dict) -> list[torch.Tensor]:
     """The arena's optimizer-state vectors, as tensors over the mapping (none for plain sgd in asp)."""
     import torch
 
@@ -308,7 +309,7 @@ def restore_optimizer_state(arena: _native.Arena, ckpt: Checkpoint) -> bool:
     k = h["state_vectors"]
     if not same or (k and (ckpt.optstate is None or tuple(ckpt.optstate.shape) != (k, h["n_train"]))):
         return False
-    for dst, src in zip(_state_views(arena, h), ckpt.optstate if k else [], strict=True):
+    for dst, src in zip(state_views(arena, h), ckpt.optstate if k else [], strict=True):
         dst.copy_(src)
     pieces = pieces_view(arena, h)
     if ckpt.pieces is not None and tuple(ckpt.pieces.shape) == tuple(pieces.shape):

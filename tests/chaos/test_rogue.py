@@ -25,7 +25,7 @@ from psd import _native, learner
 from psd.arena import open_job, shm_name, shm_path
 from psd.errors import ArenaCorrupt, Evicted
 from psd.status import job_status
-from psd.watchdog.checkpoint import _state_views
+from psd.watchdog.checkpoint import state_views
 
 
 def poke(job: str, offset: int, value: int, dtype) -> None:
@@ -388,7 +388,7 @@ def test_a_nonfinite_gradient_marked_finite_never_reaches_the_weights(job, serve
     a = open_job(job, role="reader")
     try:  # the optimizer state (momentum buffer; Adam's m, v; Adagrad's sum), and the kasync sum
         h = a.header()
-        views = _state_views(a, h)
+        views = state_views(a, h)
         assert views or "momentum" not in setup
         assert all(bool(torch.isfinite(v).all()) for v in views)
         del views

@@ -36,6 +36,12 @@ def exact_problem():
     return model, x, y
 
 
+def fixed_grad(node: int, step: int) -> torch.Tensor:
+    """The gradient node ``node``'s learner pushes at ``step`` under node_learner.py --fixed-grad (4 weights)."""
+    scale = (node + 1) * (step + 1) / 4
+    return torch.tensor([[1.0, -2.0, 0.5, 3.0]]) * scale + torch.tensor([[0.0, 1.0, -1.0, 0.25]]) * node
+
+
 def run_bsp(args) -> None:
     model, x, y = exact_problem()
     xs, ys = x[args.rank * 4:(args.rank + 1) * 4], y[args.rank * 4:(args.rank + 1) * 4]
