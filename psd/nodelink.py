@@ -196,7 +196,7 @@ class _StateExchange:
         import torch
 
         vecs, steps = self.views(arena)
-        return torch.stack([v.clone() for v in vecs]), steps.clone()
+        return torch.stack(vecs), steps.clone()  # stack copies
 
     def log_decays(self, arena: Any) -> Any:
         """ln(beta) of each state vector for one update, as the loop applies it now."""
@@ -223,7 +223,7 @@ class _StateExchange:
 
         k = (local.steps - agreed.steps).to(torch.float64)  # updates of each tensor since the agreed state
         lk = self.log_decays(arena)[:, None] * k[None, :]  # (vectors, n_pieces)
-        adds = local.state - self.expand(torch.exp(lk)).float() * agreed.state
+        adds = local.state - self.expand(torch.exp(lk).float()) * agreed.state
         return torch.cat([adds.flatten(), lk.flatten().float(), k.float()])
 
     def combine(self, summed: Any, agreed: _Agreed) -> tuple[Any, Any]:
@@ -235,7 +235,7 @@ class _StateExchange:
         adds = summed[: v * n].view(v, n)
         lk = summed[v * n: v * n + v * p].view(v, p).to(torch.float64)
         k = summed[v * n + v * p:].to(torch.float64).round().to(torch.int64)
-        state = self.expand(torch.exp(lk)).float() * agreed.state + adds
+        state = self.expand(torch.exp(lk).float()) * agreed.state + adds
         for i in _NONNEGATIVE.get(self.optimizer, ()):
             state[i].clamp_(min=0.0)
         return state, agreed.steps + k

@@ -28,9 +28,6 @@ p.add_argument("--forever", action="store_true")
 p.add_argument("--step-s", type=float, default=0.0)
 p.add_argument("--fixed-grad", action="store_true")
 args = p.parse_args()
-
-
-
 job, rank = os.environ["PSD_JOB"], int(os.environ["PSD_RANK"])
 world, node, nnodes = int(os.environ["PSD_WORLD"]), int(os.environ["PSD_NODE_RANK"]), int(os.environ["PSD_NNODES"])
 model, x, y = exact_problem()
