@@ -452,12 +452,13 @@ class NodeLink:
         mine = self.agreed
         outer = OUTER_OPTIMIZERS.index(c.outer_optimizer)
         sx = self._sx
-        meta = torch.tensor([mine.round if mine else -1, n, outer, 1 if sx else 0], dtype=torch.int64)
+        shape = (len(sx.decays), sx.n_pieces) if sx else (0, 0)  # the state's all-reduce: vectors, tensors
+        meta = torch.tensor([mine.round if mine else -1, n, outer, *shape], dtype=torch.int64)
         pg.broadcast(meta, root).wait()
-        if int(meta[3]) != (1 if sx else 0):
-            raise Error(f"node {source} {'combines' if int(meta[3]) else 'does not combine'} the optimizer state in "
-                        f"the exchange, this node {'does' if sx else 'does not'}: run the same --optimizer, --sync, "
-                        f"--outer-optimizer and --node-state on every node")
+        if tuple(int(x) for x in meta[3:]) != shape:
+            raise Error(f"node {source} exchanges the optimizer state as {int(meta[3])} vectors of {int(meta[4])} "
+                        f"tensors, this node as {shape[0]} of {shape[1]} (0: not at all): run the same model, "
+                        f"--optimizer, --sync, --outer-optimizer and --node-state on every node")
         if int(meta[1]) != n or int(meta[2]) != outer:
             k = int(meta[2])
             theirs = OUTER_OPTIMIZERS[k] if 0 <= k < len(OUTER_OPTIMIZERS) else f"#{k}"
@@ -660,8 +661,6 @@ class NodeLink:
                 meta = f.metadata()
                 anchor = f.get_tensor("anchor")
                 momentum = f.get_tensor("momentum") if "momentum" in f.keys() else None
-                state = f.get_tensor("state") if "state" in f.keys() else None
-                steps = f.get_tensor("steps") if "steps" in f.keys() else None
         except (OSError, ValueError, RuntimeError) as e:
             log.warning("node %d: %s is unreadable (%s); starting from the node's weights", self.rank, path, e)
             return
@@ -674,10 +673,10 @@ class NodeLink:
             momentum = torch.zeros_like(anchor)
         self.agreed = _Agreed(anchor, momentum if self.cfg.outer_optimizer == "nesterov" else None,
                               int(meta["round"]))
-        sx = self._sx
-        if sx is not None and state is not None and steps is not None \
-                and tuple(state.shape) == (len(sx.decays), anchor.numel()) and tuple(steps.shape) == (sx.n_pieces,):
-            self.agreed.state, self.agreed.steps = state, steps  # else the first epoch agrees on a node's own
+        # Not the saved optimizer state: the node's own comes from its checkpoint, often older than this file, and
+        # adopting the file's as the base would leave the node's step counts below the agreed ones (k < 0 in
+        # _StateExchange.payload: the combined state grows without bound). The first epoch agrees on one node's
+        # state instead, which every node adopts whole (_receive_agreed).
         log.info("node %d: resuming the agreed state of round %d from %s", self.rank, self.agreed.round, path)
 
     # -- life -----------------------------------------------------------------
