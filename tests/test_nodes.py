@@ -193,43 +193,44 @@ def _combined_reference(optimizer: str, lr: float, rounds: int) -> tuple[torch.T
     """What two nodes in lockstep that combine their optimizer state hold after ``rounds`` exchanges, each node
     taking one step a round of its learner's fixed gradient (node_learner.fixed_grad) from the agreed weights
     and state: (weights, state vectors, each tensor's step count), in float64. The combination
-    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + sum_n (s_n - beta s0), steps summed; weights: the sum of
-    the nodes' deltas."""
+    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + (1 - beta^2) / (2 (1 - beta)) sum_n (s_n - beta s0)
+    (the additions whole where beta = 1), steps summed; weights: the sum of the nodes' deltas."""
     sys.path.insert(0, str(HELPERS))
     from sync_learner import fixed_grad
 
-    b1, b2, mu, eps = 0.9, 0.999, 0.9, 1e-8
+    b1, b2, mu, eps, wd = 0.9, 0.999, 0.9, 1e-8, 0.01
+    adam = optimizer in ("adam", "adamw")
     w = torch.zeros(4, dtype=torch.float64)
-    vecs = 2 if optimizer == "adam" else 1
-    s = torch.zeros(vecs, 4, dtype=torch.float64)
+    s = torch.zeros(2 if adam else 1, 4, dtype=torch.float64)
     t = 0
     for r in range(rounds):
         dw, adds = torch.zeros(4, dtype=torch.float64), torch.zeros_like(s)
         for n in range(2):
             g = fixed_grad(n, r).reshape(-1).double()
-            if optimizer == "adam":
+            if adam:
                 m = b1 * s[0] + (1 - b1) * g
                 v = b2 * s[1] + (1 - b2) * g * g
                 step = t + 1
+                if optimizer == "adamw":
+                    dw -= lr * wd * w
                 dw -= lr / (1 - b1 ** step) * m / ((v / (1 - b2 ** step)).sqrt() + eps)
                 adds += torch.stack([m - b1 * s[0], v - b2 * s[1]])
-            elif optimizer == "momentum":
+            elif optimizer in ("momentum", "nesterov"):
                 b = g if t == 0 else mu * s[0] + g
-                dw -= lr * b
+                dw -= lr * (g + mu * b if optimizer == "nesterov" else b)
                 adds += (b - mu * s[0])[None]
             else:  # adagrad
                 acc = s[0] + g * g
                 dw -= lr * g / (acc.sqrt() + 1e-10)
                 adds += (acc - s[0])[None]
-        beta = {"adam": torch.tensor([[b1], [b2]]), "momentum": torch.tensor([[mu]]),
-                "adagrad": torch.tensor([[1.0]])}[optimizer].double()
-        s = beta ** 2 * s + adds
+        beta = torch.tensor([[b1], [b2]] if adam else [[1.0 if optimizer == "adagrad" else mu]], dtype=torch.float64)
+        s = beta ** 2 * s + (1 + beta) / 2 * adds  # (1 - beta^2) / (2 (1 - beta)); 1 at beta = 1
         w, t = w + dw, t + 2
     return w, s, t
 
 
-@pytest.mark.parametrize("optimizer,node_state", [("adam", "auto"), ("momentum", "auto"), ("adagrad", "sum"),
-                                                  ("adagrad", "auto")])
+@pytest.mark.parametrize("optimizer,node_state", [("adam", "auto"), ("adamw", "auto"), ("momentum", "auto"),
+                                                  ("nesterov", "auto"), ("adagrad", "sum"), ("adagrad", "auto")])
 def test_two_nodes_combine_their_optimizer_state_as_one_node(job, tmp_path, optimizer, node_state):
     """2 nodes x 1 learner in lockstep (--max-node-lag 0), --node-state auto (sum for Adagrad): each exchange adds
     the nodes' changes of the optimizer state as it adds their weights', so the agreed moments (Adam's m and
@@ -261,3 +262,56 @@ def test_two_nodes_combine_their_optimizer_state_as_one_node(job, tmp_path, opti
         assert pieces.tolist() == [t], f"node {r}: step counts {pieces.tolist()}, not {t}\n{logs}"
         assert torch.allclose(state.double(), s, rtol=1e-5, atol=1e-7), f"node {r}: {state} != {s}\n{logs}"
         assert torch.allclose(anchor.double(), w, rtol=1e-5, atol=1e-6), f"node {r}: {anchor} != {w}\n{logs}"
+
+
+def test_the_state_exchange_scales_alike_additions_and_decays_an_adoption_by_the_updates_since(job, serve):
+    """On a real arena (a server with momentum, three updates applied, then idle): (1) two nodes that each
+    applied k updates of one constant gradient c from the agreed buffer s0 combine to what one node applying
+    all 2k holds, beta^2k s0 + c (1 - beta^2k) / (1 - beta), where the plain sum of their additions holds
+    2 c (1 - beta^k) / (1 - beta); (2) an adoption against a snapshot two updates old is decayed by beta^2,
+    as those two updates decayed the snapshot; against the state as it stands, whole."""
+    from psd import learner
+    from psd.arena import open_job
+    from psd.nodelink import _Agreed, _Local, _StateExchange
+
+    serve(job, "--no-watchdog", "--learners", "1", "--optimizer", "momentum", "--momentum", "0.9", "--lr", "0.01",
+          "--async-momentum", "off")
+    model = torch.nn.Linear(3, 2)
+    with learner.attach(model, job=job) as ps:
+        opt = learner.Optimizer(model, learner=ps)
+        for _ in range(3):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        ps.flush()
+    a = open_job(job)
+    try:
+        sx = _StateExchange(a, "momentum")
+        beta = float(a.header()["momentum_now"])
+        assert beta == pytest.approx(0.9)
+        n = sum(p.numel() for p in model.parameters())
+        s0 = torch.linspace(-1, 1, n)[None].float()
+        c = torch.linspace(0.5, 2, n)[None].float()
+        steps0 = torch.zeros(sx.n_pieces, dtype=torch.int64)
+        agreed = _Agreed(torch.zeros(n), None, 0, s0, steps0)
+        k = 3
+        s_k = beta ** k * s0 + c * (1 - beta ** k) / (1 - beta)  # one node's buffer after k updates of c
+        summed = sum(sx.payload(a, _Local(None, s_k.clone(), steps0 + k), agreed) for _ in range(2))
+        state, steps = sx.combine(summed, agreed)
+        one = beta ** (2 * k) * s0 + c * (1 - beta ** (2 * k)) / (1 - beta)
+        assert torch.allclose(state, one, rtol=1e-5, atol=1e-6), (state, one)
+        assert steps.tolist() == [2 * k] * sx.n_pieces
+        plain = beta ** (2 * k) * s0 + 2 * (s_k - beta ** k * s0)
+        assert not torch.allclose(plain, one, rtol=1e-2), "the plain sum would overcount"
+
+        vecs, now = sx.views(a)
+        before = vecs[0].clone()
+        d = torch.linspace(1, 2, n)[None].float()
+        zero = torch.zeros_like(now)
+        sx.adopt(a, d, zero, since=now.clone() - 2)
+        assert torch.allclose(vecs[0], before + beta ** 2 * d[0], rtol=1e-5, atol=1e-6)
+        sx.adopt(a, -d, zero, since=now.clone())
+        assert torch.allclose(vecs[0], before + (beta ** 2 - 1) * d[0], rtol=1e-5, atol=1e-6)
+        del vecs, now
+    finally:
+        a.close()
