@@ -189,12 +189,14 @@ def test_a_killed_node_link_comes_back_and_a_killed_node_stops_nobody(job, tmp_p
     assert "forming the next epoch" in (tmp_path / "node0.err").read_text()
 
 
-def _combined_reference(optimizer: str, lr: float, rounds: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _combined_reference(optimizer: str, lr: float, rounds: int, start: tuple | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """What two nodes in lockstep that combine their optimizer state hold after ``rounds`` exchanges, each node
     taking one step a round of its learner's fixed gradient (node_learner.fixed_grad) from the agreed weights
     and state: (weights, state vectors, each tensor's step count), in float64. The combination
-    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + (1 - beta^2) / (2 (1 - beta)) sum_n (s_n - beta s0)
-    (the additions whole where beta = 1), steps summed; weights: the sum of the nodes' deltas."""
+    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + sum_n (s_n - beta s0), steps summed; weights: the sum of
+    the nodes' deltas. ``start``: the
+    (weights, state, steps) to go on from (the learners count their gradients from 0 again)."""
     sys.path.insert(0, str(HELPERS))
     from sync_learner import fixed_grad
 
@@ -203,6 +205,8 @@ def _combined_reference(optimizer: str, lr: float, rounds: int) -> tuple[torch.T
     w = torch.zeros(4, dtype=torch.float64)
     s = torch.zeros(2 if adam else 1, 4, dtype=torch.float64)
     t = 0
+    if start is not None:
+        w, s, t = (x.clone() if isinstance(x, torch.Tensor) else x for x in start)
     for r in range(rounds):
         dw, adds = torch.zeros(4, dtype=torch.float64), torch.zeros_like(s)
         for n in range(2):
@@ -224,7 +228,7 @@ def _combined_reference(optimizer: str, lr: float, rounds: int) -> tuple[torch.T
                 dw -= lr * g / (acc.sqrt() + 1e-10)
                 adds += (acc - s[0])[None]
         beta = torch.tensor([[b1], [b2]] if adam else [[1.0 if optimizer == "adagrad" else mu]], dtype=torch.float64)
-        s = beta ** 2 * s + (1 + beta) / 2 * adds  # (1 - beta^2) / (2 (1 - beta)); 1 at beta = 1
+        s = beta ** 2 * s + adds
         w, t = w + dw, t + 2
     return w, s, t
 
@@ -238,38 +242,47 @@ def test_two_nodes_combine_their_optimizer_state_as_one_node(job, tmp_path, opti
     and each tensor's step count (Adam's bias correction) counts both nodes' steps: 2 a round, where a node
     keeping its own state counts 1. Fixed gradients (no timing in the arithmetic); checked against the rule
     computed here, in the agreed state the links save at the stop (weights, state, step counts). auto keeps
-    Adagrad's sums per node: nothing of the state in the agreed state then."""
+    Adagrad's sums per node: nothing of the state in the agreed state then. With Adam, the job then resumed
+    (--resume on both nodes) goes on as if it had never stopped: each node's state and step counts from its
+    checkpoint at the stop, where lockstep left them equal to the agreed state (--resume once took the saved
+    agreed state as the base, and the state grew without bound)."""
     from safetensors import safe_open
 
     lr, steps = 0.1, 4
-    port = free_port()
-    procs = [node(job, r, port, tmp_path, "--learners", "1", "--optimizer", optimizer, "--lr", repr(lr),
-                  "--async-momentum", "off", "--max-node-lag", "0", "--node-timeout", "20", "--node-state", node_state,
-                  learner=("--steps", str(steps), "--fixed-grad")) for r in range(2)]
-    for r, p in enumerate(procs):
-        assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
-    logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
-    for r in range(2):
-        saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
-        with safe_open(str(saved), "pt") as f:
-            rounds = int(f.metadata()["round"])
-            if optimizer == "adagrad" and node_state == "auto":
-                assert set(f.keys()) == {"anchor"}, f"node {r}: {f.keys()}"
-                continue
-            anchor, state, pieces = f.get_tensor("anchor"), f.get_tensor("state"), f.get_tensor("steps")
-        assert rounds == steps, logs
-        w, s, t = _combined_reference(optimizer, lr, rounds)
-        assert pieces.tolist() == [t], f"node {r}: step counts {pieces.tolist()}, not {t}\n{logs}"
-        assert torch.allclose(state.double(), s, rtol=1e-5, atol=1e-7), f"node {r}: {state} != {s}\n{logs}"
-        assert torch.allclose(anchor.double(), w, rtol=1e-5, atol=1e-6), f"node {r}: {anchor} != {w}\n{logs}"
+    resumes = optimizer == "adam"
+    ref = None
+    for phase in range(2 if resumes else 1):
+        port = free_port()
+        procs = [node(job, r, port, tmp_path, "--learners", "1", "--optimizer", optimizer, "--lr", repr(lr),
+                      "--async-momentum", "off", "--max-node-lag", "0", "--node-timeout", "20", "--node-state",
+                      node_state, *(["--resume"] if phase else []),
+                      learner=("--steps", str(steps), "--fixed-grad")) for r in range(2)]
+        for r, p in enumerate(procs):
+            assert p.wait(timeout=100) == 0, (tmp_path / f"node{r}.err").read_text()
+        logs = "\n".join((tmp_path / f"node{i}.err").read_text() for i in range(2))
+        ref = _combined_reference(optimizer, lr, steps, ref)
+        for r in range(2):
+            saved = Path(child_env()["XDG_STATE_HOME"]) / "psd" / "nodes" / f"{job}-n{r}.agreed.safetensors"
+            with safe_open(str(saved), "pt") as f:
+                rounds = int(f.metadata()["round"])
+                if optimizer == "adagrad" and node_state == "auto":
+                    assert set(f.keys()) == {"anchor"}, f"node {r}: {f.keys()}"
+                    continue
+                anchor, state, pieces = f.get_tensor("anchor"), f.get_tensor("state"), f.get_tensor("steps")
+            assert rounds == steps * (phase + 1), logs
+            w, s, t = ref
+            assert pieces.tolist() == [t], f"phase {phase}, node {r}: step counts {pieces.tolist()}, not {t}\n{logs}"
+            assert torch.allclose(state.double(), s, rtol=1e-5, atol=1e-7), \
+                f"phase {phase}, node {r}: {state} != {s}\n{logs}"
+            assert torch.allclose(anchor.double(), w, rtol=1e-5, atol=1e-6), \
+                f"phase {phase}, node {r}: {anchor} != {w}\n{logs}"
 
 
-def test_the_state_exchange_scales_alike_additions_and_decays_an_adoption_by_the_updates_since(job, serve):
-    """On a real arena (a server with momentum, three updates applied, then idle): (1) two nodes that each
-    applied k updates of one constant gradient c from the agreed buffer s0 combine to what one node applying
-    all 2k holds, beta^2k s0 + c (1 - beta^2k) / (1 - beta), where the plain sum of their additions holds
-    2 c (1 - beta^k) / (1 - beta); (2) an adoption against a snapshot two updates old is decayed by beta^2,
-    as those two updates decayed the snapshot; against the state as it stands, whole."""
+def test_the_state_exchange_sums_the_additions_and_decays_an_adoption_by_the_updates_since(job, serve):
+    """On a real arena (a server with momentum, three updates applied, then idle): (1) two nodes, 3 and 5
+    updates past the agreed buffer s0, combine to s0 decayed by all 8 plus both nodes' additions (s_n -
+    beta^k_n s0), step counts summed; (2) an adoption against a snapshot two updates old is decayed by
+    beta^2, as those two updates decayed the snapshot; against the state as it stands, whole."""
     from psd import learner
     from psd.arena import open_job
     from psd.nodelink import _Agreed, _Local, _StateExchange
@@ -291,18 +304,18 @@ def test_the_state_exchange_scales_alike_additions_and_decays_an_adoption_by_the
         assert beta == pytest.approx(0.9)
         n = sum(p.numel() for p in model.parameters())
         s0 = torch.linspace(-1, 1, n)[None].float()
-        c = torch.linspace(0.5, 2, n)[None].float()
-        steps0 = torch.zeros(sx.n_pieces, dtype=torch.int64)
+        steps0 = torch.full((sx.n_pieces,), 7, dtype=torch.int64)
         agreed = _Agreed(torch.zeros(n), None, 0, s0, steps0)
-        k = 3
-        s_k = beta ** k * s0 + c * (1 - beta ** k) / (1 - beta)  # one node's buffer after k updates of c
-        summed = sum(sx.payload(a, _Local(None, s_k.clone(), steps0 + k), agreed) for _ in range(2))
+        # node 0: 3 updates of the gradient c0, node 1: 5 of c1, each from s0
+        c0, c1 = torch.linspace(0.5, 2, n)[None].float(), torch.linspace(-3, 1, n)[None].float()
+        e0 = beta ** 3 * s0 + c0 * (1 - beta ** 3) / (1 - beta)
+        e1 = beta ** 5 * s0 + c1 * (1 - beta ** 5) / (1 - beta)
+        summed = sx.payload(a, _Local(None, e0, steps0 + 3), agreed) + sx.payload(a, _Local(None, e1, steps0 + 5),
+                                                                                  agreed)
         state, steps = sx.combine(summed, agreed)
-        one = beta ** (2 * k) * s0 + c * (1 - beta ** (2 * k)) / (1 - beta)
-        assert torch.allclose(state, one, rtol=1e-5, atol=1e-6), (state, one)
-        assert steps.tolist() == [2 * k] * sx.n_pieces
-        plain = beta ** (2 * k) * s0 + 2 * (s_k - beta ** k * s0)
-        assert not torch.allclose(plain, one, rtol=1e-2), "the plain sum would overcount"
+        want = beta ** 8 * s0 + (e0 - beta ** 3 * s0) + (e1 - beta ** 5 * s0)
+        assert torch.allclose(state, want, rtol=1e-5, atol=1e-6), (state, want)
+        assert steps.tolist() == [7 + 8] * sx.n_pieces
 
         vecs, now = sx.views(a)
         before = vecs[0].clone()
