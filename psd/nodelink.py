@@ -158,17 +158,19 @@ class _StateExchange:
     Each state vector of the update loop's optimizer (native/optim.c: the momentum buffer; Adam's m and v;
     Adagrad's sum) moves by one update as ``s = beta s + (a term of the gradient)``. Node n, ``k_n`` updates
     of a tensor past the agreed state ``s0``, sends ``a_n = s_n - beta^k_n s0``, what its own gradients added,
-    and ``k_n ln(beta)``; the agreed state is ``exp(sum k_n ln beta) s0 + sum a_n``: ``s0`` decayed by every
-    node's updates, plus every node's additions whole, as the node that made each holds it (one node applying
-    all the gradients would decay each by the other nodes' updates too, ``(1 - beta^K) / sum(1 - beta^k_n)``
-    of the sum: tried, the matrix's LM with nesterov and momentum on 2 x 2 did worse, benchmarks/results/
-    matrix/README.md), and each tensor's step count (Adam's bias correction) the sum of theirs. A node that
-    ran on past its snapshot while the exchange was on the wire (--max-node-lag >= 1, the default) adopts the
-    agreed change decayed by the updates it applied meanwhile, as those updates decayed the snapshot (else
-    the excess came back in its next additions). Without it each node keeps its own: Adam's moments
-    average over each node's gradients alone, Adagrad's sums hold a node's squares (a step sqrt(N) times one
-    node's), and the momentum buffer decays once per local update. ``auto`` keeps Adagrad's per node:
-    combined, the matrix's LM lost 6.6% of loss on 2 x 2 where per node it is in band.
+    ``k_n ln(beta)`` and ``1 - beta^k_n``; with ``K = sum k_n``, the agreed state is
+    ``beta^K s0 + (1 - beta^K) / sum(1 - beta^k_n) * sum a_n``: ``s0`` decayed by every node's updates, plus
+    every node's additions, scaled for the decay each would have had under the other nodes' updates in one
+    node applying all the gradients (exact where the gradients are alike), and each tensor's step count
+    (Adam's bias correction) the sum of theirs. The plain sum of the additions overcounts the momentum buffer
+    (Adam's m) by (1 + beta) / 2 at 2 nodes exchanging every update and up to N times at a large
+    --sync-every: at K = 20 the LM on 2 x 2 lost 18.1% with Adam against 14.4% for each node's own state, and
+    14.6% scaled. A node that ran on past its snapshot while the exchange was on the wire (--max-node-lag >=
+    1, the default) adopts the agreed change decayed by the updates it applied meanwhile, as those updates
+    decayed the snapshot (else the excess came back in its next additions). Without it each node keeps its
+    own: Adam's moments average over each node's gradients alone, Adagrad's sums hold a node's squares (a
+    step sqrt(N) times one node's), and the momentum buffer decays once per local update. ``auto`` keeps
+    Adagrad's per node: combined, the matrix's LM lost 6.6% of loss on 2 x 2 where per node it is in band.
     Measured: benchmarks/results/matrix/README.md, "Two nodes: the optimizer state in the exchange"."""
 
     def __init__(self, arena: Any, optimizer: str) -> None:
@@ -222,13 +224,14 @@ class _StateExchange:
         return torch.repeat_interleave(per_piece, self.lens, dim=1)
 
     def payload(self, arena: Any, local: _Local, agreed: _Agreed) -> Any:
-        """This node's part of the state's all-reduce: its additions, its k ln(beta), its k (float32)."""
+        """This node's part of the state's all-reduce: its additions, its k ln(beta), 1 - beta^k, its k
+        (float32)."""
         import torch
 
         k = (local.steps - agreed.steps).to(torch.float64)  # updates of each tensor since the agreed state
         lk = self.log_decays(arena)[:, None] * k[None, :]  # (vectors, n_pieces)
         adds = local.state - self.expand(torch.exp(lk).float()) * agreed.state
-        return torch.cat([adds.flatten(), lk.flatten().float(), k.float()])
+        return torch.cat([adds.flatten(), lk.flatten().float(), (-torch.expm1(lk)).flatten().float(), k.float()])
 
     def combine(self, summed: Any, agreed: _Agreed) -> tuple[Any, Any]:
         """The new agreed (state, steps) from the all-reduced payload."""
@@ -238,8 +241,12 @@ class _StateExchange:
         p = self.n_pieces
         adds = summed[: v * n].view(v, n)
         lk = summed[v * n: v * n + v * p].view(v, p).to(torch.float64)
-        k = summed[v * n + v * p:].to(torch.float64).round().to(torch.int64)
-        state = self.expand(torch.exp(lk).float()) * agreed.state + adds
+        kept = summed[v * n + v * p: v * n + 2 * v * p].view(v, p).to(torch.float64)  # sum of 1 - beta^k_n
+        k = summed[v * n + 2 * v * p:].to(torch.float64).round().to(torch.int64)
+        whole = -torch.expm1(lk)  # 1 - beta^K
+        # beta = 1 (Adagrad's sum) or no update anywhere: 0 / 0, the additions count whole
+        scale = torch.where(kept > 1e-12, whole / kept.clamp(min=1e-12), torch.ones_like(kept))
+        state = self.expand(torch.exp(lk).float()) * agreed.state + self.expand(scale.float()) * adds
         for i in _NONNEGATIVE.get(self.optimizer, ()):
             state[i].clamp_(min=0.0)
         return state, agreed.steps + k

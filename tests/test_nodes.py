@@ -194,8 +194,8 @@ def _combined_reference(optimizer: str, lr: float, rounds: int, start: tuple | N
     """What two nodes in lockstep that combine their optimizer state hold after ``rounds`` exchanges, each node
     taking one step a round of its learner's fixed gradient (node_learner.fixed_grad) from the agreed weights
     and state: (weights, state vectors, each tensor's step count), in float64. The combination
-    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + sum_n (s_n - beta s0), steps summed; weights: the sum of
-    the nodes' deltas. ``start``: the
+    (psd/nodelink.py _StateExchange): s' = beta^2 s0 + (1 - beta^2) / (2 (1 - beta)) sum_n (s_n - beta s0)
+    (the additions whole where beta = 1), steps summed; weights: the sum of the nodes' deltas. ``start``: the
     (weights, state, steps) to go on from (the learners count their gradients from 0 again)."""
     sys.path.insert(0, str(HELPERS))
     from sync_learner import fixed_grad
@@ -228,7 +228,7 @@ def _combined_reference(optimizer: str, lr: float, rounds: int, start: tuple | N
                 dw -= lr * g / (acc.sqrt() + 1e-10)
                 adds += (acc - s[0])[None]
         beta = torch.tensor([[b1], [b2]] if adam else [[1.0 if optimizer == "adagrad" else mu]], dtype=torch.float64)
-        s = beta ** 2 * s + adds
+        s = beta ** 2 * s + (1 + beta) / 2 * adds  # (1 - beta^2) / (2 (1 - beta)); 1 at beta = 1
         w, t = w + dw, t + 2
     return w, s, t
 
@@ -278,11 +278,12 @@ def test_two_nodes_combine_their_optimizer_state_as_one_node(job, tmp_path, opti
                 f"phase {phase}, node {r}: {anchor} != {w}\n{logs}"
 
 
-def test_the_state_exchange_sums_the_additions_and_decays_an_adoption_by_the_updates_since(job, serve):
+def test_the_state_exchange_scales_alike_additions_and_decays_an_adoption_by_the_updates_since(job, serve):
     """On a real arena (a server with momentum, three updates applied, then idle): (1) two nodes, 3 and 5
-    updates past the agreed buffer s0, combine to s0 decayed by all 8 plus both nodes' additions (s_n -
-    beta^k_n s0), step counts summed; (2) an adoption against a snapshot two updates old is decayed by
-    beta^2, as those two updates decayed the snapshot; against the state as it stands, whole."""
+    updates of one constant gradient c past the agreed buffer s0, combine to what one node applying all 8
+    holds, beta^8 s0 + c (1 - beta^8) / (1 - beta), step counts summed, where the plain sum of their additions
+    holds more; (2) an adoption against a snapshot two updates old is decayed by beta^2, as those two updates
+    decayed the snapshot; against the state as it stands, whole."""
     from psd import learner
     from psd.arena import open_job
     from psd.nodelink import _Agreed, _Local, _StateExchange
@@ -304,18 +305,20 @@ def test_the_state_exchange_sums_the_additions_and_decays_an_adoption_by_the_upd
         assert beta == pytest.approx(0.9)
         n = sum(p.numel() for p in model.parameters())
         s0 = torch.linspace(-1, 1, n)[None].float()
+        c = torch.linspace(0.5, 2, n)[None].float()
         steps0 = torch.full((sx.n_pieces,), 7, dtype=torch.int64)
         agreed = _Agreed(torch.zeros(n), None, 0, s0, steps0)
-        # node 0: 3 updates of the gradient c0, node 1: 5 of c1, each from s0
-        c0, c1 = torch.linspace(0.5, 2, n)[None].float(), torch.linspace(-3, 1, n)[None].float()
-        e0 = beta ** 3 * s0 + c0 * (1 - beta ** 3) / (1 - beta)
-        e1 = beta ** 5 * s0 + c1 * (1 - beta ** 5) / (1 - beta)
-        summed = sx.payload(a, _Local(None, e0, steps0 + 3), agreed) + sx.payload(a, _Local(None, e1, steps0 + 5),
-                                                                                  agreed)
+
+        def after(k: int) -> torch.Tensor:  # the buffer after k updates of c from s0
+            return beta ** k * s0 + c * (1 - beta ** k) / (1 - beta)
+
+        summed = sx.payload(a, _Local(None, after(3), steps0 + 3), agreed) + sx.payload(
+            a, _Local(None, after(5), steps0 + 5), agreed)
         state, steps = sx.combine(summed, agreed)
-        want = beta ** 8 * s0 + (e0 - beta ** 3 * s0) + (e1 - beta ** 5 * s0)
-        assert torch.allclose(state, want, rtol=1e-5, atol=1e-6), (state, want)
+        assert torch.allclose(state, after(8), rtol=1e-5, atol=1e-6), (state, after(8))
         assert steps.tolist() == [7 + 8] * sx.n_pieces
+        plain = beta ** 8 * s0 + (after(3) - beta ** 3 * s0) + (after(5) - beta ** 5 * s0)
+        assert not torch.allclose(plain, after(8), rtol=1e-2), "the plain sum would overcount"
 
         vecs, now = sx.views(a)
         before = vecs[0].clone()
