@@ -158,19 +158,20 @@ class _StateExchange:
     Each state vector of the update loop's optimizer (native/optim.c: the momentum buffer; Adam's m and v;
     Adagrad's sum) moves by one update as ``s = beta s + (a term of the gradient)``. Node n, ``k_n`` updates
     of a tensor past the agreed state ``s0``, sends ``a_n = s_n - beta^k_n s0``, what its own gradients added,
-    ``k_n ln(beta)`` and ``1 - beta^k_n``; with ``K = sum k_n``, the agreed state is
-    ``beta^K s0 + (1 - beta^K) / sum(1 - beta^k_n) * sum a_n``: ``s0`` decayed by every node's updates, plus
+    ``k_n ln(beta)`` and ``1 - beta^k_n`` (each per vector and tensor); with ``k = sum k_n``, the agreed state
+    is ``beta^k s0 + (1 - beta^k) / sum(1 - beta^k_n) * sum a_n``: ``s0`` decayed by every node's updates, plus
     every node's additions, scaled for the decay each would have had under the other nodes' updates in one
     node applying all the gradients (exact where the gradients are alike), and each tensor's step count
     (Adam's bias correction) the sum of theirs. The plain sum of the additions overcounts the momentum buffer
-    (Adam's m) by (1 + beta) / 2 at 2 nodes exchanging every update and up to N times at a large
-    --sync-every: at K = 20 the LM on 2 x 2 lost 18.1% with Adam against 14.4% for each node's own state, and
-    14.6% scaled. A node that ran on past its snapshot while the exchange was on the wire (--max-node-lag >=
-    1, the default) adopts the agreed change decayed by the updates it applied meanwhile, as those updates
-    decayed the snapshot (else the excess came back in its next additions). Without it each node keeps its
-    own: Adam's moments average over each node's gradients alone, Adagrad's sums hold a node's squares (a
-    step sqrt(N) times one node's), and the momentum buffer decays once per local update. ``auto`` keeps
-    Adagrad's per node: combined, the matrix's LM lost 6.6% of loss on 2 x 2 where per node it is in band.
+    (Adam's m) by 2 / (1 + beta) at 2 nodes exchanging every update and up to N times at a large
+    --sync-every: at --sync-every 20 the LM on 2 x 2 lost 18.1% with Adam against 14.4% for each node's own
+    state, and 14.6% scaled. A node that ran on past its snapshot while the exchange was on the wire
+    (--max-node-lag >= 1, the default), or alone while an epoch formed, adopts the agreed change decayed by
+    the updates it applied meanwhile, as those updates decayed the snapshot (else the excess came back in its
+    next additions). Without it each node keeps its own: Adam's moments average over each node's gradients
+    alone, Adagrad's sums hold a node's squares (a step sqrt(N) times one node's), and the momentum buffer
+    decays once per local update. ``auto`` keeps Adagrad's per node: combined, the matrix's LM lost 6.6% of
+    loss on 2 x 2 where per node it is in band.
     Measured: benchmarks/results/matrix/README.md, "Two nodes: the optimizer state in the exchange"."""
 
     def __init__(self, arena: Any, optimizer: str) -> None:
@@ -243,7 +244,7 @@ class _StateExchange:
         lk = summed[v * n: v * n + v * p].view(v, p).to(torch.float64)
         kept = summed[v * n + v * p: v * n + 2 * v * p].view(v, p).to(torch.float64)  # sum of 1 - beta^k_n
         k = summed[v * n + 2 * v * p:].to(torch.float64).round().to(torch.int64)
-        whole = -torch.expm1(lk)  # 1 - beta^K
+        whole = -torch.expm1(lk)  # 1 - beta^k, k = sum k_n
         # beta = 1 (Adagrad's sum) or no update anywhere: 0 / 0, the additions count whole
         scale = torch.where(kept > 1e-12, whole / kept.clamp(min=1e-12), torch.ones_like(kept))
         state = self.expand(torch.exp(lk).float()) * agreed.state + self.expand(scale.float()) * adds
@@ -503,7 +504,9 @@ class NodeLink:
             if not (torch.equal(s_before, state) and torch.equal(t_before, steps)):
                 d_state, d_steps = state - s_before, steps - t_before
         if mine is None or mine.round != new.round or not torch.equal(before, anchor) or d_state is not None:
-            self._adopt(anchor - before, d_state, d_steps)
+            # a member that trained on alone while the epoch formed (the hold cleared after a failed exchange):
+            # its updates since its agreed state decay the change, as in an exchange
+            self._adopt(anchor - before, d_state, d_steps, t_before if sx else None)
         self.agreed = new
 
     def _snapshot(self) -> _Local:
@@ -632,8 +635,8 @@ class NodeLink:
             state, steps = sx.combine(extra, self.agreed)
             d_state, d_steps = state - local.state, steps - local.steps
             self.agreed.state, self.agreed.steps = state, steps
-        if held:
-            self._write_adopted(new - w_x, d_state, d_steps)
+        if held:  # since the snapshot: no update (j = 0)
+            self._write_adopted(new - w_x, d_state, d_steps, local.steps)
         else:  # the loop ran on past the snapshot meanwhile: its updates since decay the state's change
             self._adopt(new - w_x, d_state, d_steps, local.steps)
         self.agreed.anchor = new

@@ -331,3 +331,34 @@ def test_the_state_exchange_scales_alike_additions_and_decays_an_adoption_by_the
         del vecs, now
     finally:
         a.close()
+
+
+def test_the_state_exchange_combines_each_vector_and_tensor_by_its_own_updates():
+    """Adam's two vectors (beta1, beta2) over two tensors (3 and 5 elements), three nodes with different update
+    counts per tensor, one of them 0 on a tensor: each (vector, tensor) combines to one node's state after the
+    sum of the nodes' updates of that tensor, alike gradients; step counts summed per tensor. A transposed or
+    pooled layout of the payload's per-(vector, tensor) parts fails it."""
+    from psd.nodelink import _Agreed, _Local, _StateExchange
+
+    betas = torch.tensor([0.9, 0.999], dtype=torch.float64)
+    sx = object.__new__(_StateExchange)
+    sx.optimizer, sx.decays = "adam", ("beta1", "beta2")
+    sx.lens = torch.tensor([3, 5])
+    sx.n_pieces = 2
+    sx.log_decays = lambda arena: torch.log(betas)  # the header's betas, without an arena
+    s0 = torch.stack([torch.linspace(-1, 1, 8), torch.linspace(0.1, 0.9, 8)]).float()
+    c = torch.stack([torch.linspace(2, -2, 8), torch.linspace(0.5, 1.5, 8)]).float()  # each vector's term
+    steps0 = torch.tensor([10, 4])
+    agreed = _Agreed(torch.zeros(8), None, 0, s0, steps0)
+
+    def after(k: torch.Tensor) -> torch.Tensor:  # (vectors, 8): k[t] updates of c on tensor t from s0
+        kk = sx.expand(k[None, :].double().expand(2, -1))
+        b = betas[:, None] ** kk
+        return (b * s0 + c * (1 - b) / (1 - betas[:, None])).float()
+
+    ks = [torch.tensor([3, 0]), torch.tensor([5, 2]), torch.tensor([0, 1])]
+    summed = sum(sx.payload(None, _Local(None, after(k), steps0 + k), agreed) for k in ks)
+    state, steps = sx.combine(summed, agreed)
+    total = ks[0] + ks[1] + ks[2]
+    assert steps.tolist() == (steps0 + total).tolist()
+    assert torch.allclose(state, after(total), rtol=1e-5, atol=1e-6), (state, after(total))
