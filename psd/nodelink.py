@@ -252,15 +252,14 @@ class _StateExchange:
             state[i].clamp_(min=0.0)
         return state, agreed.steps + k
 
-    def adopt(self, arena: Any, d_state: Any, d_steps: Any, since: Any = None) -> None:
+    def adopt(self, arena: Any, d_state: Any, d_steps: Any, since: Any) -> None:
         """Add the agreed state's change to the node's own (the loop held); ``since``: the step counts of the
-        snapshot the change is against, whose later updates decay it (None: the node applied none)."""
+        state the change is against, whose later updates decay it."""
         import torch
 
         vecs, steps = self.views(arena)
-        if since is not None:
-            j = (steps - since).clamp(min=0).to(torch.float64)  # updates since the snapshot, each tensor
-            d_state = d_state * self.expand(torch.exp(self.log_decays(arena)[:, None] * j[None, :]).float())
+        j = (steps - since).clamp(min=0).to(torch.float64)  # updates since, each tensor (0: held)
+        d_state = d_state * self.expand(torch.exp(self.log_decays(arena)[:, None] * j[None, :]).float())
         for i, v in enumerate(vecs):
             v.add_(d_state[i])
         for i in _NONNEGATIVE.get(self.optimizer, ()):
@@ -520,11 +519,11 @@ class NodeLink:
             local.state, local.steps = self._sx.read(self.arena)
         return local
 
-    def _adopt(self, step, d_state=None, d_steps=None, since=None) -> None:
+    def _adopt(self, step, d_state, d_steps, since) -> None:
         with self._stopped():
             self._write_adopted(step, d_state, d_steps, since)
 
-    def _write_adopted(self, step, d_state, d_steps, since=None) -> None:
+    def _write_adopted(self, step, d_state, d_steps, since) -> None:
         self._weights().add_(step)
         self.arena.note_weights_written()  # learners pulling only changed rows copy everything next
         if d_state is not None and self._sx is not None:
