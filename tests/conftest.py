@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from psd.arena import open_job, shm_path, wait_for_job
+from psd.errors import JobNotFound
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -149,6 +150,14 @@ def arena_header(job: str) -> dict:
         return a.header()
     finally:
         a.close()
+
+
+def header_if_any(job: str) -> dict | None:
+    """The job's arena header, or None while it has no arena (a server replacing it unlinks it, then creates one)."""
+    try:
+        return arena_header(job)
+    except JobNotFound:
+        return None
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -364,7 +364,7 @@ def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_ag
     import torch
     from safetensors.torch import save_file
 
-    from conftest import arena_header, read_line
+    from conftest import arena_header, header_if_any, read_line
     from psd import _native
     from psd.watchdog import checkpoint
 
@@ -383,9 +383,8 @@ def test_a_watchdog_restarted_after_the_job_held_its_model_does_not_read_init_ag
         h = arena_header(job)
         os.kill(h["watchdog_pid"], signal.SIGKILL)
         os.kill(h["server_pid"], signal.SIGKILL)
-        wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["server_pid"] not in (
-            0, h["server_pid"]) and arena_header(job)["generation"] > h["generation"], timeout=60,
-            what="a new server on the job's arena")
+        wait_until(lambda: (now := header_if_any(job)) and now["server_pid"] not in (0, h["server_pid"])
+                   and now["generation"] > h["generation"], timeout=60, what="a new server on the job's arena")
         go.touch()
         _, err = run.communicate(timeout=120)
     assert run.returncode == 0, err
@@ -451,7 +450,7 @@ def test_psd_chaos_killing_the_watchdog_again_and_again_fails_no_healthy_job(job
     only watchdogs that died before they took up the job, and failed a healthy job after the tenth kill."""
     import time
 
-    from conftest import arena_header
+    from conftest import header_if_any
     from psd import _native
 
     go = tmp_path / "go"
@@ -467,8 +466,8 @@ def test_psd_chaos_killing_the_watchdog_again_and_again_fails_no_healthy_job(job
                             "--checkpoint-dir", str(tmp_path / "ck"), "--", sys.executable, str(script), str(go)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     with killed_at_exit(run):
-        wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["state"] == _native.ARENA_READY
-                   and arena_header(job)["clock"] > 5, timeout=90, what="training")
+        wait_until(lambda: (h := header_if_any(job)) and h["state"] == _native.ARENA_READY and h["clock"] > 5,
+                   timeout=90, what="training")
         t0 = time.monotonic()
         ch = subprocess.run([sys.executable, "-m", "psd.cli", "chaos", "--job", job, "--target", "watchdog",
                              "--count", "12", "--every", "0.7", "--seed", "1"], capture_output=True, text=True,

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import Served, arena_header, child_env, finish, kill, read_line, spawn, wait_until
+from conftest import Served, arena_header, child_env, finish, header_if_any, kill, read_line, spawn, wait_until
 from psd import _native, learner
 from psd.arena import shm_name, shm_path
 from psd.status import job_status
@@ -148,7 +148,7 @@ def test_lost_arena_restarts_from_the_last_checkpoint(job, serve, tmp_path):
     server = arena_header(job)["server_pid"]
     _native.unlink(shm_name(job))  # the arena is lost (e.g. someone cleaned /dev/shm) ...
     os.kill(server, signal.SIGKILL)  # ... and so is the server
-    wait_until(lambda: os.path.exists(shm_path(job)) and arena_header(job)["state"] == _native.ARENA_READY,
+    wait_until(lambda: (h := header_if_any(job)) and h["state"] == _native.ARENA_READY,
                what="the server to come back from the checkpoint")
     assert learner.pull_state_dict(job)["w"][0] == -100.0
     assert arena_header(job)["clock"] == 100
@@ -219,9 +219,8 @@ def test_a_server_killed_before_its_first_weights_were_written_starts_over_from_
     monkeypatch.setenv("PSD_TEST_CRASH_BEFORE_WEIGHTS", str(crashed))
     s = Served(job, "--learners", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "0", *flags)
     try:
-        wait_until(lambda: crashed.exists() and os.path.exists(shm_path(job))
-                   and arena_header(job)["state"] == _native.ARENA_READY, timeout=60,
-                   what="the next server to load the weights")
+        wait_until(lambda: crashed.exists() and (h := header_if_any(job)) and h["state"] == _native.ARENA_READY,
+                   timeout=60, what="the next server to load the weights")
         assert torch.equal(learner.pull_state_dict(job)["w"], w)
         assert arena_header(job)["clock"] == (123 if source == "resume" else 0)
     finally:
@@ -603,9 +602,8 @@ def test_a_server_restoring_a_lost_arena_killed_before_its_weights_starts_over_f
     server = arena_header(job)["server_pid"]
     _native.unlink(shm_name(job))  # the arena is lost ...
     os.kill(server, signal.SIGKILL)  # ... with its server
-    wait_until(lambda: crashed.exists() and os.path.exists(shm_path(job))
-               and arena_header(job)["state"] == _native.ARENA_READY, timeout=60,
-               what="a server after the killed restorer to load the checkpoint")
+    wait_until(lambda: crashed.exists() and (h := header_if_any(job)) and h["state"] == _native.ARENA_READY,
+               timeout=60, what="a server after the killed restorer to load the checkpoint")
     assert learner.pull_state_dict(job)["w"][0] == -5.0 and arena_header(job)["clock"] == 5
     log = s.stop()
     assert "never held the job's weights; starting over from " + str(ck) in log, log
